@@ -1,0 +1,60 @@
+// Parameters of moecap's device operations, as plain structs: the CUDA
+// kernels take them by value and the host twins take the same struct, so a
+// recorded operation is "this struct, baked". Pointers are device-visible
+// addresses (host addresses on the host backend).
+#pragma once
+
+#include <stdint.h>
+
+namespace moecap {
+
+// Counters the kernels bump where they cannot return an error.
+struct ErrorWord {
+  unsigned long long skipped_rows;  // commit rows whose slot or source row was out of range
+  unsigned long long invalid_ids;   // captured ids outside [0, num_experts)
+};
+
+// One layer's top-k ids (and weights) into rows [0, n) of the device buffer.
+struct CaptureParams {
+  const void* ids;          // [n, in_cols], Elem kI32 or kI64
+  const void* weights;      // [n, in_cols] or nullptr
+  void* dst_ids;            // device buffer, already offset to (row 0, layer)
+  void* dst_weights;        // same for weights, or nullptr
+  unsigned long long* histogram;  // [num_experts] of this layer, or nullptr
+  ErrorWord* errors;
+  int64_t n;
+  int64_t dst_row_stride;   // elements between rows: num_layers * top_k
+  int32_t in_cols;          // top_k, or top_k + extra_columns (dropped)
+  int32_t top_k;
+  int32_t ids_elem;         // input id Elem
+  int32_t weights_elem;     // input weight Elem
+  int32_t stored_id_elem;   // kU8 / kU16 / kI32
+  int32_t stored_weight_elem;
+  int32_t num_experts;
+  int32_t pad_;
+};
+
+// Rows of the device buffer to host-cache slots; every layer, ids and weights.
+struct CommitParams {
+  const uint8_t* src_ids;   // device buffer base
+  const uint8_t* src_weights;
+  uint8_t* dst_ids;         // host cache base (device-mapped address on CUDA)
+  uint8_t* dst_weights;
+  const void* src_rows;     // [count] row list, or nullptr for the range below
+  const void* dst_slots;    // [count]
+  ErrorWord* errors;
+  int64_t src_start;        // first row when src_rows is nullptr
+  int64_t count;
+  int64_t device_rows;
+  int64_t host_slots;
+  int64_t id_row_bytes;     // num_layers * top_k * stored id bytes
+  int64_t weight_row_bytes; // 0 without weights
+  int32_t src_rows_elem;    // kI32 / kI64
+  int32_t dst_slots_elem;   // kI32 / kI64
+};
+
+// Host twins of the kernels in capture_kernels.cu: same parameters, same effect.
+void capture_on_host(const CaptureParams& p);
+void commit_on_host(const CommitParams& p);
+
+}  // namespace moecap

@@ -1,0 +1,66 @@
+// The small device interface both backends implement (DESIGN.md §5). The
+// capturer validates every argument first; a backend only executes.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "kernel_params.h"
+#include "moecap.h"
+#include "plan.h"
+
+namespace moecap {
+
+// A recorded, replayable sequence of backend operations.
+class BackendGraph {
+ public:
+  virtual ~BackendGraph() = default;
+  virtual void launch(void* stream) = 0;
+  virtual void* native() = 0;  // CUgraph, or nullptr on the host backend
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // Where device buffers live, as DLPack reports it.
+  virtual DLDevice device() const = 0;
+  // Whether kernels may read a tensor on `d` directly.
+  virtual bool kernel_can_read(DLDevice d) const = 0;
+  // Whether the host may read a tensor on `d` now (at the call).
+  static bool host_can_read(DLDevice d) { return d.device_type == kDLCPU || d.device_type == kDLCUDAHost; }
+
+  // Allocation happens at create only. Memory comes back zeroed.
+  virtual void* alloc_device(size_t bytes) = 0;
+  virtual void free_device(void* ptr) = 0;
+  virtual void* alloc_host(size_t bytes) = 0;
+  virtual void free_host(void* ptr) = 0;
+  // The address kernels use for host memory from alloc_host.
+  virtual void* device_address_of_host(void* host) = 0;
+
+  // Stream-ordered work; legal in graphs.
+  virtual void capture(const CaptureParams& p, void* stream) = 0;
+  // `slots_on_host` / `rows_on_host`: the tensors are host memory the
+  // backend must stage (CUDA); the caller already checked their values.
+  virtual void commit(const CommitParams& p, bool slots_on_host, bool rows_on_host, void* stream) = 0;
+  virtual void zero_device(void* ptr, size_t bytes, void* stream) = 0;
+
+  // Host-side waits and copies (never legal in graphs).
+  // Waits for (or, with block = false, polls) every commit enqueued so far.
+  virtual bool commits_done(bool block) = 0;
+  virtual void copy_device_to_host(void* dst, const void* src, size_t bytes) = 0;
+  virtual void copy_host_to_device(void* dst, const void* src, size_t bytes) = 0;
+
+  // Whether `stream` is being captured into a graph (by anyone).
+  virtual bool stream_capturing(void* stream) = 0;
+
+  // Plugin-owned graphs: every operation until end_graph is recorded.
+  virtual void begin_graph(void* stream) = 0;
+  virtual std::unique_ptr<BackendGraph> end_graph() = 0;
+};
+
+std::unique_ptr<Backend> make_host_backend(const Plan& plan);
+// Throws NO_DEVICE / STUB_DRIVER / DRIVER_TOO_OLD / DRIVER as DESIGN.md §5 says.
+std::unique_ptr<Backend> make_cuda_backend(const Plan& plan);
+
+}  // namespace moecap

@@ -1,0 +1,583 @@
+#include "capturer.h"
+
+#include <cstring>
+#include <vector>
+
+#include "element.h"
+#include "kernel_ops.h"
+#include "status.h"
+#include "tensor_args.h"
+
+namespace moecap {
+namespace {
+
+constexpr size_t kAlign = 256;
+constexpr size_t kGuardBytes = 64;
+constexpr uint8_t kGuardByte = 0xA5;
+
+size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+DLDataType dl_type(int32_t elem) {
+  switch (elem) {
+    case kU8: return DLDataType{kDLUInt, 8, 1};
+    case kU16: return DLDataType{kDLUInt, 16, 1};
+    case kI32: return DLDataType{kDLInt, 32, 1};
+    case kI64: return DLDataType{kDLInt, 64, 1};
+    case kF32: return DLDataType{kDLFloat, 32, 1};
+    case kBF16: return DLDataType{kDLBfloat, 16, 1};
+    default: return DLDataType{kDLFloat, 16, 1};
+  }
+}
+
+// The largest id an output dtype holds (-1 is always representable as "no expert").
+int64_t id_limit(int32_t elem) {
+  switch (elem) {
+    case kU8: return 256;
+    case kI8: return 128;
+    case kU16: return 65536;
+    case kI16: return 32768;
+    default: return int64_t{1} << 31;
+  }
+}
+
+template <class S, class D>
+void convert_ids(const S* src, D* dst, int64_t n, int64_t invalid_code) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = static_cast<int64_t>(src[i]);
+    dst[i] = static_cast<D>(v == invalid_code ? -1 : v);
+  }
+}
+
+// Converts n stored ids to the caller's dtype. `invalid_code` is the stored
+// "no expert" value when it is not also a valid id (else a value never seen).
+template <class S>
+void ids_from_stored(const S* src, void* dst, int32_t dst_elem, int64_t n, int64_t invalid_code) {
+  switch (dst_elem) {
+    case kU8: convert_ids(src, static_cast<uint8_t*>(dst), n, invalid_code); break;
+    case kI8: convert_ids(src, static_cast<int8_t*>(dst), n, invalid_code); break;
+    case kU16: convert_ids(src, static_cast<uint16_t*>(dst), n, invalid_code); break;
+    case kI16: convert_ids(src, static_cast<int16_t*>(dst), n, invalid_code); break;
+    case kI32: convert_ids(src, static_cast<int32_t*>(dst), n, invalid_code); break;
+    default: convert_ids(src, static_cast<int64_t*>(dst), n, invalid_code); break;
+  }
+}
+
+const char* const kIntNames = "uint8, int8, uint16, int16, int32, int64";
+
+}  // namespace
+
+Capturer::Capturer(const Plan& plan) : plan_(plan) {
+  const moecap_config& c = plan_.config;
+  backend_ = c.device_type == MOECAP_DEVICE_CUDA ? make_cuda_backend(plan_) : make_host_backend(plan_);
+#ifndef NDEBUG
+  guards_ = c.device_type == MOECAP_DEVICE_HOST;
+#endif
+  if (c.flags & MOECAP_FLAG_GUARDS) guards_ = true;
+  if (c.flags & MOECAP_FLAG_NO_GUARDS) guards_ = false;
+  const size_t guard = guards_ ? kGuardBytes : 0;
+
+  size_t at = 0;
+  auto place = [&](const char* name, uint64_t bytes) {
+    Region r{name, at, static_cast<size_t>(bytes)};
+    at = align_up(at + r.bytes + guard);
+    return r;
+  };
+  device_ids_ = place("device ids", plan_.device_ids_bytes);
+  device_weights_ = place("device weights", plan_.device_weights_bytes);
+  histogram_ = place("histogram", plan_.histogram_bytes);
+  error_word_ = place("error word", sizeof(ErrorWord));
+  device_block_bytes_ = at;
+  at = 0;
+  host_ids_ = place("host ids", plan_.host_ids_bytes);
+  host_weights_ = place("host weights", plan_.host_weights_bytes);
+  host_block_bytes_ = at;
+
+  device_block_ = static_cast<uint8_t*>(backend_->alloc_device(device_block_bytes_));
+  try {
+    host_block_ = static_cast<uint8_t*>(backend_->alloc_host(host_block_bytes_));
+    host_block_on_device_ = static_cast<uint8_t*>(backend_->device_address_of_host(host_block_));
+    if (guards_) write_guards();
+  } catch (...) {
+    if (host_block_ != nullptr) backend_->free_host(host_block_);
+    backend_->free_device(device_block_);
+    throw;
+  }
+}
+
+Capturer::~Capturer() {
+  try {
+    backend_->commits_done(true);
+  } catch (...) {
+    // Destroy at process exit may find the driver gone; the memory goes with it.
+  }
+  backend_->free_host(host_block_);
+  backend_->free_device(device_block_);
+}
+
+void Capturer::require_stream(const char* call, void* stream) {
+  if (recording_ && stream != recording_stream_) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, call, ": stream differs from the one moecap_graph_begin records on");
+  }
+  if (plan_.config.device_type == MOECAP_DEVICE_CUDA && stream == nullptr) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, call,
+         ": stream is NULL (the legacy default stream); pass the engine's stream");
+  }
+}
+
+void Capturer::require_not_capturing(const char* call, void* stream) {
+  if (recording_) fail(MOECAP_ERROR_CAPTURE_ILLEGAL, call, " is not allowed while moecap records a graph");
+  if (stream != nullptr && backend_->stream_capturing(stream)) {
+    fail(MOECAP_ERROR_CAPTURE_ILLEGAL, call, " is not allowed while its stream is being captured into a graph");
+  }
+}
+
+void Capturer::settle(const char* call, bool block) {
+  if (!backend_->commits_done(block)) {
+    fail(MOECAP_ERROR_NOT_READY, call, ": commits are still in flight (MOECAP_READ_NONBLOCKING)");
+  }
+  ErrorWord word{};
+  backend_->copy_device_to_host(&word, device_block_ + error_word_.offset, sizeof word);
+  if (word.skipped_rows > 0) {
+    fail(MOECAP_ERROR_ROWS_SKIPPED, call, ": ", word.skipped_rows,
+         " committed rows were skipped (slot outside [-1, host_slots = ", plan_.config.host_slots,
+         ") or source row outside [0, device_rows = ", plan_.device_rows,
+         ")); moecap_get_errors with MOECAP_ERRORS_CLEAR acknowledges them");
+  }
+  check_guards(call, true);
+}
+
+int64_t Capturer::check_host_slots(const DLTensor* slots, const char* name, bool allow_drop, int64_t limit) const {
+  const int32_t e = elem_of(slots->dtype);
+  const uint8_t* data = tensor_data(slots);
+  const int64_t n = slots->shape[0];
+  const int64_t lowest = allow_drop ? -1 : 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = load_int(data, e, i);
+    if (v < lowest || v >= limit) {
+      fail(MOECAP_ERROR_OUT_OF_RANGE, name, "[", i, "] is ", v, "; it must be in [", lowest, ", ", limit, ")");
+    }
+  }
+  return n;
+}
+
+void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, void* stream) {
+  const moecap_config& c = plan_.config;
+  require_stream("moecap_capture", stream);
+  if (layer < 0 || layer >= c.num_layers) {
+    fail(MOECAP_ERROR_OUT_OF_RANGE, "layer is ", layer, "; it must be in [0, num_layers = ", c.num_layers, ")");
+  }
+  const int32_t ids_elem = check_tensor(ids, {"topk_ids", {kI32, kI64}, 2});
+  if (!backend_->kernel_can_read(ids->device)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids is on ", device_name(ids->device), "; the capturer is on ",
+         device_name(backend_->device()));
+  }
+  const int64_t n = ids->shape[0];
+  const int64_t cols = ids->shape[1];
+  if (cols != c.top_k && cols != c.top_k + c.extra_columns) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids->shape[1] is ", cols, "; expected top_k (", c.top_k,
+         ") or top_k + extra_columns (", c.top_k + c.extra_columns, ")");
+  }
+  if (n > plan_.device_rows) {
+    fail(MOECAP_ERROR_CAPACITY, "topk_ids has ", n, " rows; device_rows is ", plan_.device_rows, " (dp_size ",
+         c.dp_size, " * rows_per_rank ", plan_.rows_per_rank, ")");
+  }
+  int32_t weights_elem = -1;
+  if (plan_.has_weights()) {
+    weights_elem = check_tensor(weights, {"topk_weights", {kF32, kBF16, kF16}, 2});
+    check_dim(weights, "topk_weights", 0, n, "rows of topk_ids");
+    check_dim(weights, "topk_weights", 1, cols, "columns of topk_ids");
+    if (!backend_->kernel_can_read(weights->device)) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is on ", device_name(weights->device),
+           "; the capturer is on ", device_name(backend_->device()));
+    }
+  } else if (weights != nullptr) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
+  }
+  if (!recording_) check_guards("moecap_capture", on_host());
+  if (n == 0) return;
+
+  CaptureParams p{};
+  p.ids = tensor_data(ids);
+  p.weights = weights_elem >= 0 ? tensor_data(weights) : nullptr;
+  const int64_t layer_offset = static_cast<int64_t>(layer) * c.top_k;
+  p.dst_ids = device_block_ + device_ids_.offset + layer_offset * plan_.id_bytes;
+  p.dst_weights = weights_elem >= 0 ? device_block_ + device_weights_.offset + layer_offset * plan_.weight_bytes
+                                    : nullptr;
+  p.histogram = plan_.has_histogram() ? reinterpret_cast<unsigned long long*>(device_block_ + histogram_.offset) +
+                                            static_cast<int64_t>(layer) * c.num_experts
+                                      : nullptr;
+  p.errors = reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset);
+  p.n = n;
+  p.dst_row_stride = plan_.row_elements;
+  p.in_cols = static_cast<int32_t>(cols);
+  p.top_k = c.top_k;
+  p.ids_elem = ids_elem;
+  p.weights_elem = weights_elem;
+  p.stored_id_elem = plan_.id_elem;
+  p.stored_weight_elem = plan_.weight_elem;
+  p.num_experts = c.num_experts;
+  backend_->capture(p, stream);
+}
+
+void Capturer::commit(const moecap_commit_args* args, void* stream) {
+  check_struct(args, args ? args->struct_size : 0, sizeof(moecap_commit_args), "args");
+  require_stream("moecap_commit", stream);
+  const bool graph = recording_ || (stream != nullptr && backend_->stream_capturing(stream));
+
+  const DLTensor* slots = args->dst_slots;
+  const int32_t slots_elem = check_tensor(slots, {"args->dst_slots", {kI32, kI64}, 1});
+  const int64_t count = slots->shape[0];
+  if (count > plan_.device_rows) {
+    fail(MOECAP_ERROR_CAPACITY, "args->dst_slots has ", count, " entries; device_rows is ", plan_.device_rows);
+  }
+  const bool slots_readable = backend_->kernel_can_read(slots->device);
+  const bool slots_on_host = !slots_readable && Backend::host_can_read(slots->device);
+  if (!slots_readable && !slots_on_host) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "args->dst_slots is on ", device_name(slots->device), "; the capturer is on ",
+         device_name(backend_->device()));
+  }
+  if (slots_on_host && graph) {
+    fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "args->dst_slots is in pageable host memory, which a graph replay cannot ",
+         "read; pass a device tensor");
+  }
+
+  int32_t rows_elem = kI64;
+  bool rows_on_host = false;
+  const DLTensor* rows = args->src_rows;
+  if (rows == nullptr) {
+    if (args->src_start < 0 || args->src_start > plan_.device_rows - count) {
+      fail(MOECAP_ERROR_CAPACITY, "args->src_start + count is ", args->src_start, " + ", count,
+           "; rows must lie in [0, device_rows = ", plan_.device_rows, ")");
+    }
+  } else {
+    rows_elem = check_tensor(rows, {"args->src_rows", {kI32, kI64}, 1});
+    check_dim(rows, "args->src_rows", 0, count, "entries of args->dst_slots");
+    const bool rows_readable = backend_->kernel_can_read(rows->device);
+    rows_on_host = !rows_readable && Backend::host_can_read(rows->device);
+    if (!rows_readable && !rows_on_host) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "args->src_rows is on ", device_name(rows->device),
+           "; the capturer is on ", device_name(backend_->device()));
+    }
+    if (rows_on_host && graph) {
+      fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "args->src_rows is in pageable host memory, which a graph replay cannot ",
+           "read; pass a device tensor");
+    }
+    if (!graph && Backend::host_can_read(rows->device)) {
+      check_host_slots(rows, "args->src_rows", false, plan_.device_rows);
+    }
+  }
+  // Values the host can see now are checked now; a replay checks in the kernel.
+  if (!graph && Backend::host_can_read(slots->device)) {
+    check_host_slots(slots, "args->dst_slots", true, plan_.config.host_slots);
+  }
+  if (!graph) check_guards("moecap_commit", on_host());
+  if (count == 0) return;
+
+  CommitParams p{};
+  p.src_ids = device_block_ + device_ids_.offset;
+  p.src_weights = plan_.has_weights() ? device_block_ + device_weights_.offset : nullptr;
+  p.dst_ids = host_block_on_device_ + host_ids_.offset;
+  p.dst_weights = plan_.has_weights() ? host_block_on_device_ + host_weights_.offset : nullptr;
+  p.src_rows = rows != nullptr ? tensor_data(rows) : nullptr;
+  p.dst_slots = tensor_data(slots);
+  p.errors = reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset);
+  p.src_start = rows != nullptr ? 0 : args->src_start;
+  p.count = count;
+  p.device_rows = plan_.device_rows;
+  p.host_slots = plan_.config.host_slots;
+  p.id_row_bytes = plan_.id_row_bytes();
+  p.weight_row_bytes = plan_.weight_row_bytes();
+  p.src_rows_elem = rows_elem;
+  p.dst_slots_elem = slots_elem;
+  backend_->commit(p, slots_on_host, rows_on_host, stream);
+}
+
+void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, void* stream) {
+  const moecap_config& c = plan_.config;
+  require_not_capturing("moecap_read", stream);
+  if ((flags & ~MOECAP_READ_NONBLOCKING) != 0) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "flags has unknown bits 0x", std::hex, (flags & ~MOECAP_READ_NONBLOCKING));
+  }
+  check_tensor(slots, {"slots", {kI32, kI64}, 1});
+  if (!Backend::host_can_read(slots->device)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "slots is on ", device_name(slots->device), "; expected host memory");
+  }
+  const int64_t t = slots->shape[0];
+  const int32_t out_elem = check_tensor(ids_out, {"ids_out", {kU8, kI8, kU16, kI16, kI32, kI64}, 3});
+  if (!Backend::host_can_read(ids_out->device)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out is on ", device_name(ids_out->device), "; expected host memory");
+  }
+  check_dim(ids_out, "ids_out", 0, t, "entries of slots");
+  check_dim(ids_out, "ids_out", 1, c.num_layers, "num_layers");
+  check_dim(ids_out, "ids_out", 2, c.top_k, "top_k");
+  if (id_limit(out_elem) < c.num_experts) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out has dtype ", elem_name(out_elem), ", which holds ids below ",
+         id_limit(out_elem), "; num_experts is ", c.num_experts);
+  }
+  int32_t w_elem = -1;
+  if (weights_out != nullptr) {
+    if (!plan_.has_weights()) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
+    }
+    w_elem = check_tensor(weights_out, {"weights_out", {kF32, kBF16, kF16}, 3});
+    if (!Backend::host_can_read(weights_out->device)) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out is on ", device_name(weights_out->device),
+           "; expected host memory");
+    }
+    for (int d = 0; d < 3; ++d) check_dim(weights_out, "weights_out", d, ids_out->shape[d], "shape of ids_out");
+  }
+  check_host_slots(slots, "slots", false, c.host_slots);
+  settle("moecap_read", (flags & MOECAP_READ_NONBLOCKING) == 0);
+
+  const int32_t slot_elem = elem_of(slots->dtype);
+  const uint8_t* host_ids = host_block_ + host_ids_.offset;
+  const uint8_t* host_w = host_block_ + host_weights_.offset;
+  const int64_t row = plan_.row_elements;
+  const int64_t code = invalid_id_code(plan_.id_elem);
+  const int64_t invalid = code >= c.num_experts || code < 0 ? code : INT64_MIN;
+  uint8_t* out = tensor_data(ids_out);
+  const int64_t out_row_bytes = row * elem_bytes(out_elem);
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t slot = load_int(tensor_data(slots), slot_elem, i);
+    const uint8_t* src = host_ids + slot * plan_.id_row_bytes();
+    void* dst = out + i * out_row_bytes;
+    if (out_elem == plan_.id_elem) {
+      std::memcpy(dst, src, static_cast<size_t>(out_row_bytes));
+    } else if (plan_.id_elem == kU8) {
+      ids_from_stored(src, dst, out_elem, row, invalid);
+    } else if (plan_.id_elem == kU16) {
+      ids_from_stored(reinterpret_cast<const uint16_t*>(src), dst, out_elem, row, invalid);
+    } else {
+      ids_from_stored(reinterpret_cast<const int32_t*>(src), dst, out_elem, row, invalid);
+    }
+    if (w_elem >= 0) {
+      const uint8_t* wsrc = host_w + slot * plan_.weight_row_bytes();
+      uint8_t* wdst = tensor_data(weights_out) + i * row * elem_bytes(w_elem);
+      if (w_elem == plan_.weight_elem) {
+        std::memcpy(wdst, wsrc, static_cast<size_t>(plan_.weight_row_bytes()));
+      } else {
+        for (int64_t e = 0; e < row; ++e) store_float(wdst, w_elem, e, load_float(wsrc, plan_.weight_elem, e));
+      }
+    }
+  }
+}
+
+void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, void* stream) {
+  const moecap_config& c = plan_.config;
+  require_not_capturing("moecap_write", stream);
+  check_tensor(slots, {"slots", {kI32, kI64}, 1});
+  if (!Backend::host_can_read(slots->device)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "slots is on ", device_name(slots->device), "; expected host memory");
+  }
+  const int64_t t = slots->shape[0];
+  const int32_t in_elem = check_tensor(ids, {"ids", {kU8, kI8, kU16, kI16, kI32, kI64}, 3});
+  if (!Backend::host_can_read(ids->device)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids is on ", device_name(ids->device), "; expected host memory");
+  }
+  check_dim(ids, "ids", 0, t, "entries of slots");
+  check_dim(ids, "ids", 1, c.num_layers, "num_layers");
+  check_dim(ids, "ids", 2, c.top_k, "top_k");
+  int32_t w_elem = -1;
+  if (plan_.has_weights()) {
+    w_elem = check_tensor(weights, {"weights", {kF32, kBF16, kF16}, 3});
+    if (!Backend::host_can_read(weights->device)) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights is on ", device_name(weights->device), "; expected host memory");
+    }
+    for (int d = 0; d < 3; ++d) check_dim(weights, "weights", d, ids->shape[d], "shape of ids");
+  } else if (weights != nullptr) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
+  }
+  check_host_slots(slots, "slots", false, c.host_slots);
+  const int64_t row = plan_.row_elements;
+  const uint8_t* in = tensor_data(ids);
+  const bool in_signed = in_elem == kI8 || in_elem == kI16 || in_elem == kI32 || in_elem == kI64;
+  for (int64_t i = 0; i < t * row; ++i) {
+    const int64_t v = load_int(in, in_elem, i);
+    if (v >= c.num_experts || (v < 0 && !(in_signed && v == -1))) {
+      fail(MOECAP_ERROR_OUT_OF_RANGE, "ids[", i / row, "][", (i % row) / c.top_k, "][", i % c.top_k, "] is ", v,
+           "; ids must be in [0, num_experts = ", c.num_experts, ") or -1");
+    }
+  }
+  settle("moecap_write", true);
+
+  uint8_t* host_ids = host_block_ + host_ids_.offset;
+  uint8_t* host_w = host_block_ + host_weights_.offset;
+  const int32_t slot_elem = elem_of(slots->dtype);
+  const int64_t code = invalid_id_code(plan_.id_elem);
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t slot = load_int(tensor_data(slots), slot_elem, i);
+    uint8_t* dst = host_ids + slot * plan_.id_row_bytes();
+    for (int64_t e = 0; e < row; ++e) {
+      const int64_t v = load_int(in, in_elem, i * row + e);
+      store_int(dst, plan_.id_elem, e, v == -1 ? code : v);
+    }
+    if (w_elem >= 0) {
+      uint8_t* wdst = host_w + slot * plan_.weight_row_bytes();
+      for (int64_t e = 0; e < row; ++e) {
+        store_float(wdst, plan_.weight_elem, e, load_float(tensor_data(weights), w_elem, i * row + e));
+      }
+    }
+  }
+}
+
+void Capturer::synchronize() {
+  require_not_capturing("moecap_synchronize", nullptr);
+  settle("moecap_synchronize", true);
+}
+
+moecap_error_counts Capturer::errors(bool clear) {
+  require_not_capturing("moecap_get_errors", nullptr);
+  backend_->commits_done(true);
+  ErrorWord word{};
+  void* dev = device_block_ + error_word_.offset;
+  backend_->copy_device_to_host(&word, dev, sizeof word);
+  if (clear) {
+    const ErrorWord zero{};
+    backend_->copy_host_to_device(dev, &zero, sizeof zero);
+  }
+  moecap_error_counts out{};
+  out.struct_size = sizeof out;
+  out.skipped_rows = word.skipped_rows;
+  out.invalid_ids = word.invalid_ids;
+  return out;
+}
+
+void Capturer::histogram_reset(void* stream) {
+  if (!plan_.has_histogram()) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "moecap_histogram_reset: the capturer was created without ",
+         "MOECAP_FLAG_HISTOGRAM");
+  }
+  require_stream("moecap_histogram_reset", stream);
+  backend_->zero_device(device_block_ + histogram_.offset, histogram_.bytes, stream);
+}
+
+BufferView Capturer::view(int32_t which, int32_t layer) const {
+  const moecap_config& c = plan_.config;
+  BufferView v{};
+  const int64_t row = plan_.row_elements;
+  auto rows_view = [&](uint8_t* base, const Region& r, int32_t elem, int64_t rows, DLDevice dev) {
+    v.data = base + r.offset;
+    v.device = dev;
+    v.dtype = dl_type(elem);
+    v.ndim = 3;
+    v.shape[0] = rows;
+    v.shape[1] = c.num_layers;
+    v.shape[2] = c.top_k;
+    v.strides[0] = row;
+    v.strides[1] = c.top_k;
+    v.strides[2] = 1;
+  };
+  const bool weights = which == MOECAP_BUFFER_DEVICE_WEIGHTS || which == MOECAP_BUFFER_HOST_WEIGHTS ||
+                       which == MOECAP_BUFFER_LAYER_WEIGHTS;
+  if (weights && !plan_.has_weights()) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "which is a weights buffer but config->weight_dtype is MOECAP_WEIGHTS_NONE");
+  }
+  const DLDevice host{kDLCPU, 0};
+  switch (which) {
+    case MOECAP_BUFFER_DEVICE_IDS:
+      rows_view(device_block_, device_ids_, plan_.id_elem, plan_.device_rows, backend_->device());
+      break;
+    case MOECAP_BUFFER_DEVICE_WEIGHTS:
+      rows_view(device_block_, device_weights_, plan_.weight_elem, plan_.device_rows, backend_->device());
+      break;
+    case MOECAP_BUFFER_HOST_IDS: rows_view(host_block_, host_ids_, plan_.id_elem, c.host_slots, host); break;
+    case MOECAP_BUFFER_HOST_WEIGHTS:
+      rows_view(host_block_, host_weights_, plan_.weight_elem, c.host_slots, host);
+      break;
+    case MOECAP_BUFFER_HISTOGRAM:
+      if (!plan_.has_histogram()) {
+        fail(MOECAP_ERROR_INVALID_ARGUMENT, "which is MOECAP_BUFFER_HISTOGRAM but the capturer was created without ",
+             "MOECAP_FLAG_HISTOGRAM");
+      }
+      v.data = device_block_ + histogram_.offset;
+      v.device = backend_->device();
+      v.dtype = dl_type(kI64);
+      v.ndim = 2;
+      v.shape[0] = c.num_layers;
+      v.shape[1] = c.num_experts;
+      v.strides[0] = c.num_experts;
+      v.strides[1] = 1;
+      break;
+    case MOECAP_BUFFER_LAYER_IDS:
+    case MOECAP_BUFFER_LAYER_WEIGHTS: {
+      if (layer < 0 || layer >= c.num_layers) {
+        fail(MOECAP_ERROR_OUT_OF_RANGE, "layer is ", layer, "; it must be in [0, num_layers = ", c.num_layers, ")");
+      }
+      const bool ids = which == MOECAP_BUFFER_LAYER_IDS;
+      const int32_t elem = ids ? plan_.id_elem : plan_.weight_elem;
+      const Region& r = ids ? device_ids_ : device_weights_;
+      v.data = device_block_ + r.offset + static_cast<int64_t>(layer) * c.top_k * elem_bytes(elem);
+      v.device = backend_->device();
+      v.dtype = dl_type(elem);
+      v.ndim = 2;
+      v.shape[0] = plan_.device_rows;
+      v.shape[1] = c.top_k;
+      v.strides[0] = row;
+      v.strides[1] = 1;
+      break;
+    }
+    default:
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "which is ", which, "; expected a moecap_buffer (1..7)");
+  }
+  return v;
+}
+
+void Capturer::graph_begin(void* stream) {
+  if (recording_) fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "moecap_graph_begin: this capturer already records a graph");
+  if (plan_.config.device_type == MOECAP_DEVICE_CUDA && stream == nullptr) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "moecap_graph_begin: stream is NULL; the legacy default stream cannot be ",
+         "captured");
+  }
+  if (stream != nullptr && backend_->stream_capturing(stream)) {
+    fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "moecap_graph_begin: stream is already being captured; call moecap ",
+         "directly inside the engine's own capture instead");
+  }
+  backend_->begin_graph(stream);
+  recording_ = true;
+  recording_stream_ = stream;
+}
+
+std::unique_ptr<BackendGraph> Capturer::graph_end() {
+  if (!recording_) fail(MOECAP_ERROR_INVALID_ARGUMENT, "moecap_graph_end: no moecap_graph_begin on this capturer");
+  recording_ = false;
+  recording_stream_ = nullptr;
+  return backend_->end_graph();
+}
+
+void Capturer::write_guards() {
+  std::vector<uint8_t> pattern(kGuardBytes, kGuardByte);
+  for (const Region* r : {&device_ids_, &device_weights_, &histogram_, &error_word_}) {
+    backend_->copy_host_to_device(device_block_ + r->offset + r->bytes, pattern.data(), kGuardBytes);
+  }
+  for (const Region* r : {&host_ids_, &host_weights_}) {
+    std::memcpy(host_block_ + r->offset + r->bytes, pattern.data(), kGuardBytes);
+  }
+}
+
+const char* Capturer::damaged_guard(bool device_regions) {
+  if (!guards_) return nullptr;
+  uint8_t seen[kGuardBytes];
+  auto intact = [&](const uint8_t* p) {
+    for (size_t i = 0; i < kGuardBytes; ++i)
+      if (p[i] != kGuardByte) return false;
+    return true;
+  };
+  for (const Region* r : {&host_ids_, &host_weights_}) {
+    if (!intact(host_block_ + r->offset + r->bytes)) return r->name;
+  }
+  if (!device_regions) return nullptr;
+  for (const Region* r : {&device_ids_, &device_weights_, &histogram_, &error_word_}) {
+    backend_->copy_device_to_host(seen, device_block_ + r->offset + r->bytes, kGuardBytes);
+    if (!intact(seen)) return r->name;
+  }
+  return nullptr;
+}
+
+void Capturer::check_guards(const char* call, bool device_regions) {
+  if (const char* region = damaged_guard(device_regions)) {
+    fail(MOECAP_ERROR_CORRUPTION, call, ": the guard after the ", region,
+         " buffer was overwritten: something wrote past its end");
+  }
+}
+
+}  // namespace moecap

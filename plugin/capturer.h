@@ -1,0 +1,83 @@
+// One capturer per model per engine process: owns the plan, the backend and
+// every buffer, validates each operation completely before any of it runs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "backend.h"
+#include "moecap.h"
+#include "plan.h"
+
+namespace moecap {
+
+// A non-owning description of one exportable buffer.
+struct BufferView {
+  void* data;
+  DLDevice device;
+  DLDataType dtype;
+  int32_t ndim;
+  int64_t shape[3];
+  int64_t strides[3];
+};
+
+class Capturer {
+ public:
+  explicit Capturer(const Plan& plan);
+  ~Capturer();
+  Capturer(const Capturer&) = delete;
+  Capturer& operator=(const Capturer&) = delete;
+
+  const Plan& plan() const { return plan_; }
+  std::mutex& mutex() { return mutex_; }
+
+  void capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, void* stream);
+  void commit(const moecap_commit_args* args, void* stream);
+  void read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, void* stream);
+  void write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, void* stream);
+  void synchronize();
+  moecap_error_counts errors(bool clear);
+  void histogram_reset(void* stream);
+  BufferView view(int32_t which, int32_t layer) const;
+
+  void graph_begin(void* stream);
+  std::unique_ptr<BackendGraph> graph_end();
+  bool recording() const { return recording_; }
+
+  // Guard canaries: the first overwritten region, or nullptr. Device
+  // regions cost a copy on CUDA, so the capture path leaves them out.
+  const char* damaged_guard(bool device_regions);
+
+ private:
+  struct Region {
+    const char* name;
+    size_t offset;
+    size_t bytes;
+  };
+
+  void require_not_capturing(const char* call, void* stream);
+  void require_stream(const char* call, void* stream);
+  // Waits for commits, then fails with ROWS_SKIPPED while the counter is set.
+  void settle(const char* call, bool block);
+  int64_t check_host_slots(const DLTensor* slots, const char* name, bool allow_drop, int64_t limit) const;
+  void write_guards();
+  void check_guards(const char* call, bool device_regions);
+  bool on_host() const { return plan_.config.device_type == MOECAP_DEVICE_HOST; }
+
+  Plan plan_;
+  std::unique_ptr<Backend> backend_;
+  std::mutex mutex_;
+  bool guards_ = false;
+  uint8_t* device_block_ = nullptr;
+  uint8_t* host_block_ = nullptr;
+  uint8_t* host_block_on_device_ = nullptr;  // the host cache as kernels address it
+  size_t device_block_bytes_ = 0;
+  size_t host_block_bytes_ = 0;
+  Region device_ids_{}, device_weights_{}, histogram_{}, error_word_{};
+  Region host_ids_{}, host_weights_{};
+  bool recording_ = false;
+  void* recording_stream_ = nullptr;
+};
+
+}  // namespace moecap

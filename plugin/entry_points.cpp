@@ -1,0 +1,328 @@
+// The C ABI. Every entry point runs its body inside `guarded`, which turns
+// any exception into a status and thread-local text: nothing crosses the C
+// boundary. Calls on one capturer serialize on its lock.
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+
+#include "handles.h"
+#include "plan.h"
+#include "status.h"
+
+namespace moecap {
+namespace {
+
+thread_local std::string t_last_error;
+
+template <class Body>
+moecap_status guarded(const char* function, Body&& body) noexcept {
+  try {
+    body();
+    return MOECAP_OK;
+  } catch (const Error& e) {
+    const char* what = e.what();
+    set_last_error(std::strncmp(what, "moecap_", 7) == 0 ? std::string(what) : cat(function, ": ", what));
+    return e.code();
+  } catch (const std::bad_alloc&) {
+    set_last_error(cat(function, ": out of host memory"));
+    return MOECAP_ERROR_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    set_last_error(cat(function, ": internal error: ", e.what()));
+    return MOECAP_ERROR_INTERNAL;
+  } catch (...) {
+    set_last_error(cat(function, ": internal error: unknown exception"));
+    return MOECAP_ERROR_INTERNAL;
+  }
+}
+
+Capturer& live(const moecap_capturer* h) {
+  if (h == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, "capturer is NULL");
+  if (h->magic != moecap_capturer::kLive || !h->impl) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "capturer is not a live handle (used after moecap_destroy?)");
+  }
+  return *h->impl;
+}
+
+moecap_graph& live(moecap_graph* g) {
+  if (g == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, "graph is NULL");
+  if (g->magic != moecap_graph::kLive || !g->graph) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "graph is not a live handle (used after moecap_graph_destroy?)");
+  }
+  return *g;
+}
+
+template <class T>
+void require_out(T* out, const char* name) {
+  if (out == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " is NULL");
+}
+
+// Debug builds keep a destroyed handle's shell, marked dead, so a later use
+// is reported instead of reading freed memory.
+template <class Handle>
+void retire(Handle* h) {
+  h->magic = Handle::kDead;
+#ifdef NDEBUG
+  delete h;
+#endif
+}
+
+}  // namespace
+
+void set_last_error(const std::string& message) { t_last_error = message; }
+const char* last_error() { return t_last_error.c_str(); }
+
+}  // namespace moecap
+
+using moecap::Capturer;
+using moecap::fail;
+using moecap::guarded;
+using moecap::live;
+using moecap::require_out;
+
+extern "C" {
+
+uint32_t moecap_abi_version(void) { return MOECAP_ABI_VERSION; }
+
+const char* moecap_last_error(void) { return moecap::last_error(); }
+
+const char* moecap_status_name(moecap_status status) {
+  switch (status) {
+    case MOECAP_OK: return "MOECAP_OK";
+    case MOECAP_ERROR_INVALID_ARGUMENT: return "MOECAP_ERROR_INVALID_ARGUMENT";
+    case MOECAP_ERROR_OUT_OF_RANGE: return "MOECAP_ERROR_OUT_OF_RANGE";
+    case MOECAP_ERROR_CAPACITY: return "MOECAP_ERROR_CAPACITY";
+    case MOECAP_ERROR_NO_DEVICE: return "MOECAP_ERROR_NO_DEVICE";
+    case MOECAP_ERROR_DRIVER: return "MOECAP_ERROR_DRIVER";
+    case MOECAP_ERROR_OUT_OF_MEMORY: return "MOECAP_ERROR_OUT_OF_MEMORY";
+    case MOECAP_ERROR_ABI_MISMATCH: return "MOECAP_ERROR_ABI_MISMATCH";
+    case MOECAP_ERROR_NOT_READY: return "MOECAP_ERROR_NOT_READY";
+    case MOECAP_ERROR_CAPTURE_ILLEGAL: return "MOECAP_ERROR_CAPTURE_ILLEGAL";
+    case MOECAP_ERROR_INTERNAL: return "MOECAP_ERROR_INTERNAL";
+    case MOECAP_ERROR_ROWS_SKIPPED: return "MOECAP_ERROR_ROWS_SKIPPED";
+    case MOECAP_ERROR_STUB_DRIVER: return "MOECAP_ERROR_STUB_DRIVER";
+    case MOECAP_ERROR_DRIVER_TOO_OLD: return "MOECAP_ERROR_DRIVER_TOO_OLD";
+    case MOECAP_ERROR_CORRUPTION: return "MOECAP_ERROR_CORRUPTION";
+  }
+  return "MOECAP_STATUS_UNKNOWN";
+}
+
+moecap_status moecap_plan(const moecap_config* config, moecap_plan_info* out) {
+  return guarded("moecap_plan", [&] {
+    require_out(out, "out");
+    const moecap::Plan plan = moecap::make_plan(config);
+    moecap::describe_plan(plan, out);
+  });
+}
+
+moecap_status moecap_create(const moecap_config* config, moecap_capturer** out) {
+  return guarded("moecap_create", [&] {
+    require_out(out, "out");
+    const moecap::Plan plan = moecap::make_plan(config);
+    auto handle = std::make_unique<moecap_capturer>();
+    handle->impl = std::make_shared<Capturer>(plan);
+    *out = handle.release();
+  });
+}
+
+moecap_status moecap_destroy(moecap_capturer* capturer) {
+  if (capturer == nullptr) return MOECAP_OK;
+  return guarded("moecap_destroy", [&] {
+    Capturer& c = live(capturer);
+    {
+      std::lock_guard<std::mutex> lock(c.mutex());
+      if (c.recording()) {
+        fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "the capturer is recording a graph; call moecap_graph_end first");
+      }
+    }
+    std::shared_ptr<Capturer> last = std::move(capturer->impl);
+    moecap::retire(capturer);
+    last.reset();  // frees memory unless exported views or graphs still hold it
+  });
+}
+
+moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap_plan_info* out) {
+  return guarded("moecap_get_plan", [&] { moecap::describe_plan(live(capturer).plan(), out); });
+}
+
+moecap_status moecap_capture(moecap_capturer* capturer, int32_t layer, const DLTensor* topk_ids,
+                             const DLTensor* topk_weights, void* stream) {
+  return guarded("moecap_capture", [&] {
+    Capturer& c = live(capturer);
+    std::lock_guard<std::mutex> lock(c.mutex());
+    c.capture(layer, topk_ids, topk_weights, stream);
+  });
+}
+
+moecap_status moecap_local_rows(const moecap_capturer* capturer, const moecap_batch* batch, moecap_rows* out) {
+  return guarded("moecap_local_rows", [&] {
+    moecap::check_struct(out, out ? out->struct_size : 0, sizeof(moecap_rows), "out");
+    *out = moecap::locate_rows(live(capturer).plan(), batch);
+  });
+}
+
+moecap_status moecap_commit(moecap_capturer* capturer, const moecap_commit_args* args, void* stream) {
+  return guarded("moecap_commit", [&] {
+    Capturer& c = live(capturer);
+    std::lock_guard<std::mutex> lock(c.mutex());
+    c.commit(args, stream);
+  });
+}
+
+moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTensor* ids_out,
+                          DLTensor* weights_out, uint32_t flags, void* stream) {
+  return guarded("moecap_read", [&] {
+    Capturer& c = live(capturer);
+    std::lock_guard<std::mutex> lock(c.mutex());
+    c.read(slots, ids_out, weights_out, flags, stream);
+  });
+}
+
+moecap_status moecap_write(moecap_capturer* capturer, const DLTensor* slots, const DLTensor* ids,
+                           const DLTensor* weights, void* stream) {
+  return guarded("moecap_write", [&] {
+    Capturer& c = live(capturer);
+    std::lock_guard<std::mutex> lock(c.mutex());
+    c.write(slots, ids, weights, stream);
+  });
+}
+
+moecap_status moecap_synchronize(moecap_capturer* capturer) {
+  return guarded("moecap_synchronize", [&] {
+    Capturer& c = live(capturer);
+    std::lock_guard<std::mutex> lock(c.mutex());
+    c.synchronize();
+  });
+}
+
+moecap_status moecap_get_errors(moecap_capturer* capturer, moecap_error_counts* out, uint32_t flags) {
+  return guarded("moecap_get_errors", [&] {
+    Capturer& c = live(capturer);
+    moecap::check_struct(out, out ? out->struct_size : 0, sizeof(moecap_error_counts), "out");
+    if ((flags & ~MOECAP_ERRORS_CLEAR) != 0) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "flags has unknown bits 0x", std::hex, (flags & ~MOECAP_ERRORS_CLEAR));
+    }
+    std::lock_guard<std::mutex> lock(c.mutex());
+    *out = c.errors((flags & MOECAP_ERRORS_CLEAR) != 0);
+  });
+}
+
+moecap_status moecap_histogram_reset(moecap_capturer* capturer, void* stream) {
+  return guarded("moecap_histogram_reset", [&] {
+    Capturer& c = live(capturer);
+    std::lock_guard<std::mutex> lock(c.mutex());
+    c.histogram_reset(stream);
+  });
+}
+
+moecap_status moecap_export(moecap_capturer* capturer, int32_t which, int32_t layer,
+                            DLManagedTensorVersioned** out) {
+  return guarded("moecap_export", [&] {
+    Capturer& c = live(capturer);
+    require_out(out, "out");
+    *out = moecap::export_versioned(capturer->impl, c.view(which, layer));
+  });
+}
+
+moecap_status moecap_export_legacy(moecap_capturer* capturer, int32_t which, int32_t layer, DLManagedTensor** out) {
+  return guarded("moecap_export_legacy", [&] {
+    Capturer& c = live(capturer);
+    require_out(out, "out");
+    *out = moecap::export_legacy(capturer->impl, c.view(which, layer));
+  });
+}
+
+moecap_status moecap_graph_begin(moecap_capturer* capturer, void* stream) {
+  return guarded("moecap_graph_begin", [&] {
+    Capturer& c = live(capturer);
+    std::lock_guard<std::mutex> lock(c.mutex());
+    c.graph_begin(stream);
+  });
+}
+
+moecap_status moecap_graph_end(moecap_capturer* capturer, moecap_graph** out) {
+  return guarded("moecap_graph_end", [&] {
+    Capturer& c = live(capturer);
+    require_out(out, "out");
+    auto handle = std::make_unique<moecap_graph>();
+    std::lock_guard<std::mutex> lock(c.mutex());
+    handle->graph = c.graph_end();
+    handle->owner = capturer->impl;
+    *out = handle.release();
+  });
+}
+
+moecap_status moecap_graph_launch(moecap_graph* graph, void* stream) {
+  return guarded("moecap_graph_launch", [&] {
+    moecap_graph& g = live(graph);
+    std::lock_guard<std::mutex> lock(g.owner->mutex());
+    if (g.owner->recording()) {
+      fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "the capturer is recording a graph; replay after moecap_graph_end");
+    }
+    g.graph->launch(stream);
+  });
+}
+
+moecap_status moecap_graph_native(moecap_graph* graph, void** cu_graph) {
+  return guarded("moecap_graph_native", [&] {
+    moecap_graph& g = live(graph);
+    require_out(cu_graph, "cu_graph");
+    void* native = g.graph->native();
+    if (native == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, "the host backend records no CUgraph");
+    *cu_graph = native;
+  });
+}
+
+moecap_status moecap_graph_destroy(moecap_graph* graph) {
+  if (graph == nullptr) return MOECAP_OK;
+  return guarded("moecap_graph_destroy", [&] {
+    live(graph);
+    graph->graph.reset();
+    graph->owner.reset();
+    moecap::retire(graph);
+  });
+}
+
+moecap_status moecap_get_api(moecap_api* out) {
+  return guarded("moecap_get_api", [&] {
+    if (out == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, "out is NULL");
+    const size_t minimum = offsetof(moecap_api, destroy) + sizeof(out->destroy);
+    if (out->struct_size < minimum) {
+      fail(MOECAP_ERROR_ABI_MISMATCH, "out->struct_size is ", out->struct_size, "; at least ", minimum,
+           " is needed");
+    }
+    moecap_api api{};
+    api.struct_size = sizeof(moecap_api);
+    api.abi_version = MOECAP_ABI_VERSION;
+    api.abi_version_fn = moecap_abi_version;
+    api.last_error = moecap_last_error;
+    api.status_name = moecap_status_name;
+    api.plan = moecap_plan;
+    api.create = moecap_create;
+    api.destroy = moecap_destroy;
+    api.get_plan = moecap_get_plan;
+    api.capture = moecap_capture;
+    api.local_rows = moecap_local_rows;
+    api.commit = moecap_commit;
+    api.read = moecap_read;
+    api.write = moecap_write;
+    api.synchronize = moecap_synchronize;
+    api.get_errors = moecap_get_errors;
+    api.histogram_reset = moecap_histogram_reset;
+    api.export_versioned = moecap_export;
+    api.export_legacy = moecap_export_legacy;
+    api.graph_begin = moecap_graph_begin;
+    api.graph_end = moecap_graph_end;
+    api.graph_launch = moecap_graph_launch;
+    api.graph_native = moecap_graph_native;
+    api.graph_destroy = moecap_graph_destroy;
+    // A caller compiled against an older header gets the prefix it knows.
+    const size_t copy = out->struct_size < sizeof api ? out->struct_size : sizeof api;
+    const size_t caller_size = out->struct_size;
+    std::memcpy(out, &api, copy);
+    out->struct_size = caller_size < sizeof api ? caller_size : sizeof api;
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,68 @@
+// The host backend: plain memory, operations run at once (or are recorded
+// into a HostGraph between begin_graph and end_graph). The reference that
+// every test runs against, and the real backend of CPU inference engines.
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "backend.h"
+#include "host_graph.h"
+#include "status.h"
+
+namespace moecap {
+namespace {
+
+class HostBackend final : public Backend {
+ public:
+  DLDevice device() const override { return DLDevice{kDLCPU, 0}; }
+  bool kernel_can_read(DLDevice d) const override { return host_can_read(d); }
+
+  void* alloc_device(size_t bytes) override { return allocate(bytes); }
+  void free_device(void* ptr) override { std::free(ptr); }
+  void* alloc_host(size_t bytes) override { return allocate(bytes); }
+  void free_host(void* ptr) override { std::free(ptr); }
+  void* device_address_of_host(void* host) override { return host; }
+
+  void capture(const CaptureParams& p, void*) override {
+    run([p] { capture_on_host(p); });
+  }
+  void commit(const CommitParams& p, bool, bool, void*) override {
+    run([p] { commit_on_host(p); });
+  }
+  void zero_device(void* ptr, size_t bytes, void*) override {
+    run([ptr, bytes] { std::memset(ptr, 0, bytes); });
+  }
+
+  bool commits_done(bool) override { return true; }
+  void copy_device_to_host(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void copy_host_to_device(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+
+  bool stream_capturing(void*) override { return false; }
+
+  void begin_graph(void*) override { recording_ = std::make_unique<HostGraph>(); }
+  std::unique_ptr<BackendGraph> end_graph() override { return std::move(recording_); }
+
+ private:
+  static void* allocate(size_t bytes) {
+    void* p = std::calloc(1, bytes == 0 ? 1 : bytes);
+    if (p == nullptr) fail(MOECAP_ERROR_OUT_OF_MEMORY, "host backend: cannot allocate ", bytes, " bytes");
+    return p;
+  }
+
+  template <class Op>
+  void run(Op op) {
+    if (recording_) {
+      recording_->record(op);
+    } else {
+      op();
+    }
+  }
+
+  std::unique_ptr<HostGraph> recording_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_host_backend(const Plan&) { return std::make_unique<HostBackend>(); }
+
+}  // namespace moecap

@@ -1,0 +1,211 @@
+#include "plan.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "element.h"
+#include "status.h"
+
+namespace moecap {
+namespace {
+
+void require_at_least(int64_t value, int64_t min, const char* name) {
+  if (value < min) fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->", name, " is ", value, "; it must be >= ", min);
+}
+
+int64_t checked_mul(int64_t a, int64_t b, const char* what) {
+  int64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config: ", what, " overflows int64 (", a, " * ", b, ")");
+  }
+  return out;
+}
+
+int64_t checked_add(int64_t a, int64_t b, const char* what) {
+  int64_t out = 0;
+  if (__builtin_add_overflow(a, b, &out)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config: ", what, " overflows int64 (", a, " + ", b, ")");
+  }
+  return out;
+}
+
+constexpr uint32_t kKnownFlags = MOECAP_FLAG_HISTOGRAM | MOECAP_FLAG_GUARDS | MOECAP_FLAG_NO_GUARDS;
+
+}  // namespace
+
+int64_t legacy_device_rows(const moecap_config& c) {
+  return std::max(c.chunked_prefill_size * c.dp_size, c.max_running_requests);
+}
+
+Plan make_plan(const moecap_config* config) {
+  check_struct(config, config ? config->struct_size : 0, sizeof(moecap_config), "config");
+  const moecap_config& c = *config;
+  if ((c.abi_version >> 16) != MOECAP_ABI_VERSION_MAJOR) {
+    fail(MOECAP_ERROR_ABI_MISMATCH, "config->abi_version is ", (c.abi_version >> 16), ".",
+         (c.abi_version & 0xffffu), "; this library implements major version ", MOECAP_ABI_VERSION_MAJOR);
+  }
+  if ((c.flags & ~kKnownFlags) != 0) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->flags has unknown bits 0x", std::hex, (c.flags & ~kKnownFlags));
+  }
+  if ((c.flags & MOECAP_FLAG_GUARDS) && (c.flags & MOECAP_FLAG_NO_GUARDS)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->flags sets both MOECAP_FLAG_GUARDS and MOECAP_FLAG_NO_GUARDS");
+  }
+  require_at_least(c.num_layers, 1, "num_layers");
+  require_at_least(c.top_k, 1, "top_k");
+  require_at_least(c.extra_columns, 0, "extra_columns");
+  require_at_least(c.num_experts, 1, "num_experts");
+  if (c.top_k > c.num_experts) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->top_k is ", c.top_k, "; it must be <= num_experts (", c.num_experts,
+         ")");
+  }
+  require_at_least(c.dp_size, 1, "dp_size");
+  require_at_least(c.verify_tokens, 1, "verify_tokens");
+  require_at_least(c.max_running_requests, 1, "max_running_requests");
+  require_at_least(c.chunked_prefill_size, 0, "chunked_prefill_size");
+  require_at_least(c.max_graph_batch, 0, "max_graph_batch");
+  require_at_least(c.max_batch_tokens, 0, "max_batch_tokens");
+  require_at_least(c.host_slots, 1, "host_slots");
+  require_at_least(c.device_id, 0, "device_id");
+  if (c.device_type != MOECAP_DEVICE_HOST && c.device_type != MOECAP_DEVICE_CUDA) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->device_type is ", c.device_type,
+         "; expected MOECAP_DEVICE_HOST (1) or MOECAP_DEVICE_CUDA (2)");
+  }
+
+  Plan p{};
+  p.config = c;
+  const int64_t ids_needed = static_cast<int64_t>(c.num_experts) + c.extra_columns;
+  int32_t id_dtype = c.id_dtype;
+  if (id_dtype == MOECAP_IDS_AUTO) {
+    id_dtype = ids_needed <= 256 ? MOECAP_IDS_U8 : ids_needed <= 65536 ? MOECAP_IDS_U16 : MOECAP_IDS_I32;
+  }
+  switch (id_dtype) {
+    case MOECAP_IDS_U8: p.id_elem = kU8; p.id_bytes = 1; break;
+    case MOECAP_IDS_U16: p.id_elem = kU16; p.id_bytes = 2; break;
+    case MOECAP_IDS_I32: p.id_elem = kI32; p.id_bytes = 4; break;
+    default:
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->id_dtype is ", c.id_dtype,
+           "; expected MOECAP_IDS_AUTO, _U8, _U16 or _I32 (0..3)");
+  }
+  const int64_t id_capacity = p.id_bytes == 4 ? int64_t{1} << 31 : int64_t{1} << (8 * p.id_bytes);
+  if (ids_needed > id_capacity) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->id_dtype holds ", id_capacity,
+         " expert ids; num_experts + extra_columns is ", ids_needed);
+  }
+  p.config.id_dtype = id_dtype;
+  switch (c.weight_dtype) {
+    case MOECAP_WEIGHTS_NONE: p.weight_elem = -1; p.weight_bytes = 0; break;
+    case MOECAP_WEIGHTS_F32: p.weight_elem = kF32; p.weight_bytes = 4; break;
+    case MOECAP_WEIGHTS_BF16: p.weight_elem = kBF16; p.weight_bytes = 2; break;
+    case MOECAP_WEIGHTS_F16: p.weight_elem = kF16; p.weight_bytes = 2; break;
+    default:
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->weight_dtype is ", c.weight_dtype,
+           "; expected MOECAP_WEIGHTS_NONE, _F32, _BF16 or _F16 (0..3)");
+  }
+
+  p.rows_per_rank = std::max({c.chunked_prefill_size,
+                              checked_mul(c.max_running_requests, c.verify_tokens,
+                                          "max_running_requests * verify_tokens"),
+                              checked_mul(c.max_graph_batch, c.verify_tokens, "max_graph_batch * verify_tokens"),
+                              c.max_batch_tokens});
+  p.device_rows = checked_mul(p.rows_per_rank, c.dp_size, "dp_size * rows_per_rank");
+  p.row_elements = checked_mul(c.num_layers, c.top_k, "num_layers * top_k");
+  const int64_t device_elements = checked_mul(p.device_rows, p.row_elements, "device_rows * num_layers * top_k");
+  const int64_t host_elements = checked_mul(c.host_slots, p.row_elements, "host_slots * num_layers * top_k");
+  p.device_ids_bytes = static_cast<uint64_t>(checked_mul(device_elements, p.id_bytes, "device id bytes"));
+  p.device_weights_bytes = static_cast<uint64_t>(checked_mul(device_elements, p.weight_bytes, "device weight bytes"));
+  p.host_ids_bytes = static_cast<uint64_t>(checked_mul(host_elements, p.id_bytes, "host id bytes"));
+  p.host_weights_bytes = static_cast<uint64_t>(checked_mul(host_elements, p.weight_bytes, "host weight bytes"));
+  if (c.flags & MOECAP_FLAG_HISTOGRAM) {
+    p.histogram_bytes = static_cast<uint64_t>(
+        checked_mul(checked_mul(c.num_layers, c.num_experts, "num_layers * num_experts"), 8, "histogram bytes"));
+  }
+  // The sums must fit too: they become allocation sizes.
+  checked_add(checked_add(static_cast<int64_t>(p.device_ids_bytes), static_cast<int64_t>(p.device_weights_bytes),
+                          "device bytes"),
+              static_cast<int64_t>(p.histogram_bytes), "device bytes");
+  checked_add(static_cast<int64_t>(p.host_ids_bytes), static_cast<int64_t>(p.host_weights_bytes), "host bytes");
+  return p;
+}
+
+void describe_plan(const Plan& p, moecap_plan_info* out) {
+  check_struct(out, out ? out->struct_size : 0, sizeof(moecap_plan_info), "out");
+  moecap_plan_info info{};
+  info.struct_size = sizeof(moecap_plan_info);
+  info.rows_per_rank = p.rows_per_rank;
+  info.device_rows = p.device_rows;
+  info.row_elements = p.row_elements;
+  info.id_dtype = p.config.id_dtype;
+  info.id_bytes = p.id_bytes;
+  info.weight_bytes = p.weight_bytes;
+  info.device_bytes = p.device_ids_bytes + p.device_weights_bytes + p.histogram_bytes;
+  info.host_bytes = p.host_ids_bytes + p.host_weights_bytes;
+  *out = info;
+}
+
+moecap_rows locate_rows(const Plan& p, const moecap_batch* batch) {
+  check_struct(batch, batch ? batch->struct_size : 0, sizeof(moecap_batch), "batch");
+  const moecap_batch& b = *batch;
+  const int32_t dp = p.config.dp_size;
+  if (b.mode != MOECAP_BATCH_EAGER && b.mode != MOECAP_BATCH_GRAPH) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "batch->mode is ", b.mode,
+         "; expected MOECAP_BATCH_EAGER (0) or MOECAP_BATCH_GRAPH (1)");
+  }
+  if (b.dp_rank < 0 || b.dp_rank >= dp) {
+    fail(MOECAP_ERROR_OUT_OF_RANGE, "batch->dp_rank is ", b.dp_rank, "; it must be in [0, dp_size = ", dp, ")");
+  }
+  if (b.num_ranks != dp) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "batch->num_ranks is ", b.num_ranks, "; it must equal dp_size (", dp, ")");
+  }
+  if (b.tokens_per_rank == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, "batch->tokens_per_rank is NULL");
+  // Every term below is bounded by device_rows before it is added, so no sum overflows.
+  const int64_t limit = p.device_rows;
+  for (int32_t r = 0; r < dp; ++r) {
+    const int64_t t = b.tokens_per_rank[r];
+    if (t < 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, "batch->tokens_per_rank[", r, "] is ", t, "; it must be >= 0");
+    if (t > limit) {
+      fail(MOECAP_ERROR_CAPACITY, "batch->tokens_per_rank[", r, "] is ", t, "; device_rows is ", limit);
+    }
+  }
+  moecap_rows rows{};
+  rows.struct_size = sizeof(moecap_rows);
+  rows.count = b.tokens_per_rank[b.dp_rank];
+  if (b.mode == MOECAP_BATCH_EAGER) {
+    if (b.padded_tokens_per_rank != 0) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "batch->padded_tokens_per_rank is ", b.padded_tokens_per_rank,
+           "; it must be 0 for MOECAP_BATCH_EAGER");
+    }
+    for (int32_t r = 0; r < dp; ++r) {
+      if (r == b.dp_rank) rows.start = rows.total;
+      rows.total += b.tokens_per_rank[r];
+      if (rows.total > limit) {
+        fail(MOECAP_ERROR_CAPACITY, "batch: ranks 0..", r, " hold ", rows.total, " tokens; device_rows is ", limit,
+             " (dp_size ", dp, " * rows_per_rank ", p.rows_per_rank, ")");
+      }
+    }
+  } else {
+    const int64_t padded = b.padded_tokens_per_rank;
+    if (padded < 1) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "batch->padded_tokens_per_rank is ", padded,
+           "; it must be >= 1 for MOECAP_BATCH_GRAPH");
+    }
+    if (padded > p.rows_per_rank) {
+      fail(MOECAP_ERROR_CAPACITY, "batch->padded_tokens_per_rank is ", padded, "; rows_per_rank is ",
+           p.rows_per_rank, " (a graph of ", dp, " ranks needs ", dp, " * ", padded, " rows, device_rows is ", limit,
+           ")");
+    }
+    for (int32_t r = 0; r < dp; ++r) {
+      if (b.tokens_per_rank[r] > padded) {
+        fail(MOECAP_ERROR_INVALID_ARGUMENT, "batch->tokens_per_rank[", r, "] is ", b.tokens_per_rank[r],
+             "; it must be <= padded_tokens_per_rank (", padded, ")");
+      }
+    }
+    rows.start = b.dp_rank * padded;
+    rows.total = dp * padded;
+  }
+  if (rows.start + rows.count > limit) {
+    fail(MOECAP_ERROR_INTERNAL, "locate_rows: start ", rows.start, " + count ", rows.count, " > device_rows ", limit);
+  }
+  return rows;
+}
+
+}  // namespace moecap

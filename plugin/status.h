@@ -1,0 +1,54 @@
+// Errors inside the plugin are C++ exceptions of one type; the entry points
+// (entry_points.cpp) turn them into a status code and thread-local text, so
+// nothing ever crosses the C boundary.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "moecap.h"
+
+namespace moecap {
+
+class Error : public std::runtime_error {
+ public:
+  Error(moecap_status code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  moecap_status code() const { return code_; }
+
+ private:
+  moecap_status code_;
+};
+
+template <class... Parts>
+std::string cat(Parts&&... parts) {
+  std::ostringstream out;
+  (out << ... << std::forward<Parts>(parts));
+  return out.str();
+}
+
+template <class... Parts>
+[[noreturn]] void fail(moecap_status code, Parts&&... parts) {
+  throw Error(code, cat(std::forward<Parts>(parts)...));
+}
+
+// The caller-facing text of the last failure on this thread.
+void set_last_error(const std::string& message);
+const char* last_error();
+
+}  // namespace moecap
+
+namespace moecap {
+
+// PJRT-style check of a struct crossing the ABI: non-NULL and a struct_size
+// this library knows. Sizes only grow; today each struct has one known size.
+inline void check_struct(const void* ptr, size_t struct_size, size_t known, const char* name) {
+  if (ptr == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " is NULL");
+  if (struct_size != known) {
+    fail(MOECAP_ERROR_ABI_MISMATCH, name, "->struct_size is ", struct_size, "; this library (ABI ",
+         MOECAP_ABI_VERSION_MAJOR, ".", MOECAP_ABI_VERSION_MINOR, ") knows ", known);
+  }
+}
+
+}  // namespace moecap

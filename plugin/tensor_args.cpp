@@ -1,0 +1,90 @@
+#include "tensor_args.h"
+
+#include "element.h"
+#include "status.h"
+
+namespace moecap {
+
+int32_t elem_of(DLDataType d) {
+  if (d.lanes != 1) return -1;
+  switch (d.code) {
+    case kDLUInt: return d.bits == 8 ? kU8 : d.bits == 16 ? kU16 : -1;
+    case kDLInt: return d.bits == 8 ? kI8 : d.bits == 16 ? kI16 : d.bits == 32 ? kI32 : d.bits == 64 ? kI64 : -1;
+    case kDLFloat: return d.bits == 32 ? kF32 : d.bits == 16 ? kF16 : -1;
+    case kDLBfloat: return d.bits == 16 ? kBF16 : -1;
+    default: return -1;
+  }
+}
+
+const char* elem_name(int32_t e) {
+  static const char* const names[] = {"uint8", "int8", "uint16", "int16", "int32", "int64", "float32", "bfloat16", "float16"};
+  return (e >= 0 && e <= kF16) ? names[e] : "unknown";
+}
+
+std::string dtype_name(DLDataType d) {
+  const int32_t e = elem_of(d);
+  if (e >= 0) return elem_name(e);
+  return cat("(code ", int(d.code), ", bits ", int(d.bits), ", lanes ", d.lanes, ")");
+}
+
+std::string device_name(DLDevice d) {
+  switch (d.device_type) {
+    case kDLCPU: return "cpu";
+    case kDLCUDA: return cat("cuda:", d.device_id);
+    case kDLCUDAHost: return "cuda_host";
+    case kDLCUDAManaged: return cat("cuda_managed:", d.device_id);
+    default: return cat("device_type ", int(d.device_type));
+  }
+}
+
+int64_t element_count(const DLTensor* t) {
+  int64_t n = 1;
+  for (int i = 0; i < t->ndim; ++i) n *= t->shape[i];
+  return n;
+}
+
+int32_t check_tensor(const DLTensor* t, const TensorRules& r) {
+  if (t == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " is NULL");
+  if (t->ndim != r.ndim) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " has ndim ", t->ndim, "; expected ", r.ndim);
+  if (t->shape == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->shape is NULL");
+  const int32_t e = elem_of(t->dtype);
+  bool accepted = false;
+  std::string expected;
+  for (int32_t a : r.elems) {
+    accepted = accepted || a == e;
+    expected += expected.empty() ? elem_name(a) : cat(", ", elem_name(a));
+  }
+  if (!accepted) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " has dtype ", dtype_name(t->dtype), "; expected one of ", expected);
+  }
+  for (int i = 0; i < t->ndim; ++i) {
+    if (t->shape[i] < 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->shape[", i, "] is ", t->shape[i]);
+  }
+  if (t->strides != nullptr) {
+    int64_t expect = 1;
+    for (int i = t->ndim - 1; i >= 0; --i) {
+      // A stride of a dimension of extent 1 never matters: PyTorch reports any value there.
+      if (t->shape[i] != 1 && t->strides[i] != expect) {
+        fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " is not compact row-major: strides[", i, "] is ",
+             t->strides[i], ", expected ", expect);
+      }
+      expect *= t->shape[i];
+    }
+  }
+  const int64_t n = element_count(t);
+  if (n > 0 && t->data == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->data is NULL");
+  if (n > 0 && (reinterpret_cast<uintptr_t>(tensor_data(t)) % static_cast<uintptr_t>(elem_bytes(e))) != 0) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " data + byte_offset is not aligned to its ", elem_bytes(e),
+         "-byte elements");
+  }
+  return e;
+}
+
+void check_dim(const DLTensor* t, const char* name, int dim, int64_t expected, const char* what) {
+  if (t->shape[dim] != expected) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, name, "->shape[", dim, "] is ", t->shape[dim], "; expected ", expected, " (",
+         what, ")");
+  }
+}
+
+}  // namespace moecap
