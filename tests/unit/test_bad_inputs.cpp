@@ -1,0 +1,310 @@
+// Every entry point's bad input: the right status, a message that names the
+// argument and the limit, and nothing changed (DESIGN.md §4).
+#include <doctest/doctest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moecap.h"
+#include "tensors.h"
+
+using namespace moecap_test;
+
+namespace {
+
+std::vector<uint8_t> snapshot(moecap_capturer* h) {
+  std::vector<uint8_t> all;
+  for (int32_t which : {MOECAP_BUFFER_DEVICE_IDS, MOECAP_BUFFER_DEVICE_WEIGHTS, MOECAP_BUFFER_HOST_IDS,
+                        MOECAP_BUFFER_HOST_WEIGHTS, MOECAP_BUFFER_HISTOGRAM}) {
+    DLManagedTensorVersioned* v = nullptr;
+    if (moecap_export(h, which, 0, &v) != MOECAP_OK) continue;
+    int64_t n = v->dl_tensor.dtype.bits / 8;
+    for (int i = 0; i < v->dl_tensor.ndim; ++i) n *= v->dl_tensor.shape[i];
+    const uint8_t* p = static_cast<const uint8_t*>(v->dl_tensor.data);
+    all.insert(all.end(), p, p + n);
+    v->deleter(v);
+  }
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  REQUIRE(moecap_get_errors(h, &e, 0) == MOECAP_OK);
+  all.push_back(static_cast<uint8_t>(e.skipped_rows));
+  all.push_back(static_cast<uint8_t>(e.invalid_ids));
+  return all;
+}
+
+struct Fixture {
+  Fixture() {
+    moecap_config c = small_config();
+    c.weight_dtype = MOECAP_WEIGHTS_F32;
+    c.flags = MOECAP_FLAG_HISTOGRAM;
+    cfg = c;
+    REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
+    // Some content, so "nothing changed" is a real comparison.
+    HostTensor ids({4, c.top_k}, i32());
+    HostTensor w({4, c.top_k}, f32());
+    for (int64_t i = 0; i < 8; ++i) {
+      ids.set(i, i % c.num_experts);
+      w.as<float>()[i] = 0.25f;
+    }
+    for (int32_t l = 0; l < c.num_layers; ++l) REQUIRE(moecap_capture(h, l, ids.get(), w.get(), nullptr) == MOECAP_OK);
+    HostTensor slots({4}, i32());
+    slots.fill<int32_t>({1, 2, 3, 4});
+    moecap_commit_args a{sizeof a, 0, nullptr, slots.get()};
+    REQUIRE(moecap_commit(h, &a, nullptr) == MOECAP_OK);
+  }
+  ~Fixture() { moecap_destroy(h); }
+
+  void refused(moecap_status code, const char* needle, const std::function<moecap_status()>& call) {
+    CAPTURE(needle);
+    const std::vector<uint8_t> before = snapshot(h);
+    CHECK(call() == code);
+    CHECK_MESSAGE(std::string(moecap_last_error()).find(needle) != std::string::npos, moecap_last_error());
+    CHECK(snapshot(h) == before);
+  }
+
+  moecap_config cfg{};
+  moecap_capturer* h = nullptr;
+};
+
+}  // namespace
+
+TEST_CASE("capture refuses bad input") {
+  Fixture f;
+  const int32_t k = f.cfg.top_k;
+  HostTensor ids({2, k}, i32());
+  HostTensor w({2, k}, f32());
+  ids.fill<int32_t>({5, 6, 7, 1});
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "capturer is NULL", [&] { return moecap_capture(nullptr, 0, ids.get(), w.get(), nullptr); });
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "num_layers = 3", [&] { return moecap_capture(f.h, 3, ids.get(), w.get(), nullptr); });
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "layer is -1", [&] { return moecap_capture(f.h, -1, ids.get(), w.get(), nullptr); });
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids is NULL", [&] { return moecap_capture(f.h, 0, nullptr, w.get(), nullptr); });
+  HostTensor fl({2, k}, f32());
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids has dtype float32", [&] { return moecap_capture(f.h, 0, fl.get(), w.get(), nullptr); });
+  HostTensor one({4}, i32());
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids has ndim 1", [&] { return moecap_capture(f.h, 0, one.get(), w.get(), nullptr); });
+  HostTensor wide({2, k + 3}, i32());
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids->shape[1] is 5", [&] { return moecap_capture(f.h, 0, wide.get(), w.get(), nullptr); });
+  HostTensor big({9, k}, i32());
+  HostTensor bigw({9, k}, f32());
+  f.refused(MOECAP_ERROR_CAPACITY, "device_rows is 8", [&] { return moecap_capture(f.h, 0, big.get(), bigw.get(), nullptr); });
+  DLTensor on_gpu = ids.dl();
+  on_gpu.device = DLDevice{kDLCUDA, 0};
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids is on cuda:0", [&] { return moecap_capture(f.h, 0, &on_gpu, w.get(), nullptr); });
+  int64_t strides[2] = {1, 2};  // column-major: a transposed view
+  DLTensor strided = ids.dl();
+  strided.strides = strides;
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "not compact", [&] { return moecap_capture(f.h, 0, &strided, w.get(), nullptr); });
+  DLTensor null_data = ids.dl();
+  null_data.data = nullptr;
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids->data is NULL", [&] { return moecap_capture(f.h, 0, &null_data, w.get(), nullptr); });
+  DLTensor misaligned = ids.dl();
+  misaligned.byte_offset = 2;
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "not aligned", [&] { return moecap_capture(f.h, 0, &misaligned, w.get(), nullptr); });
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is NULL", [&] { return moecap_capture(f.h, 0, ids.get(), nullptr, nullptr); });
+  HostTensor w3({3, k}, f32());
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights->shape[0] is 3", [&] { return moecap_capture(f.h, 0, ids.get(), w3.get(), nullptr); });
+  HostTensor wint({2, k}, i32());
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights has dtype int32", [&] { return moecap_capture(f.h, 0, ids.get(), wint.get(), nullptr); });
+}
+
+TEST_CASE("capture refuses weights on a capturer without them") {
+  moecap_config c = small_config();
+  moecap_capturer* h = nullptr;
+  REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
+  HostTensor ids({1, c.top_k}, i32());
+  HostTensor w({1, c.top_k}, f32());
+  CHECK(moecap_capture(h, 0, ids.get(), w.get(), nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(moecap_last_error()).find("MOECAP_WEIGHTS_NONE") != std::string::npos);
+  moecap_destroy(h);
+}
+
+TEST_CASE("commit refuses bad input") {
+  Fixture f;
+  HostTensor slots({2}, i64());
+  slots.fill<int64_t>({10, 11});
+  moecap_commit_args good{sizeof good, 0, nullptr, slots.get()};
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "capturer is NULL", [&] { return moecap_commit(nullptr, &good, nullptr); });
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "args is NULL", [&] { return moecap_commit(f.h, nullptr, nullptr); });
+  moecap_commit_args a = good;
+  a.struct_size = 16;
+  f.refused(MOECAP_ERROR_ABI_MISMATCH, "args->struct_size is 16", [&] { return moecap_commit(f.h, &a, nullptr); });
+  a = good;
+  a.dst_slots = nullptr;
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "args->dst_slots is NULL", [&] { return moecap_commit(f.h, &a, nullptr); });
+  HostTensor fslots({2}, f32());
+  a.dst_slots = fslots.get();
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "args->dst_slots has dtype float32", [&] { return moecap_commit(f.h, &a, nullptr); });
+  HostTensor past({3}, i64());
+  past.fill<int64_t>({1, 32, 2});  // host_slots is 32: the middle one is past the cache
+  a.dst_slots = past.get();
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "args->dst_slots[1] is 32; it must be in [-1, 32)", [&] { return moecap_commit(f.h, &a, nullptr); });
+  past.fill<int64_t>({1, -2, 2});
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "args->dst_slots[1] is -2", [&] { return moecap_commit(f.h, &a, nullptr); });
+  a = good;
+  a.src_start = 7;  // rows 7 and 8 of 8
+  f.refused(MOECAP_ERROR_CAPACITY, "device_rows = 8", [&] { return moecap_commit(f.h, &a, nullptr); });
+  a.src_start = -1;
+  f.refused(MOECAP_ERROR_CAPACITY, "src_start", [&] { return moecap_commit(f.h, &a, nullptr); });
+  HostTensor many({9}, i64());
+  a = good;
+  a.dst_slots = many.get();
+  f.refused(MOECAP_ERROR_CAPACITY, "args->dst_slots has 9 entries", [&] { return moecap_commit(f.h, &a, nullptr); });
+  HostTensor rows({3}, i32());
+  a = good;
+  a.src_rows = rows.get();
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "args->src_rows->shape[0] is 3", [&] { return moecap_commit(f.h, &a, nullptr); });
+  HostTensor rows2({2}, i32());
+  rows2.fill<int32_t>({0, 8});
+  a.src_rows = rows2.get();
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "args->src_rows[1] is 8", [&] { return moecap_commit(f.h, &a, nullptr); });
+  DLTensor gpu_slots = slots.dl();
+  gpu_slots.device = DLDevice{kDLCUDA, 0};
+  a = good;
+  a.dst_slots = &gpu_slots;
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "args->dst_slots is on cuda:0", [&] { return moecap_commit(f.h, &a, nullptr); });
+}
+
+TEST_CASE("read refuses bad input") {
+  Fixture f;
+  const moecap_config& c = f.cfg;
+  HostTensor slots({2}, i32());
+  slots.fill<int32_t>({1, 2});
+  HostTensor out({2, c.num_layers, c.top_k}, i32());
+  HostTensor wout({2, c.num_layers, c.top_k}, f32());
+  const std::vector<uint8_t> out_before = out.bytes();
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "capturer is NULL", [&] { return moecap_read(nullptr, slots.get(), out.get(), nullptr, 0, nullptr); });
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "slots is NULL", [&] { return moecap_read(f.h, nullptr, out.get(), nullptr, 0, nullptr); });
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out is NULL", [&] { return moecap_read(f.h, slots.get(), nullptr, nullptr, 0, nullptr); });
+  HostTensor wrong({2, c.num_layers + 1, c.top_k}, i32());
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out->shape[1] is 4; expected 3 (num_layers)", [&] { return moecap_read(f.h, slots.get(), wrong.get(), nullptr, 0, nullptr); });
+  HostTensor fout({2, c.num_layers, c.top_k}, f32());
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out has dtype float32", [&] { return moecap_read(f.h, slots.get(), fout.get(), nullptr, 0, nullptr); });
+  HostTensor past({2}, i64());
+  past.fill<int64_t>({1, 40});
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "slots[1] is 40; it must be in [0, 32)", [&] { return moecap_read(f.h, past.get(), out.get(), nullptr, 0, nullptr); });
+  past.fill<int64_t>({-1, 1});
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "slots[0] is -1", [&] { return moecap_read(f.h, past.get(), out.get(), nullptr, 0, nullptr); });
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "flags has unknown bits", [&] { return moecap_read(f.h, slots.get(), out.get(), nullptr, 0x10, nullptr); });
+  DLTensor gpu_out = out.dl();
+  gpu_out.device = DLDevice{kDLCUDA, 0};
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out is on cuda:0", [&] { return moecap_read(f.h, slots.get(), &gpu_out, nullptr, 0, nullptr); });
+  HostTensor wbad({2, c.num_layers, c.top_k + 1}, f32());
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out->shape[2]", [&] { return moecap_read(f.h, slots.get(), out.get(), wbad.get(), 0, nullptr); });
+  CHECK(out.bytes() == out_before);  // no partial write into the caller's tensor either
+}
+
+TEST_CASE("read into a dtype too narrow for the experts is refused") {
+  moecap_config c = small_config();
+  c.num_experts = 300;
+  moecap_capturer* h = nullptr;
+  REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
+  HostTensor slots({1}, i32());
+  HostTensor out({1, c.num_layers, c.top_k}, u8());
+  CHECK(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(moecap_last_error()).find("num_experts is 300") != std::string::npos);
+  HostTensor wout({1, c.num_layers, c.top_k}, f32());
+  HostTensor out16({1, c.num_layers, c.top_k}, u16());
+  CHECK(moecap_read(h, slots.get(), out16.get(), wout.get(), 0, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(moecap_last_error()).find("weights_out is given") != std::string::npos);
+  moecap_destroy(h);
+}
+
+TEST_CASE("write refuses bad input") {
+  Fixture f;
+  const moecap_config& c = f.cfg;
+  HostTensor slots({1}, i32());
+  slots.fill<int32_t>({5});
+  HostTensor ids({1, c.num_layers, c.top_k}, i32());
+  HostTensor w({1, c.num_layers, c.top_k}, f32());
+  ids.set(4, 8);  // num_experts is 8
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "ids[0][2][0] is 8", [&] { return moecap_write(f.h, slots.get(), ids.get(), w.get(), nullptr); });
+  ids.set(4, -3);
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "is -3", [&] { return moecap_write(f.h, slots.get(), ids.get(), w.get(), nullptr); });
+  ids.set(4, 1);
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "weights is NULL", [&] { return moecap_write(f.h, slots.get(), ids.get(), nullptr, nullptr); });
+  HostTensor past({1}, i32());
+  past.fill<int32_t>({32});
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "slots[0] is 32", [&] { return moecap_write(f.h, past.get(), ids.get(), w.get(), nullptr); });
+  HostTensor ids2({2, c.num_layers, c.top_k}, i32());
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids->shape[0] is 2", [&] { return moecap_write(f.h, slots.get(), ids2.get(), w.get(), nullptr); });
+}
+
+TEST_CASE("export, histogram_reset, get_errors, get_plan and graphs refuse bad input") {
+  Fixture f;
+  DLManagedTensorVersioned* v = nullptr;
+  DLManagedTensor* legacy = nullptr;
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "which is 0", [&] { return moecap_export(f.h, 0, 0, &v); });
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "which is 99", [&] { return moecap_export_legacy(f.h, 99, 0, &legacy); });
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "layer is 3", [&] { return moecap_export(f.h, MOECAP_BUFFER_LAYER_IDS, 3, &v); });
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "out is NULL", [&] { return moecap_export(f.h, MOECAP_BUFFER_HOST_IDS, 0, nullptr); });
+  CHECK(v == nullptr);
+  CHECK(legacy == nullptr);
+  moecap_error_counts e{};
+  e.struct_size = 4;
+  f.refused(MOECAP_ERROR_ABI_MISMATCH, "out->struct_size is 4", [&] { return moecap_get_errors(f.h, &e, 0); });
+  e.struct_size = sizeof e;
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "flags has unknown bits", [&] { return moecap_get_errors(f.h, &e, 8); });
+  moecap_plan_info info{};
+  f.refused(MOECAP_ERROR_ABI_MISMATCH, "out->struct_size is 0", [&] { return moecap_get_plan(f.h, &info); });
+  moecap_graph* g = nullptr;
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "no moecap_graph_begin", [&] { return moecap_graph_end(f.h, &g); });
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "graph is NULL", [&] { return moecap_graph_launch(nullptr, nullptr); });
+  CHECK(moecap_graph_destroy(nullptr) == MOECAP_OK);
+
+  moecap_config plain = small_config();
+  moecap_capturer* h = nullptr;
+  REQUIRE(moecap_create(&plain, &h) == MOECAP_OK);
+  CHECK(moecap_histogram_reset(h, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(moecap_last_error()).find("MOECAP_FLAG_HISTOGRAM") != std::string::npos);
+  CHECK(moecap_export(h, MOECAP_BUFFER_HISTOGRAM, 0, &v) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(moecap_export(h, MOECAP_BUFFER_HOST_WEIGHTS, 0, &v) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(moecap_last_error()).find("MOECAP_WEIGHTS_NONE") != std::string::npos);
+  moecap_destroy(h);
+}
+
+TEST_CASE("create and destroy edge cases") {
+  moecap_config c = small_config();
+  CHECK(moecap_create(&c, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+  moecap_capturer* h = nullptr;
+  c.num_layers = 0;
+  CHECK(moecap_create(&c, &h) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(h == nullptr);
+  CHECK(moecap_destroy(nullptr) == MOECAP_OK);
+  // A plan far larger than memory: OUT_OF_MEMORY, nothing handed out.
+  c = small_config();
+  c.host_slots = int64_t{1} << 40;
+  c.num_layers = 64;
+  c.top_k = 8;
+  c.num_experts = 256;
+  CHECK(moecap_create(&c, &h) == MOECAP_ERROR_OUT_OF_MEMORY);
+  CHECK(h == nullptr);
+  CHECK(std::string(moecap_last_error()).find("cannot allocate") != std::string::npos);
+}
+
+TEST_CASE("status names and ABI version") {
+  CHECK(std::string(moecap_status_name(MOECAP_ERROR_CAPACITY)) == "MOECAP_ERROR_CAPACITY");
+  CHECK(std::string(moecap_status_name(static_cast<moecap_status>(77))) == "MOECAP_STATUS_UNKNOWN");
+  CHECK(moecap_abi_version() == MOECAP_ABI_VERSION);
+}
+
+TEST_CASE("guard canaries report the region something wrote past") {
+  moecap_config c = small_config();
+  c.flags = MOECAP_FLAG_GUARDS;
+  moecap_capturer* h = nullptr;
+  REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
+  DLManagedTensorVersioned* v = nullptr;
+  REQUIRE(moecap_export(h, MOECAP_BUFFER_HOST_IDS, 0, &v) == MOECAP_OK);
+  HostTensor slots({1}, i32());
+  HostTensor out({1, c.num_layers, c.top_k}, i32());
+  REQUIRE(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
+  // An engine bug writing one byte past the host cache through the exported view.
+  uint8_t* end = static_cast<uint8_t*>(v->dl_tensor.data) + c.host_slots * c.num_layers * c.top_k;
+  end[3] ^= 0xff;
+  CHECK(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_ERROR_CORRUPTION);
+  CHECK(std::string(moecap_last_error()).find("host ids") != std::string::npos);
+  end[3] ^= 0xff;
+  CHECK(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
+  v->deleter(v);
+  moecap_destroy(h);
+}

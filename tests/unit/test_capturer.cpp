@@ -1,0 +1,218 @@
+// capture -> commit -> read through the C ABI on the host backend: round
+// trips for every dtype, and every entry point's bad input refused with the
+// right status, a message naming the argument, and no buffer changed.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moecap.h"
+#include "tensors.h"
+
+using namespace moecap_test;
+
+namespace {
+
+struct Capturer {
+  explicit Capturer(const moecap_config& c) { REQUIRE(moecap_create(&c, &h) == MOECAP_OK); }
+  ~Capturer() { moecap_destroy(h); }
+  moecap_capturer* h = nullptr;
+};
+
+// Every byte moecap owns, read through its own DLPack views.
+std::vector<uint8_t> snapshot(moecap_capturer* h) {
+  std::vector<uint8_t> all;
+  for (int32_t which : {MOECAP_BUFFER_DEVICE_IDS, MOECAP_BUFFER_DEVICE_WEIGHTS, MOECAP_BUFFER_HOST_IDS,
+                        MOECAP_BUFFER_HOST_WEIGHTS, MOECAP_BUFFER_HISTOGRAM}) {
+    DLManagedTensorVersioned* v = nullptr;
+    if (moecap_export(h, which, 0, &v) != MOECAP_OK) continue;
+    int64_t n = v->dl_tensor.dtype.bits / 8;
+    for (int i = 0; i < v->dl_tensor.ndim; ++i) n *= v->dl_tensor.shape[i];
+    const uint8_t* p = static_cast<const uint8_t*>(v->dl_tensor.data);
+    all.insert(all.end(), p, p + n);
+    v->deleter(v);
+  }
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  moecap_get_errors(h, &e, 0);
+  all.push_back(static_cast<uint8_t>(e.skipped_rows));
+  all.push_back(static_cast<uint8_t>(e.invalid_ids));
+  return all;
+}
+
+// Runs `call`, which must fail with `code` and a message containing `needle`,
+// and must leave every buffer as it was.
+void expect_refused(moecap_capturer* h, moecap_status code, const char* needle, const std::function<moecap_status()>& call) {
+  CAPTURE(needle);
+  const std::vector<uint8_t> before = snapshot(h);
+  const moecap_status s = call();
+  CHECK(s == code);
+  CHECK_MESSAGE(std::string(moecap_last_error()).find(needle) != std::string::npos, moecap_last_error());
+  CHECK(snapshot(h) == before);
+}
+
+// Fills ids [n, cols] with route(token0 + row, layer, k), and -1 in extra columns.
+void fill_ids(HostTensor& ids, int64_t token0, int32_t layer, int32_t top_k, int32_t experts) {
+  const int64_t n = ids.dl().shape[0], cols = ids.dl().shape[1];
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t k = 0; k < cols; ++k)
+      ids.set(r * cols + k, k < top_k ? route(token0 + r, layer, k, experts) : experts + (k - top_k));
+}
+
+moecap_commit_args range_commit(DLTensor* slots, int64_t start) {
+  return moecap_commit_args{sizeof(moecap_commit_args), start, nullptr, slots};
+}
+
+}  // namespace
+
+TEST_CASE("round trip capture -> commit -> read for every stored and output id dtype") {
+  for (int32_t stored : {MOECAP_IDS_U8, MOECAP_IDS_U16, MOECAP_IDS_I32}) {
+    for (DLDataType in : {i32(), i64()}) {
+      for (DLDataType out : {u8(), u16(), i32(), i64(), DLDataType{kDLInt, 8, 1}, DLDataType{kDLInt, 16, 1}}) {
+        CAPTURE(stored);
+        CAPTURE(int(in.bits));
+        CAPTURE(int(out.bits));
+        moecap_config c = small_config();
+        c.id_dtype = stored;
+        c.extra_columns = 1;
+        Capturer cap(c);
+        const int64_t n = 5;
+        HostTensor ids({n, c.top_k + c.extra_columns}, in);
+        for (int32_t l = 0; l < c.num_layers; ++l) {
+          fill_ids(ids, 100, l, c.top_k, c.num_experts);
+          REQUIRE(moecap_capture(cap.h, l, ids.get(), nullptr, nullptr) == MOECAP_OK);
+        }
+        HostTensor slots({n}, i64());
+        slots.fill<int64_t>({7, -1, 3, 30, 12});
+        moecap_commit_args a = range_commit(slots.get(), 0);
+        REQUIRE(moecap_commit(cap.h, &a, nullptr) == MOECAP_OK);
+        HostTensor want({4}, i32());
+        want.fill<int32_t>({3, 7, 12, 30});
+        HostTensor got({4, c.num_layers, c.top_k}, out);
+        REQUIRE(moecap_read(cap.h, want.get(), got.get(), nullptr, 0, nullptr) == MOECAP_OK);
+        const int64_t row_of_slot[] = {2, 0, 4, 3};  // rows that went to slots 3, 7, 12, 30
+        for (int64_t t = 0; t < 4; ++t)
+          for (int32_t l = 0; l < c.num_layers; ++l)
+            for (int32_t k = 0; k < c.top_k; ++k)
+              REQUIRE(got.at((t * c.num_layers + l) * c.top_k + k) == route(100 + row_of_slot[t], l, k, c.num_experts));
+      }
+    }
+  }
+}
+
+TEST_CASE("weights are converted to the stored dtype and back") {
+  for (int32_t stored : {MOECAP_WEIGHTS_F32, MOECAP_WEIGHTS_BF16, MOECAP_WEIGHTS_F16}) {
+    CAPTURE(stored);
+    moecap_config c = small_config();
+    c.weight_dtype = stored;
+    Capturer cap(c);
+    HostTensor ids({2, c.top_k}, i32());
+    HostTensor w({2, c.top_k}, f32());
+    ids.fill<int32_t>({1, 2, 3, 4});
+    w.fill<float>({0.5f, 0.25f, 0.7f, 0.3f});
+    for (int32_t l = 0; l < c.num_layers; ++l) REQUIRE(moecap_capture(cap.h, l, ids.get(), w.get(), nullptr) == MOECAP_OK);
+    HostTensor slots({2}, i32());
+    slots.fill<int32_t>({4, 5});
+    moecap_commit_args a = range_commit(slots.get(), 0);
+    REQUIRE(moecap_commit(cap.h, &a, nullptr) == MOECAP_OK);
+    HostTensor got({2, c.num_layers, c.top_k}, i32());
+    HostTensor gw({2, c.num_layers, c.top_k}, f32());
+    REQUIRE(moecap_read(cap.h, slots.get(), got.get(), gw.get(), 0, nullptr) == MOECAP_OK);
+    const float tol = stored == MOECAP_WEIGHTS_F32 ? 0.0f : stored == MOECAP_WEIGHTS_BF16 ? 4e-3f : 5e-4f;
+    CHECK(std::fabs(gw.as<float>()[0] - 0.5f) <= tol);
+    CHECK(std::fabs(gw.as<float>()[c.num_layers * c.top_k + 1] - 0.3f) <= tol);
+    CHECK(got.as<int32_t>()[c.num_layers * c.top_k + 1] == 4);
+    // Reading without weights is fine; asking for weights of a capturer without them is not.
+  }
+}
+
+TEST_CASE("row lists commit accepted speculative tokens in any order") {
+  moecap_config c = small_config();
+  c.verify_tokens = 4;
+  Capturer cap(c);
+  const int64_t n = 8;
+  HostTensor ids({n, c.top_k}, i64());
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    fill_ids(ids, 0, l, c.top_k, c.num_experts);
+    REQUIRE(moecap_capture(cap.h, l, ids.get(), nullptr, nullptr) == MOECAP_OK);
+  }
+  HostTensor rows({3}, i32());
+  rows.fill<int32_t>({6, 1, 3});  // tree acceptance: not contiguous, not sorted
+  HostTensor slots({3}, i64());
+  slots.fill<int64_t>({20, 21, 22});
+  moecap_commit_args a{sizeof a, 0, rows.get(), slots.get()};
+  REQUIRE(moecap_commit(cap.h, &a, nullptr) == MOECAP_OK);
+  HostTensor got({3, c.num_layers, c.top_k}, i32());
+  REQUIRE(moecap_read(cap.h, slots.get(), got.get(), nullptr, 0, nullptr) == MOECAP_OK);
+  for (int64_t t = 0; t < 3; ++t) CHECK(got.at(t * c.num_layers * c.top_k) == route(rows.at(t), 0, 0, c.num_experts));
+}
+
+TEST_CASE("ids outside [0, num_experts) are stored as 'no expert', read as -1 and counted") {
+  moecap_config c = small_config();
+  Capturer cap(c);
+  HostTensor ids({1, c.top_k}, i32());
+  ids.fill<int32_t>({-1, 99});
+  for (int32_t l = 0; l < c.num_layers; ++l) REQUIRE(moecap_capture(cap.h, l, ids.get(), nullptr, nullptr) == MOECAP_OK);
+  HostTensor slots({1}, i32());
+  slots.fill<int32_t>({0});
+  moecap_commit_args a = range_commit(slots.get(), 0);
+  REQUIRE(moecap_commit(cap.h, &a, nullptr) == MOECAP_OK);
+  HostTensor got({1, c.num_layers, c.top_k}, i32());
+  REQUIRE(moecap_read(cap.h, slots.get(), got.get(), nullptr, 0, nullptr) == MOECAP_OK);
+  CHECK(got.at(0) == -1);
+  CHECK(got.at(1) == -1);
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  REQUIRE(moecap_get_errors(cap.h, &e, MOECAP_ERRORS_CLEAR) == MOECAP_OK);
+  CHECK(e.invalid_ids == 2u * static_cast<uint64_t>(c.num_layers));
+  REQUIRE(moecap_get_errors(cap.h, &e, 0) == MOECAP_OK);
+  CHECK(e.invalid_ids == 0);
+}
+
+TEST_CASE("histogram counts kept ids per layer and resets") {
+  moecap_config c = small_config();
+  c.flags = MOECAP_FLAG_HISTOGRAM;
+  c.extra_columns = 1;
+  Capturer cap(c);
+  HostTensor ids({2, 3}, i32());
+  ids.fill<int32_t>({1, 2, 8, 1, 5, 8});  // column 2: the fused shared expert, dropped
+  REQUIRE(moecap_capture(cap.h, 1, ids.get(), nullptr, nullptr) == MOECAP_OK);
+  DLManagedTensorVersioned* v = nullptr;
+  REQUIRE(moecap_export(cap.h, MOECAP_BUFFER_HISTOGRAM, 0, &v) == MOECAP_OK);
+  const int64_t* hist = static_cast<const int64_t*>(v->dl_tensor.data);
+  CHECK(v->dl_tensor.shape[0] == c.num_layers);
+  CHECK(v->dl_tensor.shape[1] == c.num_experts);
+  CHECK(hist[1 * 8 + 1] == 2);
+  CHECK(hist[1 * 8 + 2] == 1);
+  CHECK(hist[1 * 8 + 5] == 1);
+  CHECK(hist[0 * 8 + 1] == 0);
+  REQUIRE(moecap_histogram_reset(cap.h, nullptr) == MOECAP_OK);
+  CHECK(hist[1 * 8 + 1] == 0);
+  v->deleter(v);
+}
+
+TEST_CASE("write imports rows that read returns (prefill/decode disaggregation)") {
+  moecap_config c = small_config();
+  c.weight_dtype = MOECAP_WEIGHTS_BF16;
+  Capturer cap(c);
+  HostTensor slots({2}, i64());
+  slots.fill<int64_t>({9, 2});
+  HostTensor ids({2, c.num_layers, c.top_k}, i64());
+  HostTensor w({2, c.num_layers, c.top_k}, f32());
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    ids.set(i, i % c.num_experts);
+    w.as<float>()[i] = 0.125f * static_cast<float>(i % 5);
+  }
+  ids.set(3, -1);
+  REQUIRE(moecap_write(cap.h, slots.get(), ids.get(), w.get(), nullptr) == MOECAP_OK);
+  HostTensor got({2, c.num_layers, c.top_k}, DLDataType{kDLInt, 16, 1});
+  HostTensor gw({2, c.num_layers, c.top_k}, f32());
+  REQUIRE(moecap_read(cap.h, slots.get(), got.get(), gw.get(), 0, nullptr) == MOECAP_OK);
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    CHECK(got.at(i) == ids.at(i));
+    CHECK(gw.as<float>()[i] == w.as<float>()[i]);  // multiples of 1/8 are exact in bf16
+  }
+}

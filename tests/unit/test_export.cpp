@@ -1,0 +1,83 @@
+// DLPack export consumed through the header only: shapes, strides, dtype,
+// device, byte_offset 0, a deleter that keeps the memory alive, and writes
+// through a view seen by moecap (zero copy).
+#include <doctest/doctest.h>
+
+#include "moecap.h"
+#include "tensors.h"
+
+using namespace moecap_test;
+
+TEST_CASE("versioned and legacy views describe the buffers exactly") {
+  moecap_config c = small_config();
+  c.weight_dtype = MOECAP_WEIGHTS_BF16;
+  c.dp_size = 2;
+  moecap_capturer* h = nullptr;
+  REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
+  moecap_plan_info info{};
+  info.struct_size = sizeof info;
+  REQUIRE(moecap_get_plan(h, &info) == MOECAP_OK);
+
+  DLManagedTensorVersioned* dev = nullptr;
+  REQUIRE(moecap_export(h, MOECAP_BUFFER_DEVICE_IDS, 0, &dev) == MOECAP_OK);
+  CHECK(dev->version.major == 1);
+  CHECK(dev->flags == 0);
+  CHECK(dev->dl_tensor.byte_offset == 0);
+  CHECK(dev->dl_tensor.device.device_type == kDLCPU);
+  CHECK(dev->dl_tensor.dtype.code == kDLUInt);
+  CHECK(dev->dl_tensor.dtype.bits == 8);
+  REQUIRE(dev->dl_tensor.ndim == 3);
+  CHECK(dev->dl_tensor.shape[0] == info.device_rows);
+  CHECK(dev->dl_tensor.shape[1] == c.num_layers);
+  CHECK(dev->dl_tensor.shape[2] == c.top_k);
+  REQUIRE(dev->dl_tensor.strides != nullptr);
+  CHECK(dev->dl_tensor.strides[0] == c.num_layers * c.top_k);
+
+  DLManagedTensor* layer = nullptr;
+  REQUIRE(moecap_export_legacy(h, MOECAP_BUFFER_LAYER_IDS, 2, &layer) == MOECAP_OK);
+  CHECK(layer->dl_tensor.ndim == 2);
+  CHECK(layer->dl_tensor.shape[0] == info.device_rows);
+  CHECK(layer->dl_tensor.shape[1] == c.top_k);
+  CHECK(layer->dl_tensor.strides[0] == c.num_layers * c.top_k);
+  CHECK(layer->dl_tensor.strides[1] == 1);
+  CHECK(static_cast<uint8_t*>(layer->dl_tensor.data) == static_cast<uint8_t*>(dev->dl_tensor.data) + 2 * c.top_k);
+
+  DLManagedTensorVersioned* w = nullptr;
+  REQUIRE(moecap_export(h, MOECAP_BUFFER_HOST_WEIGHTS, 0, &w) == MOECAP_OK);
+  CHECK(w->dl_tensor.dtype.code == kDLBfloat);
+  CHECK(w->dl_tensor.shape[0] == c.host_slots);
+
+  // A top-k kernel writing straight into the layer view (out=): capture is free.
+  uint8_t* l2 = static_cast<uint8_t*>(layer->dl_tensor.data);
+  l2[0] = 5;
+  l2[1] = 6;
+  HostTensor slots({1}, i32());
+  slots.fill<int32_t>({9});
+  moecap_commit_args a{sizeof a, 0, nullptr, slots.get()};
+  REQUIRE(moecap_commit(h, &a, nullptr) == MOECAP_OK);
+  HostTensor out({1, c.num_layers, c.top_k}, i32());
+  REQUIRE(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
+  CHECK(out.at(2 * c.top_k) == 5);
+  CHECK(out.at(2 * c.top_k + 1) == 6);
+
+  // The views outlive the handle; their deleters free the memory.
+  REQUIRE(moecap_destroy(h) == MOECAP_OK);
+  CHECK(static_cast<uint8_t*>(dev->dl_tensor.data)[2 * c.top_k] == 5);
+  dev->deleter(dev);
+  layer->deleter(layer);
+  w->deleter(w);
+}
+
+TEST_CASE("moecap_get_api fills a table of the same functions") {
+  moecap_api api{};
+  api.struct_size = sizeof api;
+  REQUIRE(moecap_get_api(&api) == MOECAP_OK);
+  CHECK(api.abi_version == MOECAP_ABI_VERSION);
+  CHECK((api.capture == &moecap_capture));
+  CHECK((api.graph_destroy == &moecap_graph_destroy));
+  CHECK((api.abi_version_fn == &moecap_abi_version));
+  moecap_api small{};
+  small.struct_size = 8;
+  CHECK(moecap_get_api(&small) == MOECAP_ERROR_ABI_MISMATCH);
+  CHECK(moecap_get_api(nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+}
