@@ -42,10 +42,12 @@ int64_t id_limit(int32_t elem) {
 
 template <class S, class D>
 void convert_ids(const S* src, D* dst, int64_t n, int64_t invalid_code) {
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t v = static_cast<int64_t>(src[i]);
-    dst[i] = static_cast<D>(v == invalid_code ? -1 : v);
+  if (invalid_code == INT64_MIN) {  // every stored value is a valid id: plain widening
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<D>(src[i]);
+    return;
   }
+  const S code = static_cast<S>(invalid_code);
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] == code ? static_cast<D>(-1) : static_cast<D>(src[i]);
 }
 
 // Converts n stored ids to the caller's dtype. `invalid_code` is the stored

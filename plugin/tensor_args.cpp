@@ -49,12 +49,10 @@ int32_t check_tensor(const DLTensor* t, const TensorRules& r) {
   if (t->shape == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->shape is NULL");
   const int32_t e = elem_of(t->dtype);
   bool accepted = false;
-  std::string expected;
-  for (int32_t a : r.elems) {
-    accepted = accepted || a == e;
-    expected += expected.empty() ? elem_name(a) : cat(", ", elem_name(a));
-  }
+  for (int32_t a : r.elems) accepted = accepted || a == e;
   if (!accepted) {
+    std::string expected;
+    for (int32_t a : r.elems) expected += expected.empty() ? elem_name(a) : cat(", ", elem_name(a));
     fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " has dtype ", dtype_name(t->dtype), "; expected one of ", expected);
   }
   for (int i = 0; i < t->ndim; ++i) {

@@ -1,0 +1,270 @@
+// moecap_bench: each moecap operation beside a baseline doing the same work
+// the way engines do it today, so every claim is a ratio from one run.
+// Host backend here; CUDA cases are in moecap_bench_cuda.cpp.
+#include <benchmark/benchmark.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "capturer.h"
+#include "moecap.h"
+#include "plan.h"
+
+namespace {
+
+// A 128-expert, top-8, 48-layer model (Qwen3-30B-A3B's router shape).
+constexpr int32_t kLayers = 48;
+constexpr int32_t kTopK = 8;
+constexpr int32_t kExperts = 128;
+constexpr int64_t kRowElems = int64_t{kLayers} * kTopK;
+constexpr int64_t kDeviceRows = 16384;
+constexpr int64_t kHostSlots = 1 << 17;
+
+moecap_config bench_config(int32_t id_dtype) {
+  moecap_config c{};
+  c.struct_size = sizeof c;
+  c.abi_version = MOECAP_ABI_VERSION;
+  c.flags = MOECAP_FLAG_NO_GUARDS;
+  c.num_layers = kLayers;
+  c.top_k = kTopK;
+  c.num_experts = kExperts;
+  c.dp_size = 1;
+  c.verify_tokens = 1;
+  c.max_running_requests = 256;
+  c.chunked_prefill_size = kDeviceRows;
+  c.host_slots = kHostSlots;
+  c.id_dtype = id_dtype;
+  c.device_type = MOECAP_DEVICE_HOST;
+  return c;
+}
+
+struct Handle {
+  explicit Handle(int32_t id_dtype) {
+    const moecap_config c = bench_config(id_dtype);
+    if (moecap_create(&c, &h) != MOECAP_OK) std::abort();
+  }
+  ~Handle() { moecap_destroy(h); }
+  moecap_capturer* h = nullptr;
+};
+
+DLTensor tensor(void* data, int ndim, int64_t* shape, DLDataType dtype) {
+  return DLTensor{data, {kDLCPU, 0}, ndim, dtype, shape, nullptr, 0};
+}
+
+std::vector<int64_t> random_slots(int64_t n, uint32_t seed) {
+  std::vector<int64_t> s(static_cast<size_t>(kHostSlots));
+  for (int64_t i = 0; i < kHostSlots; ++i) s[static_cast<size_t>(i)] = i;
+  std::shuffle(s.begin(), s.end(), std::mt19937(seed));
+  s.resize(static_cast<size_t>(n));
+  return s;
+}
+
+std::vector<int64_t> sequential_slots(int64_t n) {
+  std::vector<int64_t> s(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) s[static_cast<size_t>(i)] = 1000 + i;
+  return s;
+}
+
+const DLDataType kI32{kDLInt, 32, 1};
+const DLDataType kI64{kDLInt, 64, 1};
+
+// --- capture --------------------------------------------------------------------
+
+// Args: n, input bits (32/64), stored id dtype.
+void BM_Capture_Moecap(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  const bool wide = state.range(1) == 64;
+  Handle cap(static_cast<int32_t>(state.range(2)));
+  std::vector<int64_t> ids(static_cast<size_t>(n * kTopK));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i % kExperts);
+  std::vector<int32_t> ids32(ids.begin(), ids.end());
+  int64_t shape[2] = {n, kTopK};
+  DLTensor t = wide ? tensor(ids.data(), 2, shape, kI64) : tensor(ids32.data(), 2, shape, kI32);
+  int32_t layer = 0;
+  for (auto _ : state) {
+    moecap_capture(cap.h, layer, &t, nullptr, nullptr);
+    layer = (layer + 1) % kLayers;
+  }
+  state.SetBytesProcessed(state.iterations() * n * kTopK * (wide ? 8 : 4));
+  state.SetItemsProcessed(state.iterations() * n);
+}
+
+// What slice assignment into an int32 [rows, layers, top_k] buffer does.
+void BM_Capture_Baseline(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  std::vector<int32_t> buffer(static_cast<size_t>(kDeviceRows * kRowElems));
+  std::vector<int32_t> ids(static_cast<size_t>(n * kTopK), 7);
+  int32_t layer = 0;
+  for (auto _ : state) {
+    int32_t* dst = buffer.data() + layer * kTopK;
+    for (int64_t r = 0; r < n; ++r) std::memcpy(dst + r * kRowElems, ids.data() + r * kTopK, kTopK * 4);
+    benchmark::ClobberMemory();
+    layer = (layer + 1) % kLayers;
+  }
+  state.SetBytesProcessed(state.iterations() * n * kTopK * 4);
+  state.SetItemsProcessed(state.iterations() * n);
+}
+
+// --- commit ---------------------------------------------------------------------
+
+// Args: rows, random (1) or sequential (0) slots.
+void BM_Commit_Moecap(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  Handle cap(MOECAP_IDS_AUTO);
+  std::vector<int64_t> slots = state.range(1) ? random_slots(n, 1) : sequential_slots(n);
+  int64_t shape[1] = {n};
+  DLTensor st = tensor(slots.data(), 1, shape, kI64);
+  moecap_commit_args a{sizeof a, 0, nullptr, &st};
+  for (auto _ : state) moecap_commit(cap.h, &a, nullptr);
+  state.SetItemsProcessed(state.iterations() * n);  // tokens
+  state.SetBytesProcessed(state.iterations() * n * kRowElems);
+}
+
+// The framework way: copy the int32 slice out, then scatter its rows into an int32 host cache.
+void BM_Commit_Baseline(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  std::vector<int32_t> device(static_cast<size_t>(kDeviceRows * kRowElems), 3);
+  std::vector<int32_t> host(static_cast<size_t>(kHostSlots * kRowElems));
+  std::vector<int32_t> staged(static_cast<size_t>(n * kRowElems));
+  std::vector<int64_t> slots = state.range(1) ? random_slots(n, 1) : sequential_slots(n);
+  for (auto _ : state) {
+    std::memcpy(staged.data(), device.data(), staged.size() * 4);
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(host.data() + slots[static_cast<size_t>(i)] * kRowElems, staged.data() + i * kRowElems,
+                  kRowElems * 4);
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+  state.SetBytesProcessed(state.iterations() * n * kRowElems * 4);
+}
+
+// The physical ceiling: one memcpy of the bytes moecap's commit moves (u8 rows).
+void BM_Commit_Memcpy(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  std::vector<uint8_t> src(static_cast<size_t>(n * kRowElems), 1);
+  std::vector<uint8_t> dst(static_cast<size_t>(kHostSlots * kRowElems));
+  for (auto _ : state) {
+    std::memcpy(dst.data() + 1000 * kRowElems, src.data(), src.size());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+  state.SetBytesProcessed(state.iterations() * n * kRowElems);
+}
+
+// --- read -----------------------------------------------------------------------
+
+// A finished request of T tokens, scattered over the cache, into int32 [T, layers, top_k].
+void BM_Read_Moecap(benchmark::State& state) {
+  const int64_t t = state.range(0);
+  Handle cap(MOECAP_IDS_AUTO);
+  std::vector<int64_t> slots = random_slots(t, 2);
+  std::vector<int32_t> out(static_cast<size_t>(t * kRowElems));
+  int64_t sshape[1] = {t};
+  int64_t oshape[3] = {t, kLayers, kTopK};
+  DLTensor st = tensor(slots.data(), 1, sshape, kI64);
+  DLTensor ot = tensor(out.data(), 3, oshape, kI32);
+  for (auto _ : state) moecap_read(cap.h, &st, &ot, nullptr, 0, nullptr);
+  state.SetItemsProcessed(state.iterations() * t);
+}
+
+// Frameworks' advanced indexing: an element-wise gather through an index array.
+void BM_Read_Baseline(benchmark::State& state) {
+  const int64_t t = state.range(0);
+  std::vector<int32_t> cache(static_cast<size_t>(kHostSlots * kRowElems), 5);
+  std::vector<int64_t> slots = random_slots(t, 2);
+  std::vector<int32_t> out(static_cast<size_t>(t * kRowElems));
+  for (auto _ : state) {
+    for (int64_t i = 0; i < t * kRowElems; ++i) {
+      const int64_t row = i / kRowElems;
+      const int64_t col = i - row * kRowElems;
+      out[static_cast<size_t>(i)] = cache[static_cast<size_t>(slots[static_cast<size_t>(row)] * kRowElems + col)];
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * t);
+}
+
+// --- ABI overhead ----------------------------------------------------------------
+
+void BM_Abi_CaptureThroughDlopen(benchmark::State& state) {
+  void* lib = dlopen(MOECAP_LIBRARY, RTLD_NOW | RTLD_LOCAL);
+  using Create = moecap_status (*)(const moecap_config*, moecap_capturer**);
+  using Capture = moecap_status (*)(moecap_capturer*, int32_t, const DLTensor*, const DLTensor*, void*);
+  using Destroy = moecap_status (*)(moecap_capturer*);
+  auto create = reinterpret_cast<Create>(dlsym(lib, "moecap_create"));
+  auto capture = reinterpret_cast<Capture>(dlsym(lib, "moecap_capture"));
+  auto destroy = reinterpret_cast<Destroy>(dlsym(lib, "moecap_destroy"));
+  const moecap_config c = bench_config(MOECAP_IDS_AUTO);
+  moecap_capturer* h = nullptr;
+  create(&c, &h);
+  int32_t ids[kTopK] = {1, 2, 3, 4, 5, 6, 7, 8};
+  int64_t shape[2] = {1, kTopK};
+  DLTensor t = tensor(ids, 2, shape, kI32);
+  for (auto _ : state) benchmark::DoNotOptimize(capture(h, 0, &t, nullptr, nullptr));
+  destroy(h);
+}
+
+void BM_Abi_CaptureDirectCpp(benchmark::State& state) {
+  const moecap_config c = bench_config(MOECAP_IDS_AUTO);
+  moecap::Capturer cap(moecap::make_plan(&c));
+  int32_t ids[kTopK] = {1, 2, 3, 4, 5, 6, 7, 8};
+  int64_t shape[2] = {1, kTopK};
+  DLTensor t = tensor(ids, 2, shape, kI32);
+  for (auto _ : state) cap.capture(0, &t, nullptr, nullptr);
+}
+
+// --- memory -----------------------------------------------------------------------
+
+struct Shape {
+  const char* name;
+  int32_t layers, top_k, experts;
+};
+constexpr Shape kShapes[] = {{"128e-top8-48L", 48, 8, 128}, {"256e-top8-61L", 61, 8, 256}, {"64e-top6-27L", 27, 6, 64}};
+
+// Device and host bytes for a serving config (256 running requests, 8192-token
+// chunks, graphs to 256 requests, 4 verify tokens, 1M KV slots) against the
+// int32 layout with the old sizing.
+void BM_Memory(benchmark::State& state) {
+  const Shape& s = kShapes[state.range(0)];
+  moecap_config c = bench_config(MOECAP_IDS_AUTO);
+  c.num_layers = s.layers;
+  c.top_k = s.top_k;
+  c.num_experts = s.experts;
+  c.dp_size = static_cast<int32_t>(state.range(1));
+  c.max_running_requests = 256;
+  c.chunked_prefill_size = 8192;
+  c.max_graph_batch = 256;
+  c.verify_tokens = 4;
+  c.host_slots = 1 << 20;
+  moecap_plan_info info{};
+  info.struct_size = sizeof info;
+  for (auto _ : state) benchmark::DoNotOptimize(moecap_plan(&c, &info));
+  const double row32 = 4.0 * s.layers * s.top_k;
+  state.SetLabel(s.name);
+  state.counters["moecap_device_MiB"] = static_cast<double>(info.device_bytes) / (1 << 20);
+  state.counters["moecap_host_MiB"] = static_cast<double>(info.host_bytes) / (1 << 20);
+  state.counters["old_device_MiB"] = static_cast<double>(moecap::legacy_device_rows(c)) * row32 / (1 << 20);
+  state.counters["old_host_MiB"] = static_cast<double>(c.host_slots) * row32 / (1 << 20);
+  state.counters["device_rows"] = static_cast<double>(info.device_rows);
+  state.counters["old_device_rows"] = static_cast<double>(moecap::legacy_device_rows(c));
+}
+
+}  // namespace
+
+BENCHMARK(BM_Capture_Moecap)
+    ->ArgsProduct({{1, 64, 512, 4096, 16384}, {32, 64}, {MOECAP_IDS_U8, MOECAP_IDS_U16, MOECAP_IDS_I32}});
+BENCHMARK(BM_Capture_Baseline)->Arg(1)->Arg(64)->Arg(512)->Arg(4096)->Arg(16384);
+BENCHMARK(BM_Commit_Moecap)->ArgsProduct({{64, 512, 4096}, {0, 1}});
+BENCHMARK(BM_Commit_Baseline)->ArgsProduct({{64, 512, 4096}, {0, 1}});
+BENCHMARK(BM_Commit_Memcpy)->Arg(64)->Arg(512)->Arg(4096);
+BENCHMARK(BM_Read_Moecap)->Arg(128)->Arg(4096)->Arg(32768);
+BENCHMARK(BM_Read_Baseline)->Arg(128)->Arg(4096)->Arg(32768);
+BENCHMARK(BM_Abi_CaptureThroughDlopen);
+BENCHMARK(BM_Abi_CaptureDirectCpp);
+BENCHMARK(BM_Memory)->ArgsProduct({{0, 1, 2}, {1, 8}})->Iterations(1);
+
+BENCHMARK_MAIN();
