@@ -26,8 +26,11 @@
  *   (their *data* is read or written by the operation, on `stream`).
  *   Shapes and strides are in elements; NULL strides means compact row-major;
  *   byte_offset is honoured.
- * - `stream` is a CUstream (NULL = the legacy default stream is refused on
- *   the capture path; pass the engine's stream). The host backend ignores it.
+ * - `stream` is a CUstream: the engine's stream, on which moecap enqueues its
+ *   work and nothing else (NULL is the legacy default stream, accepted where
+ *   the engine itself runs there; moecap never uses it on its own). The host
+ *   backend ignores it. While recording a moecap graph it must be the
+ *   recording stream.
  * - Thread safety: every call on one capturer takes that capturer's lock, so
  *   calls from several threads are safe and serialize; different capturers
  *   share nothing. A read blocking on commits holds the lock while it waits.
@@ -349,7 +352,7 @@ MOECAP_API moecap_status moecap_export_legacy(moecap_capturer* capturer, int32_t
 /* ------------------------------------------------------------------------ */
 
 /* Starts recording moecap operations issued on this capturer. CUDA: begins a
- * stream capture on `stream` (global mode); the capture, commit, export,
+ * stream capture on `stream` (thread-local mode; NULL refused); the capture, commit, export,
  * local_rows and histogram_reset calls that follow are recorded there. Host:
  * the same calls are recorded with every argument baked (pointers, shapes,
  * row offsets, slot-tensor addresses) and not run. While recording, create,

@@ -120,10 +120,6 @@ void Capturer::require_stream(const char* call, void* stream) {
   if (recording_ && stream != recording_stream_) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, call, ": stream differs from the one moecap_graph_begin records on");
   }
-  if (plan_.config.device_type == MOECAP_DEVICE_CUDA && stream == nullptr) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, call,
-         ": stream is NULL (the legacy default stream); pass the engine's stream");
-  }
 }
 
 void Capturer::require_not_capturing(const char* call, void* stream) {

@@ -254,7 +254,9 @@ TEST_CASE("device slots out of range are skipped, counted, and reported by the n
   REQUIRE(moecap_get_errors(p.cuda, &e, MOECAP_ERRORS_CLEAR) == MOECAP_OK);
   CHECK(e.skipped_rows == 1);
   CHECK(moecap_read(p.cuda, q.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
-  CHECK(moecap_capture(p.cuda, 0, q.get(), nullptr, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);  // NULL stream
+  CHECK(moecap_capture(p.cuda, 0, q.get(), nullptr, p.stream) == MOECAP_ERROR_INVALID_ARGUMENT);  // host ids
+  CHECK(std::string(moecap_last_error()).find("topk_ids is on cpu") != std::string::npos);
+  CHECK(moecap_graph_begin(p.cuda, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);  // legacy stream: not capturable
 }
 
 int main(int argc, char** argv) {

@@ -161,7 +161,8 @@ class DLPackView:
     def __dlpack_device__(self):
         return self.device
 
-    def __dlpack__(self, stream=None):
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        # A legacy capsule: consumers asking for a versioned one accept it (DLPack 1.0).
         if self._managed is None:
             raise BufferError("this DLPackView was already consumed")
         address = ctypes.cast(self._managed, ctypes.c_void_p).value
