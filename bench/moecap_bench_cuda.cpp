@@ -34,7 +34,7 @@ moecap_capturer* make_cuda_capturer() {
   c.dp_size = 1;
   c.verify_tokens = 1;
   c.max_running_requests = 512;
-  c.chunked_prefill_size = 8192;
+  c.chunked_prefill_size = 16384;
   c.host_slots = kSlots;
   c.device_type = MOECAP_DEVICE_CUDA;
   moecap_capturer* h = nullptr;
@@ -67,16 +67,18 @@ void BM_CudaGraph_Replay(benchmark::State& state) {
   DLTensor st = device_tensor(slots, 1, sshape, DLDataType{kDLInt, 64, 1});
   cudaGraph_t g;
   cudaGraphExec_t exec;
+  bool recorded = true;
   cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
   for (int32_t l = 0; l < kLayers; ++l) {
     cudaMemsetAsync(work, l, 256 << 10, s);
-    if (with) moecap_capture(h, l, &t, nullptr, s);
+    if (with) recorded = recorded && moecap_capture(h, l, &t, nullptr, s) == MOECAP_OK;
   }
   if (with) {
     moecap_commit_args a{sizeof a, 0, nullptr, &st};
-    moecap_commit(h, &a, s);
+    recorded = recorded && moecap_commit(h, &a, s) == MOECAP_OK;
   }
   cudaStreamEndCapture(s, &g);
+  if (!recorded) return state.SkipWithError(moecap_last_error());
   cudaGraphInstantiate(&exec, g, 0);
   cudaEvent_t a, b;
   cudaEventCreate(&a);
@@ -116,6 +118,7 @@ void BM_CudaCommit_Direct(benchmark::State& state) {
   int64_t sshape[1] = {n};
   DLTensor st = device_tensor(slots, 1, sshape, DLDataType{kDLInt, 64, 1});
   moecap_commit_args a{sizeof a, 0, nullptr, &st};
+  if (moecap_commit(h, &a, s) != MOECAP_OK) return state.SkipWithError(moecap_last_error());
   for (auto _ : state) {
     moecap_commit(h, &a, s);
     cudaStreamSynchronize(s);

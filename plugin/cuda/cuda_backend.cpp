@@ -166,8 +166,15 @@ class CudaBackend final : public Backend {
     void* args[] = {&params};
     check(d_, d_.cuLaunchKernel(commit_fn_, blocks, 1, 1, 256, 1, 1, 0, s, args, nullptr), "cuLaunchKernel (commit)");
     if (slots_on_host || rows_on_host) check(d_, d_.cuEventRecord(staging_free_, s), "cuEventRecord");
+    // Inside a capture a plain record only expresses a dependency inside the
+    // graph, and the host may not wait on it; an external record becomes an
+    // event-record node that every replay performs, so read can wait for it.
     CUevent e = events_[next_event_];
-    check(d_, d_.cuEventRecord(e, s), "cuEventRecord (commit)");
+    if (stream_capturing(stream)) {
+      check(d_, d_.cuEventRecordWithFlags(e, s, kEventRecordExternal), "cuEventRecordWithFlags (commit)");
+    } else {
+      check(d_, d_.cuEventRecord(e, s), "cuEventRecord (commit)");
+    }
     next_event_ = (next_event_ + 1) % events_.size();
     if (recorded_ < events_.size()) ++recorded_;
   }

@@ -97,6 +97,7 @@ Driver load() {
   r.get(d.cuEventCreate, "cuEventCreate");
   r.get(d.cuEventDestroy, "cuEventDestroy");
   r.get(d.cuEventRecord, "cuEventRecord");
+  r.get(d.cuEventRecordWithFlags, "cuEventRecordWithFlags");
   r.get(d.cuEventQuery, "cuEventQuery");
   r.get(d.cuEventSynchronize, "cuEventSynchronize");
   r.get(d.cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags");

@@ -33,6 +33,7 @@ constexpr unsigned kStreamNonBlocking = 0x1;
 constexpr unsigned kEventDisableTiming = 0x2;
 constexpr unsigned kMemHostAllocPortable = 0x1;
 constexpr unsigned kMemHostAllocDeviceMap = 0x2;
+constexpr unsigned kEventRecordExternal = 0x1;
 constexpr int kCaptureStatusNone = 0;
 constexpr int kCaptureModeThreadLocal = 1;
 
@@ -74,6 +75,7 @@ struct Driver {
   CUresult (*cuEventCreate)(CUevent*, unsigned);
   CUresult (*cuEventDestroy)(CUevent);
   CUresult (*cuEventRecord)(CUevent, CUstream);
+  CUresult (*cuEventRecordWithFlags)(CUevent, CUstream, unsigned);
   CUresult (*cuEventQuery)(CUevent);
   CUresult (*cuEventSynchronize)(CUevent);
   CUresult (*cuGraphInstantiateWithFlags)(CUgraphExec*, CUgraph, unsigned long long);

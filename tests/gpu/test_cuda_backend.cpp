@@ -46,7 +46,7 @@ struct Pair {
     REQUIRE(moecap_create(&c, &host) == MOECAP_OK);
     c.device_type = MOECAP_DEVICE_CUDA;
     const moecap_status s = moecap_create(&c, &cuda);
-    REQUIRE_MESSAGE(s == MOECAP_OK, moecap_last_error());
+    REQUIRE_MESSAGE(s == MOECAP_OK, std::string(moecap_last_error()));
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   }
   ~Pair() {
@@ -67,7 +67,7 @@ std::vector<int64_t> read_slots(moecap_capturer* h, const moecap_config& c, int6
   HostTensor out({slots_count, c.num_layers, c.top_k}, i64());
   HostTensor w({slots_count, c.num_layers, c.top_k}, f32());
   const moecap_status s = moecap_read(h, slots.get(), out.get(), weights ? w.get() : nullptr, 0, nullptr);
-  REQUIRE_MESSAGE(s == MOECAP_OK, moecap_last_error());
+  REQUIRE_MESSAGE(s == MOECAP_OK, std::string(moecap_last_error()));
   if (wout != nullptr) wout->assign(w.as<float>(), w.as<float>() + w.numel());
   return std::vector<int64_t>(out.as<int64_t>(), out.as<int64_t>() + out.numel());
 }
@@ -109,7 +109,7 @@ TEST_CASE("capture, commit (range, row list, host and device slots) and read mat
           const DLTensor* hw = wdt == MOECAP_WEIGHTS_NONE ? nullptr : w.get();
           const DLTensor* dwp = wdt == MOECAP_WEIGHTS_NONE ? nullptr : dw.get();
           REQUIRE(moecap_capture(p.host, l, ids.get(), hw, nullptr) == MOECAP_OK);
-          REQUIRE_MESSAGE(moecap_capture(p.cuda, l, dids.get(), dwp, p.stream) == MOECAP_OK, moecap_last_error());
+          REQUIRE_MESSAGE(moecap_capture(p.cuda, l, dids.get(), dwp, p.stream) == MOECAP_OK, std::string(moecap_last_error()));
           CUDA_OK(cudaStreamSynchronize(p.stream));  // the next layer's upload reuses the buffer
         }
         // Range commit with device slots, including drops.
@@ -119,17 +119,17 @@ TEST_CASE("capture, commit (range, row list, host and device slots) and read mat
         moecap_commit_args a{sizeof a, 0, nullptr, slots.get()};
         moecap_commit_args da{sizeof da, 0, nullptr, dslots.get()};
         REQUIRE(moecap_commit(p.host, &a, nullptr) == MOECAP_OK);
-        REQUIRE_MESSAGE(moecap_commit(p.cuda, &da, p.stream) == MOECAP_OK, moecap_last_error());
+        REQUIRE_MESSAGE(moecap_commit(p.cuda, &da, p.stream) == MOECAP_OK, std::string(moecap_last_error()));
         // Row-list commit with host (pageable) slots and rows: the staging path.
         HostTensor rows({50}, i32());
         HostTensor slots2({50}, i32());
         for (int64_t i = 0; i < 50; ++i) {
-          rows.set(i, (i * 37) % 400);
+          rows.set(i, (i * 37) % n);  // rows that were captured
           slots2.set(i, 300 + i);
         }
         moecap_commit_args b{sizeof b, 0, rows.get(), slots2.get()};
         REQUIRE(moecap_commit(p.host, &b, nullptr) == MOECAP_OK);
-        REQUIRE_MESSAGE(moecap_commit(p.cuda, &b, p.stream) == MOECAP_OK, moecap_last_error());
+        REQUIRE_MESSAGE(moecap_commit(p.cuda, &b, p.stream) == MOECAP_OK, std::string(moecap_last_error()));
 
         const bool weights = wdt != MOECAP_WEIGHTS_NONE;
         std::vector<float> hw, cw;
@@ -178,13 +178,13 @@ TEST_CASE("moecap-owned CUDA graph: replays see new data, padding drops, native 
   for (moecap_capturer* h : {p.host, p.cuda}) {
     const bool cuda = h == p.cuda;
     void* s = cuda ? static_cast<void*>(p.stream) : nullptr;
-    REQUIRE_MESSAGE(moecap_graph_begin(h, s) == MOECAP_OK, moecap_last_error());
+    REQUIRE_MESSAGE(moecap_graph_begin(h, s) == MOECAP_OK, std::string(moecap_last_error()));
     for (int32_t l = 0; l < c.num_layers; ++l)
       REQUIRE_MESSAGE(moecap_capture(h, l, cuda ? dids.get() : ids.get(), nullptr, s) == MOECAP_OK,
-                      moecap_last_error());
+                      std::string(moecap_last_error()));
     moecap_commit_args a{sizeof a, rank * padded, nullptr, cuda ? dslots.get() : slots.get()};
-    REQUIRE_MESSAGE(moecap_commit(h, &a, s) == MOECAP_OK, moecap_last_error());
-    REQUIRE_MESSAGE(moecap_graph_end(h, cuda ? &cg : &hg) == MOECAP_OK, moecap_last_error());
+    REQUIRE_MESSAGE(moecap_commit(h, &a, s) == MOECAP_OK, std::string(moecap_last_error()));
+    REQUIRE_MESSAGE(moecap_graph_end(h, cuda ? &cg : &hg) == MOECAP_OK, std::string(moecap_last_error()));
   }
   void* native = nullptr;
   REQUIRE(moecap_graph_native(cg, &native) == MOECAP_OK);
@@ -196,7 +196,7 @@ TEST_CASE("moecap-owned CUDA graph: replays see new data, padding drops, native 
     dids.upload();
     dslots.upload();
     REQUIRE(moecap_graph_launch(hg, nullptr) == MOECAP_OK);
-    REQUIRE_MESSAGE(moecap_graph_launch(cg, p.stream) == MOECAP_OK, moecap_last_error());
+    REQUIRE_MESSAGE(moecap_graph_launch(cg, p.stream) == MOECAP_OK, std::string(moecap_last_error()));
     CUDA_OK(cudaStreamSynchronize(p.stream));
   }
   CHECK(read_slots(p.host, c, c.host_slots, false, nullptr) == read_slots(p.cuda, c, c.host_slots, false, nullptr));
@@ -215,9 +215,9 @@ TEST_CASE("inside the engine's own stream capture: legal calls record, illegal o
   DeviceTensor dslots(slots);
   CUDA_OK(cudaStreamBeginCapture(p.stream, cudaStreamCaptureModeGlobal));
   for (int32_t l = 0; l < c.num_layers; ++l)
-    CHECK_MESSAGE(moecap_capture(p.cuda, l, dids.get(), nullptr, p.stream) == MOECAP_OK, moecap_last_error());
+    CHECK_MESSAGE(moecap_capture(p.cuda, l, dids.get(), nullptr, p.stream) == MOECAP_OK, std::string(moecap_last_error()));
   moecap_commit_args a{sizeof a, 0, nullptr, dslots.get()};
-  CHECK_MESSAGE(moecap_commit(p.cuda, &a, p.stream) == MOECAP_OK, moecap_last_error());
+  CHECK_MESSAGE(moecap_commit(p.cuda, &a, p.stream) == MOECAP_OK, std::string(moecap_last_error()));
   moecap_commit_args host_slots{sizeof a, 0, nullptr, slots.get()};
   CHECK(moecap_commit(p.cuda, &host_slots, p.stream) == MOECAP_ERROR_CAPTURE_ILLEGAL);
   HostTensor q({1}, i32());
@@ -231,7 +231,7 @@ TEST_CASE("inside the engine's own stream capture: legal calls record, illegal o
   CUDA_OK(cudaGraphLaunch(exec, p.stream));
   CUDA_OK(cudaStreamSynchronize(p.stream));
   q.fill<int32_t>({3});
-  REQUIRE_MESSAGE(moecap_read(p.cuda, q.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK, moecap_last_error());
+  REQUIRE_MESSAGE(moecap_read(p.cuda, q.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK, std::string(moecap_last_error()));
   CHECK(out.at(0) == 5);
   CHECK(out.at(1) == 6);
   cudaGraphExecDestroy(exec);
@@ -254,7 +254,8 @@ TEST_CASE("device slots out of range are skipped, counted, and reported by the n
   REQUIRE(moecap_get_errors(p.cuda, &e, MOECAP_ERRORS_CLEAR) == MOECAP_OK);
   CHECK(e.skipped_rows == 1);
   CHECK(moecap_read(p.cuda, q.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
-  CHECK(moecap_capture(p.cuda, 0, q.get(), nullptr, p.stream) == MOECAP_ERROR_INVALID_ARGUMENT);  // host ids
+  HostTensor host_ids({1, c.top_k}, i32());
+  CHECK(moecap_capture(p.cuda, 0, host_ids.get(), nullptr, p.stream) == MOECAP_ERROR_INVALID_ARGUMENT);
   CHECK(std::string(moecap_last_error()).find("topk_ids is on cpu") != std::string::npos);
   CHECK(moecap_graph_begin(p.cuda, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);  // legacy stream: not capturable
 }
