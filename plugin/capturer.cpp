@@ -64,7 +64,6 @@ void ids_from_stored(const S* src, void* dst, int32_t dst_elem, int64_t n, int64
   }
 }
 
-const char* const kIntNames = "uint8, int8, uint16, int16, int32, int64";
 
 }  // namespace
 

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "handles.h"
 #include "plan.h"
@@ -59,12 +60,18 @@ void require_out(T* out, const char* name) {
 }
 
 // Debug builds keep a destroyed handle's shell, marked dead, so a later use
-// is reported instead of reading freed memory.
+// is reported instead of reading freed memory. The shells stay reachable
+// from a list, so leak checkers do not count them.
 template <class Handle>
 void retire(Handle* h) {
   h->magic = Handle::kDead;
 #ifdef NDEBUG
   delete h;
+#else
+  static std::mutex mu;
+  static std::vector<std::unique_ptr<Handle>> graveyard;
+  std::lock_guard<std::mutex> lock(mu);
+  graveyard.emplace_back(h);
 #endif
 }
 

@@ -199,7 +199,8 @@ TEST_CASE("a call that exceeds capacity fails at record time, and the graph reco
   REQUIRE(moecap_export(cap.h, MOECAP_BUFFER_DEVICE_IDS, 0, &v) == MOECAP_OK);
   const uint8_t* dev = static_cast<const uint8_t*>(v->dl_tensor.data);
   CHECK(dev[0] == 3);
-  CHECK(dev[8 * c.num_layers * c.top_k] == 0);  // row 8 would only exist past the end
+  CHECK(dev[c.num_layers * c.top_k + 1] == 6);  // row 1 of the small capture
+  CHECK(dev[2 * c.num_layers * c.top_k] == 0);  // the refused 9-row capture wrote nothing
   v->deleter(v);
 }
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Reliability checks (issue: sanitizers, fuzzing): the whole ctest suite
+# under ASan+UBSan (halt on the first error, leaks checked), the concurrency
+# test under TSan, and the ABI fuzzer for FUZZ_SECONDS (default 60) from the
+# seed corpus. Host backend only; the Python tests are left out here
+# because an instrumented .so cannot be loaded into a plain python3.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+jobs=${MOECAP_JOBS:-2}
+common=(-DMOECAP_CUDA=OFF -DMOECAP_BUILD_BENCH=OFF -DMOECAP_PYTHON=/usr/bin/python3)
+
+echo "=== ASan+UBSan: every test"
+cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=Debug -DMOECAP_SANITIZE=address "${common[@]}" >/dev/null
+cmake --build "$root/build-asan" -j "$jobs" >/dev/null
+ASAN_OPTIONS=halt_on_error=1:detect_leaks=1:allocator_may_return_null=1 \
+UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  ctest --test-dir "$root/build-asan" -E 'python' --output-on-failure -j "$jobs"
+
+echo "=== TSan: concurrent read while capture and commit"
+cmake -S "$root" -B "$root/build-tsan" -DCMAKE_BUILD_TYPE=Debug -DMOECAP_SANITIZE=thread "${common[@]}" \
+  -DMOECAP_BUILD_EXAMPLES=OFF >/dev/null
+cmake --build "$root/build-tsan" -j "$jobs" --target moecap_unit_tests >/dev/null
+TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+  "$root/build-tsan/tests/moecap_unit_tests" --test-case='*thread*'
+
+echo "=== libFuzzer: ABI call sequences for ${FUZZ_SECONDS:-60} s"
+command -v clang++ >/dev/null || { apt-get install -y -qq clang >/dev/null; }
+CC=clang CXX=clang++ cmake -S "$root" -B "$root/build-fuzz" -DCMAKE_BUILD_TYPE=Debug -DMOECAP_FUZZ=ON \
+  -DMOECAP_CUDA=OFF -DMOECAP_BUILD_TESTS=OFF -DMOECAP_BUILD_EXAMPLES=OFF -DMOECAP_BUILD_BENCH=OFF >/dev/null
+cmake --build "$root/build-fuzz" -j "$jobs" --target moecap_fuzz_abi >/dev/null
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+(cd "$work" && "$root/build-fuzz/moecap_fuzz_abi" -max_total_time="${FUZZ_SECONDS:-60}" -timeout=10 -print_final_stats=1 \
+  "$work" "$root/tests/fuzz/corpus" 2>&1 | grep -E "^#[0-9]+[[:space:]]+(INITED|DONE)|stat::|ERROR|violated|SUMMARY") 
+echo "sanitizers and fuzzer: clean"

@@ -1,0 +1,408 @@
+// libFuzzer target: the input decodes into a fuzzed config and a sequence of
+// ABI calls on the host backend (capture, commit by range and by row list,
+// read, write, local_rows, export and release, graph record and replay,
+// error counters, histogram reset). After every call:
+//   - a failed call changed nothing (every buffer byte and counter equal),
+//   - a successful one left exactly what a simple model predicts,
+// and the sanitizers watch for everything else.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "element.h"
+#include "moecap.h"
+
+namespace {
+
+[[noreturn]] void violated(const char* what) {
+  std::fprintf(stderr, "fuzz_abi: invariant violated: %s (last error: %s)\n", what, moecap_last_error());
+  std::abort();
+}
+#define REQUIRE(cond) \
+  do {                \
+    if (!(cond)) violated(#cond); \
+  } while (0)
+
+class Input {
+ public:
+  Input(const uint8_t* p, size_t n) : p_(p), n_(n) {}
+  bool done() const { return i_ >= n_; }
+  uint8_t byte() { return i_ < n_ ? p_[i_++] : 0; }
+  // A value in [lo, hi], from one or two bytes.
+  int64_t range(int64_t lo, int64_t hi) {
+    const uint64_t span = static_cast<uint64_t>(hi - lo) + 1;
+    uint64_t v = byte();
+    if (span > 256) v = v << 8 | byte();
+    return lo + static_cast<int64_t>(v % span);
+  }
+
+ private:
+  const uint8_t* p_;
+  size_t n_;
+  size_t i_ = 0;
+};
+
+struct Tensor {
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  std::vector<uint8_t> bytes;
+  DLTensor t{};
+  Tensor(std::vector<int64_t> s, DLDataType dt) : shape(std::move(s)) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    bytes.assign(static_cast<size_t>(n) * dt.bits / 8 + 8, 0);
+    t = DLTensor{bytes.data(), {kDLCPU, 0}, static_cast<int>(shape.size()), dt, shape.data(), nullptr, 0};
+  }
+  int32_t elem() const {
+    if (t.dtype.code == kDLFloat) return t.dtype.bits == 32 ? moecap::kF32 : moecap::kF16;
+    if (t.dtype.code == kDLBfloat) return moecap::kBF16;
+    switch (t.dtype.bits) {
+      case 8: return t.dtype.code == kDLUInt ? moecap::kU8 : moecap::kI8;
+      case 16: return t.dtype.code == kDLUInt ? moecap::kU16 : moecap::kI16;
+      case 32: return moecap::kI32;
+      default: return moecap::kI64;
+    }
+  }
+  bool floating() const { return t.dtype.code == kDLFloat || t.dtype.code == kDLBfloat; }
+  void set(int64_t i, int64_t v) {
+    if (floating()) {
+      moecap::store_float(bytes.data(), elem(), i, static_cast<float>(v));
+    } else {
+      moecap::store_int(bytes.data(), elem(), i, v);
+    }
+  }
+  int64_t get(int64_t i) const {
+    return floating() ? static_cast<int64_t>(moecap::load_float(bytes.data(), elem(), i))
+                      : moecap::load_int(bytes.data(), elem(), i);
+  }
+  void setf(int64_t i, float v) { moecap::store_float(bytes.data(), elem(), i, v); }
+  float getf(int64_t i) const { return moecap::load_float(bytes.data(), elem(), i); }
+};
+
+const DLDataType kIdTypes[] = {{kDLInt, 32, 1}, {kDLInt, 64, 1}, {kDLUInt, 8, 1}, {kDLInt, 16, 1}, {kDLFloat, 32, 1}};
+const DLDataType kFloatTypes[] = {{kDLFloat, 32, 1}, {kDLBfloat, 16, 1}, {kDLFloat, 16, 1}, {kDLInt, 32, 1}};
+
+// What the capturer must hold, as moecap_read would return it.
+struct Model {
+  int64_t rows = 0, slots = 0, row = 0, layers = 0, k = 0, experts = 0;
+  int32_t id_elem = 0, weight_elem = -1;
+  int64_t invalid_readback = -1;  // what an out-of-range id reads back as
+  std::vector<int64_t> dev_ids, host_ids;
+  std::vector<float> dev_w, host_w;
+  std::vector<int64_t> histogram;
+  bool has_histogram = false;
+  uint64_t skipped = 0, invalid = 0;
+
+  float round_weight(float v) const {
+    uint8_t buf[4];
+    moecap::store_float(buf, weight_elem, 0, v);
+    return moecap::load_float(buf, weight_elem, 0);
+  }
+};
+
+std::vector<uint8_t> snapshot(moecap_capturer* h) {
+  std::vector<uint8_t> all;
+  for (int32_t which = 1; which <= 5; ++which) {
+    DLManagedTensorVersioned* v = nullptr;
+    if (moecap_export(h, which, 0, &v) != MOECAP_OK) continue;
+    int64_t n = v->dl_tensor.dtype.bits / 8;
+    for (int i = 0; i < v->dl_tensor.ndim; ++i) n *= v->dl_tensor.shape[i];
+    const uint8_t* p = static_cast<const uint8_t*>(v->dl_tensor.data);
+    all.insert(all.end(), p, p + n);
+    v->deleter(v);
+  }
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  if (moecap_get_errors(h, &e, 0) == MOECAP_OK) {
+    all.insert(all.end(), reinterpret_cast<uint8_t*>(&e), reinterpret_cast<uint8_t*>(&e) + sizeof e);
+  }
+  return all;
+}
+
+// Model of capture: ids [n, cols] (first k kept), weights optional.
+void model_capture(Model& m, int32_t layer, const Tensor& ids, const Tensor* w) {
+  const int64_t n = ids.shape[0], cols = ids.shape[1];
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < m.k; ++c) {
+      const int64_t v = ids.get(r * cols + c);
+      const bool ok = v >= 0 && v < m.experts;
+      const size_t at = static_cast<size_t>(r * m.row + layer * m.k + c);
+      m.dev_ids[at] = ok ? v : m.invalid_readback;
+      if (!ok) ++m.invalid;
+      if (ok && m.has_histogram) ++m.histogram[static_cast<size_t>(layer * m.experts + v)];
+      if (w != nullptr) m.dev_w[at] = m.round_weight(w->getf(r * cols + c));
+    }
+}
+
+void model_commit(Model& m, int64_t count, const Tensor* src_rows, int64_t src_start, const Tensor& slots) {
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t slot = slots.get(j);
+    const int64_t src = src_rows ? src_rows->get(j) : src_start + j;
+    if (slot == -1) continue;
+    if (slot < -1 || slot >= m.slots || src < 0 || src >= m.rows) {
+      ++m.skipped;
+      continue;
+    }
+    for (int64_t e = 0; e < m.row; ++e) {
+      m.host_ids[static_cast<size_t>(slot * m.row + e)] = m.dev_ids[static_cast<size_t>(src * m.row + e)];
+      if (m.weight_elem >= 0) m.host_w[static_cast<size_t>(slot * m.row + e)] = m.dev_w[static_cast<size_t>(src * m.row + e)];
+    }
+  }
+}
+
+Tensor fuzz_ids(Input& in, const Model& m, int64_t max_rows) {
+  const int64_t n = in.range(0, max_rows + 1);
+  const int64_t choice = in.range(0, 3);
+  const int64_t cols = choice == 0 ? m.k : choice == 1 ? m.k + 1 : m.k + in.range(0, 3);
+  Tensor t({n, cols}, kIdTypes[in.range(0, 4)]);
+  for (int64_t i = 0; i < n * cols; ++i) {
+    const uint8_t b = in.byte();
+    t.set(i, b < 8 ? static_cast<int64_t>(b) - 4 + (b & 1) * m.experts : b % m.experts);
+  }
+  return t;
+}
+
+Tensor fuzz_slots(Input& in, int64_t n, int64_t limit, bool bad) {
+  Tensor t({n}, in.range(0, 1) ? DLDataType{kDLInt, 64, 1} : DLDataType{kDLInt, 32, 1});
+  for (int64_t i = 0; i < n; ++i) t.set(i, bad && in.range(0, 15) == 0 ? in.range(-3, limit + 2) : in.range(-1, limit - 1));
+  return t;
+}
+
+moecap_config fuzz_config(Input& in) {
+  moecap_config c{};
+  c.struct_size = in.range(0, 31) == 0 ? 8 : sizeof c;
+  c.abi_version = in.range(0, 31) == 0 ? (2u << 16) : MOECAP_ABI_VERSION;
+  const int64_t flag_bits = in.range(0, 15);
+  c.flags = static_cast<uint32_t>((flag_bits & 1 ? MOECAP_FLAG_HISTOGRAM : 0) | (flag_bits & 2 ? MOECAP_FLAG_GUARDS : 0) |
+                                  (flag_bits == 15 ? 0x80 : 0));
+  c.num_layers = static_cast<int32_t>(in.range(0, 4));
+  c.top_k = static_cast<int32_t>(in.range(0, 4));
+  c.extra_columns = static_cast<int32_t>(in.range(-1, 2));
+  static const int32_t experts[] = {1, 2, 4, 8, 200, 255, 256, 300};
+  c.num_experts = experts[in.range(0, 7)];
+  c.dp_size = static_cast<int32_t>(in.range(0, 4));
+  c.verify_tokens = static_cast<int32_t>(in.range(0, 3));
+  c.max_running_requests = in.range(0, 8);
+  c.chunked_prefill_size = in.range(-1, 8);
+  c.max_graph_batch = in.range(0, 4);
+  c.max_batch_tokens = in.range(0, 8);
+  c.host_slots = in.range(0, 32);
+  c.id_dtype = static_cast<int32_t>(in.range(0, 4));
+  c.weight_dtype = static_cast<int32_t>(in.range(0, 4));
+  c.device_type = in.range(0, 15) == 0 ? MOECAP_DEVICE_CUDA : MOECAP_DEVICE_HOST;
+  return c;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  Input in(data, size);
+  setenv("MOECAP_LIBCUDA", "/nonexistent/libcuda.so.1", 1);  // CUDA configs fail cleanly, never touch a GPU
+  const moecap_config config = fuzz_config(in);
+  moecap_capturer* h = nullptr;
+  if (moecap_create(&config, &h) != MOECAP_OK) {
+    REQUIRE(h == nullptr);
+    REQUIRE(moecap_last_error()[0] != '\0');
+    return 0;
+  }
+  moecap_plan_info plan{};
+  plan.struct_size = sizeof plan;
+  REQUIRE(moecap_get_plan(h, &plan) == MOECAP_OK);
+  Model m;
+  m.rows = plan.device_rows;
+  m.slots = config.host_slots;
+  m.layers = config.num_layers;
+  m.k = config.top_k;
+  m.row = plan.row_elements;
+  m.experts = config.num_experts;
+  m.id_elem = plan.id_dtype == MOECAP_IDS_U8 ? moecap::kU8 : plan.id_dtype == MOECAP_IDS_U16 ? moecap::kU16 : moecap::kI32;
+  const int64_t code = plan.id_bytes == 4 ? -1 : (int64_t{1} << (8 * plan.id_bytes)) - 1;
+  m.invalid_readback = code >= m.experts || code < 0 ? -1 : code;
+  m.weight_elem = config.weight_dtype == MOECAP_WEIGHTS_F32    ? moecap::kF32
+                  : config.weight_dtype == MOECAP_WEIGHTS_BF16 ? moecap::kBF16
+                  : config.weight_dtype == MOECAP_WEIGHTS_F16  ? moecap::kF16
+                                                               : -1;
+  m.has_histogram = (config.flags & MOECAP_FLAG_HISTOGRAM) != 0;
+  m.dev_ids.assign(static_cast<size_t>(m.rows * m.row), 0);
+  m.host_ids.assign(static_cast<size_t>(m.slots * m.row), 0);
+  m.dev_w.assign(m.dev_ids.size(), 0.0f);
+  m.host_w.assign(m.host_ids.size(), 0.0f);
+  m.histogram.assign(static_cast<size_t>(m.layers * m.experts), 0);
+
+  for (int op = 0; op < 48 && !in.done(); ++op) {
+    const std::vector<uint8_t> before = snapshot(h);
+    moecap_status s = MOECAP_OK;
+    switch (in.range(0, 9)) {
+      case 0: {  // capture
+        const int32_t layer = static_cast<int32_t>(in.range(-1, m.layers));
+        Tensor ids = fuzz_ids(in, m, m.rows);
+        const bool with_w = in.range(0, 3) != 0;
+        Tensor w({ids.shape[0], ids.shape[1] + (in.range(0, 15) == 0 ? 1 : 0)}, kFloatTypes[in.range(0, 3)]);
+        for (int64_t i = 0; i < w.shape[0] * w.shape[1]; ++i) w.setf(i, static_cast<float>(in.byte()) / 37.0f);
+        int64_t strides[2] = {1, ids.shape[0]};
+        if (in.range(0, 15) == 0 && ids.shape[0] > 1) ids.t.strides = strides;
+        s = moecap_capture(h, layer, &ids.t, with_w ? &w.t : nullptr, nullptr);
+        if (s == MOECAP_OK) model_capture(m, layer, ids, m.weight_elem >= 0 ? &w : nullptr);
+        break;
+      }
+      case 1:
+      case 2: {  // commit: contiguous range, or a row list
+        const int64_t count = in.range(0, m.rows + 1);
+        Tensor slots = fuzz_slots(in, count, m.slots, true);
+        const bool list = in.range(0, 1) != 0;
+        Tensor rows({count}, DLDataType{kDLInt, 64, 1});
+        for (int64_t i = 0; i < count; ++i) rows.set(i, in.range(0, 31) == 0 ? m.rows : in.range(0, m.rows - 1));
+        const int64_t start = in.range(-1, m.rows);
+        moecap_commit_args a{sizeof a, start, list ? &rows.t : nullptr, &slots.t};
+        s = moecap_commit(h, &a, nullptr);
+        if (s == MOECAP_OK) model_commit(m, count, list ? &rows : nullptr, start, slots);
+        break;
+      }
+      case 3: {  // read
+        const int64_t t = in.range(0, 6);
+        Tensor slots = fuzz_slots(in, t, m.slots, true);
+        static const DLDataType outs[] = {{kDLInt, 32, 1}, {kDLInt, 64, 1}, {kDLUInt, 8, 1}, {kDLInt, 16, 1}};
+        Tensor out({t, m.layers, m.k}, outs[in.range(0, 3)]);
+        Tensor wout({t, m.layers, m.k}, DLDataType{kDLFloat, 32, 1});
+        std::memset(out.bytes.data(), 0x5a, out.bytes.size());
+        const std::vector<uint8_t> untouched = out.bytes;
+        const bool with_w = in.range(0, 1) != 0;
+        s = moecap_read(h, &slots.t, &out.t, with_w ? &wout.t : nullptr, 0, nullptr);
+        if (s != MOECAP_OK) {
+          REQUIRE(out.bytes == untouched);
+          break;
+        }
+        for (int64_t i = 0; i < t; ++i)
+          for (int64_t e = 0; e < m.row; ++e) {
+            const int64_t want = m.host_ids[static_cast<size_t>(slots.get(i) * m.row + e)];
+            Tensor probe({1}, out.t.dtype);
+            probe.set(0, want);  // the caller's dtype truncates -1 the same way
+            REQUIRE(out.get(i * m.row + e) == probe.get(0));
+            if (with_w) REQUIRE(wout.getf(i * m.row + e) == m.host_w[static_cast<size_t>(slots.get(i) * m.row + e)]);
+          }
+        break;
+      }
+      case 4: {  // write
+        const int64_t t = in.range(0, 4);
+        Tensor slots = fuzz_slots(in, t, m.slots, true);
+        Tensor ids({t, m.layers, m.k}, in.range(0, 1) ? DLDataType{kDLInt, 32, 1} : DLDataType{kDLInt, 64, 1});
+        Tensor w({t, m.layers, m.k}, DLDataType{kDLFloat, 32, 1});
+        for (int64_t i = 0; i < t * m.row; ++i) {
+          const uint8_t b = in.byte();
+          ids.set(i, b == 0 ? m.experts : b == 1 ? -1 : b == 2 ? -2 : b % m.experts);
+          w.setf(i, static_cast<float>(b) / 16.0f);
+        }
+        s = moecap_write(h, &slots.t, &ids.t, m.weight_elem >= 0 ? &w.t : nullptr, nullptr);
+        if (s == MOECAP_OK) {
+          for (int64_t i = 0; i < t; ++i)
+            for (int64_t e = 0; e < m.row; ++e) {
+              const int64_t v = ids.get(i * m.row + e);
+              const size_t at = static_cast<size_t>(slots.get(i) * m.row + e);
+              m.host_ids[at] = v == -1 ? m.invalid_readback : v;
+              if (m.weight_elem >= 0) m.host_w[at] = m.round_weight(w.getf(i * m.row + e));
+            }
+        }
+        break;
+      }
+      case 5: {  // local_rows
+        std::vector<int64_t> tokens(static_cast<size_t>(in.range(0, config.dp_size + 1)));
+        for (int64_t& t : tokens) t = in.range(-1, m.rows);
+        moecap_batch b{sizeof b, static_cast<int32_t>(in.range(0, 2)), static_cast<int32_t>(in.range(-1, config.dp_size)),
+                       static_cast<int32_t>(tokens.size()), 0, tokens.data(), in.range(0, m.rows + 1)};
+        moecap_rows rows{};
+        rows.struct_size = sizeof rows;
+        s = moecap_local_rows(h, &b, &rows);
+        if (s == MOECAP_OK) {
+          REQUIRE(rows.start >= 0 && rows.count >= 0);
+          REQUIRE(rows.start + rows.count <= m.rows);
+          REQUIRE(rows.total <= m.rows);
+        }
+        break;
+      }
+      case 6: {  // export and release
+        DLManagedTensorVersioned* v = nullptr;
+        DLManagedTensor* legacy = nullptr;
+        const int32_t which = static_cast<int32_t>(in.range(0, 8));
+        const int32_t layer = static_cast<int32_t>(in.range(-1, m.layers));
+        s = in.range(0, 1) ? moecap_export(h, which, layer, &v) : moecap_export_legacy(h, which, layer, &legacy);
+        if (s == MOECAP_OK) {
+          const DLTensor& t = v ? v->dl_tensor : legacy->dl_tensor;
+          REQUIRE(t.byte_offset == 0 && t.strides != nullptr && t.shape != nullptr);
+          if (v) v->deleter(v);
+          if (legacy) legacy->deleter(legacy);
+        } else {
+          REQUIRE(v == nullptr && legacy == nullptr);
+        }
+        break;
+      }
+      case 7: {  // graph: record a capture and a commit, change the inputs, replay
+        Tensor ids = fuzz_ids(in, m, m.rows);
+        const int64_t count = in.range(0, m.rows);
+        Tensor slots = fuzz_slots(in, count, m.slots, false);
+        const int32_t layer = static_cast<int32_t>(in.range(0, m.layers - 1));
+        Tensor w({ids.shape[0], ids.shape[1]}, DLDataType{kDLFloat, 32, 1});
+        REQUIRE(moecap_graph_begin(h, nullptr) == MOECAP_OK);
+        const moecap_status cs = moecap_capture(h, layer, &ids.t, m.weight_elem >= 0 ? &w.t : nullptr, nullptr);
+        moecap_commit_args a{sizeof a, 0, nullptr, &slots.t};
+        const moecap_status ms = moecap_commit(h, &a, nullptr);
+        moecap_graph* g = nullptr;
+        REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+        REQUIRE(snapshot(h) == before);  // recording ran nothing
+        for (int64_t i = 0; i < ids.shape[0] * ids.shape[1]; ++i) {
+          const uint8_t b = in.byte();
+          ids.set(i, b < 4 ? -1 : b % m.experts);
+          w.setf(i, static_cast<float>(b) / 8.0f);
+        }
+        for (int64_t i = 0; i < count; ++i) slots.set(i, in.range(0, 15) == 0 ? m.slots + 1 : in.range(-1, m.slots - 1));
+        REQUIRE(moecap_graph_launch(g, nullptr) == MOECAP_OK);
+        if (cs == MOECAP_OK) model_capture(m, layer, ids, m.weight_elem >= 0 ? &w : nullptr);
+        if (ms == MOECAP_OK) model_commit(m, count, nullptr, 0, slots);
+        REQUIRE(moecap_graph_destroy(g) == MOECAP_OK);
+        s = MOECAP_OK;
+        break;
+      }
+      case 8: {  // error counters
+        moecap_error_counts e{};
+        e.struct_size = sizeof e;
+        const bool clear = in.range(0, 1) != 0;
+        s = moecap_get_errors(h, &e, clear ? MOECAP_ERRORS_CLEAR : 0);
+        REQUIRE(s == MOECAP_OK);
+        REQUIRE(e.skipped_rows == m.skipped);
+        REQUIRE(e.invalid_ids == m.invalid);
+        if (clear) m.skipped = m.invalid = 0;
+        break;
+      }
+      default: {  // histogram reset
+        s = moecap_histogram_reset(h, nullptr);
+        REQUIRE((s == MOECAP_OK) == m.has_histogram);
+        if (s == MOECAP_OK) std::fill(m.histogram.begin(), m.histogram.end(), 0);
+        break;
+      }
+    }
+    if (s != MOECAP_OK) {
+      REQUIRE(moecap_last_error()[0] != '\0');
+      REQUIRE(snapshot(h) == before);
+    }
+    // The model's view of both buffers, through moecap's own exports.
+    DLManagedTensorVersioned* v = nullptr;
+    REQUIRE(moecap_export(h, MOECAP_BUFFER_HISTOGRAM, 0, &v) == (m.has_histogram ? MOECAP_OK : MOECAP_ERROR_INVALID_ARGUMENT));
+    if (v != nullptr) {
+      REQUIRE(std::memcmp(v->dl_tensor.data, m.histogram.data(), m.histogram.size() * 8) == 0);
+      v->deleter(v);
+    }
+  }
+  // A read of every slot must match the model exactly.
+  Tensor all({m.slots}, DLDataType{kDLInt, 64, 1});
+  for (int64_t i = 0; i < m.slots; ++i) all.set(i, i);
+  Tensor out({m.slots, m.layers, m.k}, DLDataType{kDLInt, 64, 1});
+  const moecap_status s = moecap_read(h, &all.t, &out.t, nullptr, 0, nullptr);
+  REQUIRE(s == MOECAP_OK || (s == MOECAP_ERROR_ROWS_SKIPPED && m.skipped > 0));
+  if (s == MOECAP_OK) {
+    for (int64_t i = 0; i < m.slots * m.row; ++i) REQUIRE(out.get(i) == m.host_ids[static_cast<size_t>(i)]);
+  }
+  REQUIRE(moecap_destroy(h) == MOECAP_OK);
+  return 0;
+}
