@@ -14,6 +14,7 @@
 
 #include "element.h"
 #include "moecap.h"
+#include "tensors.h"
 
 namespace {
 
@@ -102,25 +103,6 @@ struct Model {
     return moecap::load_float(buf, weight_elem, 0);
   }
 };
-
-std::vector<uint8_t> snapshot(moecap_capturer* h) {
-  std::vector<uint8_t> all;
-  for (int32_t which = 1; which <= 5; ++which) {
-    DLManagedTensorVersioned* v = nullptr;
-    if (moecap_export(h, which, 0, &v) != MOECAP_OK) continue;
-    int64_t n = v->dl_tensor.dtype.bits / 8;
-    for (int i = 0; i < v->dl_tensor.ndim; ++i) n *= v->dl_tensor.shape[i];
-    const uint8_t* p = static_cast<const uint8_t*>(v->dl_tensor.data);
-    all.insert(all.end(), p, p + n);
-    v->deleter(v);
-  }
-  moecap_error_counts e{};
-  e.struct_size = sizeof e;
-  if (moecap_get_errors(h, &e, 0) == MOECAP_OK) {
-    all.insert(all.end(), reinterpret_cast<uint8_t*>(&e), reinterpret_cast<uint8_t*>(&e) + sizeof e);
-  }
-  return all;
-}
 
 // Model of capture: ids [n, cols] (first k kept), weights optional.
 void model_capture(Model& m, int32_t layer, const Tensor& ids, const Tensor* w) {
@@ -233,7 +215,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   m.histogram.assign(static_cast<size_t>(m.layers * m.experts), 0);
 
   for (int op = 0; op < 48 && !in.done(); ++op) {
-    const std::vector<uint8_t> before = snapshot(h);
+    const std::vector<uint8_t> before = moecap_test::snapshot(h);
     moecap_status s = MOECAP_OK;
     switch (in.range(0, 9)) {
       case 0: {  // capture
@@ -350,7 +332,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         const moecap_status ms = moecap_commit(h, &a, nullptr);
         moecap_graph* g = nullptr;
         REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
-        REQUIRE(snapshot(h) == before);  // recording ran nothing
+        REQUIRE(moecap_test::snapshot(h) == before);  // recording ran nothing
         for (int64_t i = 0; i < ids.shape[0] * ids.shape[1]; ++i) {
           const uint8_t b = in.byte();
           ids.set(i, b < 4 ? -1 : b % m.experts);
@@ -384,7 +366,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     if (s != MOECAP_OK) {
       REQUIRE(moecap_last_error()[0] != '\0');
-      REQUIRE(snapshot(h) == before);
+      REQUIRE(moecap_test::snapshot(h) == before);
     }
     // The model's view of both buffers, through moecap's own exports.
     DLManagedTensorVersioned* v = nullptr;

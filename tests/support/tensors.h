@@ -76,6 +76,28 @@ class HostTensor {
   DLTensor t_{};
 };
 
+// Every byte a capturer owns, read through its own DLPack views, plus its
+// error counters: equal before and after a call means the call changed nothing.
+inline std::vector<uint8_t> snapshot(moecap_capturer* h) {
+  std::vector<uint8_t> all;
+  for (int32_t which = MOECAP_BUFFER_DEVICE_IDS; which <= MOECAP_BUFFER_HISTOGRAM; ++which) {
+    DLManagedTensorVersioned* v = nullptr;
+    if (moecap_export(h, which, 0, &v) != MOECAP_OK) continue;
+    int64_t n = v->dl_tensor.dtype.bits / 8;
+    for (int i = 0; i < v->dl_tensor.ndim; ++i) n *= v->dl_tensor.shape[i];
+    const uint8_t* p = static_cast<const uint8_t*>(v->dl_tensor.data);
+    all.insert(all.end(), p, p + n);
+    v->deleter(v);
+  }
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  if (moecap_get_errors(h, &e, 0) == MOECAP_OK) {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(&e);
+    all.insert(all.end(), p, p + sizeof e);
+  }
+  return all;
+}
+
 inline moecap_config small_config() {
   moecap_config c{};
   c.struct_size = sizeof c;

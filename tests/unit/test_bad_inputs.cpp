@@ -13,26 +13,6 @@ using namespace moecap_test;
 
 namespace {
 
-std::vector<uint8_t> snapshot(moecap_capturer* h) {
-  std::vector<uint8_t> all;
-  for (int32_t which : {MOECAP_BUFFER_DEVICE_IDS, MOECAP_BUFFER_DEVICE_WEIGHTS, MOECAP_BUFFER_HOST_IDS,
-                        MOECAP_BUFFER_HOST_WEIGHTS, MOECAP_BUFFER_HISTOGRAM}) {
-    DLManagedTensorVersioned* v = nullptr;
-    if (moecap_export(h, which, 0, &v) != MOECAP_OK) continue;
-    int64_t n = v->dl_tensor.dtype.bits / 8;
-    for (int i = 0; i < v->dl_tensor.ndim; ++i) n *= v->dl_tensor.shape[i];
-    const uint8_t* p = static_cast<const uint8_t*>(v->dl_tensor.data);
-    all.insert(all.end(), p, p + n);
-    v->deleter(v);
-  }
-  moecap_error_counts e{};
-  e.struct_size = sizeof e;
-  REQUIRE(moecap_get_errors(h, &e, 0) == MOECAP_OK);
-  all.push_back(static_cast<uint8_t>(e.skipped_rows));
-  all.push_back(static_cast<uint8_t>(e.invalid_ids));
-  return all;
-}
-
 struct Fixture {
   Fixture() {
     moecap_config c = small_config();
