@@ -49,7 +49,14 @@ void capture_on_host(const CaptureParams& p) {
   for (int64_t i = 0; i < elements; ++i) capture_element(p, i);
 }
 
-void commit_on_host(const CommitParams& p) {
+namespace {
+
+// Typed over the slot and row-list index types, so the per-row loop has no
+// dtype switch; the decision per row is the kernels' (commit_goes_to).
+template <class Slot, class Row>
+void commit_rows(const CommitParams& p) {
+  const Slot* slots = static_cast<const Slot*>(p.dst_slots);
+  const Row* rows = static_cast<const Row*>(p.src_rows);
   // Rows whose sources and slots both run consecutively (a prefill into a
   // fresh block of slots) go out as one copy.
   int64_t run_src = 0, run_slot = 0, run_len = 0;
@@ -64,9 +71,9 @@ void commit_on_host(const CommitParams& p) {
     run_len = 0;
   };
   for (int64_t j = 0; j < p.count; ++j) {
-    int64_t src = 0;
-    int64_t slot = 0;
-    if (!commit_target(p, j, &src, &slot)) continue;
+    const int64_t slot = static_cast<int64_t>(slots[j]);
+    const int64_t src = rows != nullptr ? static_cast<int64_t>(rows[j]) : p.src_start + j;
+    if (!commit_goes_to(p, src, slot)) continue;
     if (run_len > 0 && src == run_src + run_len && slot == run_slot + run_len) {
       ++run_len;
       continue;
@@ -77,6 +84,25 @@ void commit_on_host(const CommitParams& p) {
     run_len = 1;
   }
   flush();
+}
+
+template <class Slot>
+void commit_with_slots(const CommitParams& p) {
+  if (p.src_rows == nullptr || p.src_rows_elem == kI64) {
+    commit_rows<Slot, int64_t>(p);
+  } else {
+    commit_rows<Slot, int32_t>(p);
+  }
+}
+
+}  // namespace
+
+void commit_on_host(const CommitParams& p) {
+  if (p.dst_slots_elem == kI64) {
+    commit_with_slots<int64_t>(p);
+  } else {
+    commit_with_slots<int32_t>(p);
+  }
 }
 
 }  // namespace moecap

@@ -41,15 +41,19 @@ MOECAP_HD void capture_element(const CaptureParams& p, int64_t i) {
 
 // Where row j of a commit goes. False when it goes nowhere: slot -1 drops it
 // quietly; a slot or source row out of range is skipped and counted.
-MOECAP_HD bool commit_target(const CommitParams& p, int64_t j, int64_t* src_row, int64_t* slot) {
-  *slot = load_int(p.dst_slots, p.dst_slots_elem, j);
-  *src_row = p.src_rows != nullptr ? load_int(p.src_rows, p.src_rows_elem, j) : p.src_start + j;
-  if (*slot == -1) return false;
-  if (*slot < -1 || *slot >= p.host_slots || *src_row < 0 || *src_row >= p.device_rows) {
+MOECAP_HD bool commit_goes_to(const CommitParams& p, int64_t src_row, int64_t slot) {
+  if (slot == -1) return false;
+  if (slot < -1 || slot >= p.host_slots || src_row < 0 || src_row >= p.device_rows) {
     count_event(&p.errors->skipped_rows);
     return false;
   }
   return true;
+}
+
+MOECAP_HD bool commit_target(const CommitParams& p, int64_t j, int64_t* src_row, int64_t* slot) {
+  *slot = load_int(p.dst_slots, p.dst_slots_elem, j);
+  *src_row = p.src_rows != nullptr ? load_int(p.src_rows, p.src_rows_elem, j) : p.src_start + j;
+  return commit_goes_to(p, *src_row, *slot);
 }
 
 }  // namespace moecap

@@ -143,18 +143,32 @@ void Capturer::settle(const char* call, bool block) {
   check_guards(call, true);
 }
 
-int64_t Capturer::check_host_slots(const DLTensor* slots, const char* name, bool allow_drop, int64_t limit) const {
-  const int32_t e = elem_of(slots->dtype);
+namespace {
+
+// Index of the first value outside [lowest, limit), or n: a branch-free scan
+// the compiler vectorizes, since a clean tensor is the common case.
+template <class T>
+int64_t first_outside(const T* v, int64_t n, int64_t lowest, int64_t limit) {
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) bad |= static_cast<int64_t>(v[i]) < lowest || static_cast<int64_t>(v[i]) >= limit;
+  if (!bad) return n;
+  int64_t i = 0;
+  while (static_cast<int64_t>(v[i]) >= lowest && static_cast<int64_t>(v[i]) < limit) ++i;
+  return i;
+}
+
+}  // namespace
+
+void Capturer::check_host_slots(const DLTensor* slots, const char* name, bool allow_drop, int64_t limit) const {
   const uint8_t* data = tensor_data(slots);
   const int64_t n = slots->shape[0];
   const int64_t lowest = allow_drop ? -1 : 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t v = load_int(data, e, i);
-    if (v < lowest || v >= limit) {
-      fail(MOECAP_ERROR_OUT_OF_RANGE, name, "[", i, "] is ", v, "; it must be in [", lowest, ", ", limit, ")");
-    }
+  const int64_t i = elem_of(slots->dtype) == kI64 ? first_outside(reinterpret_cast<const int64_t*>(data), n, lowest, limit)
+                                                  : first_outside(reinterpret_cast<const int32_t*>(data), n, lowest, limit);
+  if (i < n) {
+    fail(MOECAP_ERROR_OUT_OF_RANGE, name, "[", i, "] is ", load_int(data, elem_of(slots->dtype), i), "; it must be in [",
+         lowest, ", ", limit, ")");
   }
-  return n;
 }
 
 void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, void* stream) {

@@ -60,7 +60,8 @@ class Capturer {
   void require_stream(const char* call, void* stream);
   // Waits for commits, then fails with ROWS_SKIPPED while the counter is set.
   void settle(const char* call, bool block);
-  int64_t check_host_slots(const DLTensor* slots, const char* name, bool allow_drop, int64_t limit) const;
+  // Fails with OUT_OF_RANGE naming the first index tensor entry outside [allow_drop ? -1 : 0, limit).
+  void check_host_slots(const DLTensor* slots, const char* name, bool allow_drop, int64_t limit) const;
   void write_guards();
   void check_guards(const char* call, bool device_regions);
   bool on_host() const { return plan_.config.device_type == MOECAP_DEVICE_HOST; }
