@@ -282,19 +282,23 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
 
 /* Gathers the host cache rows of `slots` ([T] int32/int64, host memory,
  * every value in [0, host_slots)) into ids_out ([T, num_layers, top_k],
- * host memory, compact, dtype uint8/int8/uint16/int16/int32/int64: stored
- * "no expert" values read as -1 in signed outputs) and, if non-NULL,
- * weights_out (same shape, float32/bfloat16/float16). Waits for commits in
- * flight first, unless MOECAP_READ_NONBLOCKING. `stream` is unused (reserved
- * for device outputs) and may be NULL. */
+ * compact, dtype uint8/int8/uint16/int16/int32/int64: stored "no expert"
+ * values read as -1 in signed outputs) and, if non-NULL, weights_out (same
+ * shape, float32/bfloat16/float16). Waits for commits in flight first, unless
+ * MOECAP_READ_NONBLOCKING. Outputs in host memory are filled before the call
+ * returns; outputs on the capturer's GPU (both, or neither) are filled by a
+ * kernel enqueued on `stream` (ready in stream order). */
 MOECAP_API moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTensor* ids_out,
                                      DLTensor* weights_out, uint32_t flags, void* stream);
 
 /* The inverse of moecap_read: stores rows captured elsewhere (a prefill
- * instance under prefill/decode disaggregation) at `slots`. ids: [T, layers,
- * top_k], any integer dtype moecap_read accepts, values in [0, num_experts)
- * or -1; weights required iff the capturer keeps weights. Host memory.
- * Waits for commits in flight first. */
+ * instance under prefill/decode disaggregation) at `slots` (host memory).
+ * ids: [T, layers, top_k], any integer dtype moecap_read accepts, values in
+ * [0, num_experts) or -1; weights required iff the capturer keeps weights.
+ * ids and weights may be host memory or on the capturer's GPU; device inputs
+ * are read after `stream` finished writing them (the call synchronizes it).
+ * Every value is checked before anything is stored. Waits for commits in
+ * flight first. */
 MOECAP_API moecap_status moecap_write(moecap_capturer* capturer, const DLTensor* slots, const DLTensor* ids,
                                       const DLTensor* weights, void* stream);
 

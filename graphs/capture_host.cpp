@@ -8,6 +8,29 @@ namespace moecap {
 
 namespace {
 
+template <class S, class D>
+void convert_ids(const S* src, D* dst, int64_t n, int64_t invalid_code) {
+  if (invalid_code == INT64_MIN) {  // every stored value is a valid id: plain widening
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<D>(src[i]);
+    return;
+  }
+  const S code = static_cast<S>(invalid_code);
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] == code ? static_cast<D>(-1) : static_cast<D>(src[i]);
+}
+
+// One row of stored ids into the caller's dtype, typed so it vectorizes.
+template <class S>
+void ids_from_stored(const S* src, void* dst, int32_t dst_elem, int64_t n, int64_t invalid_code) {
+  switch (dst_elem) {
+    case kU8: convert_ids(src, static_cast<uint8_t*>(dst), n, invalid_code); break;
+    case kI8: convert_ids(src, static_cast<int8_t*>(dst), n, invalid_code); break;
+    case kU16: convert_ids(src, static_cast<uint16_t*>(dst), n, invalid_code); break;
+    case kI16: convert_ids(src, static_cast<int16_t*>(dst), n, invalid_code); break;
+    case kI32: convert_ids(src, static_cast<int32_t*>(dst), n, invalid_code); break;
+    default: convert_ids(src, static_cast<int64_t*>(dst), n, invalid_code); break;
+  }
+}
+
 // The common case without weights or histogram, typed so the compiler can
 // vectorize the narrowing; anything else takes the shared per-element path.
 template <class In, class Out>
@@ -102,6 +125,36 @@ void commit_on_host(const CommitParams& p) {
     commit_with_slots<int64_t>(p);
   } else {
     commit_with_slots<int32_t>(p);
+  }
+}
+
+void gather_on_host(const GatherParams& p) {
+  const int64_t row = p.row_elements;
+  const int64_t id_bytes = elem_bytes(p.stored_id_elem);
+  const int64_t out_bytes = elem_bytes(p.dst_id_elem);
+  for (int64_t t = 0; t < p.count; ++t) {
+    const int64_t slot = load_int(p.slots, p.slots_elem, t);
+    const uint8_t* src = p.src_ids + slot * row * id_bytes;
+    void* dst = static_cast<uint8_t*>(p.dst_ids) + t * row * out_bytes;
+    if (p.dst_id_elem == p.stored_id_elem) {
+      // Same width: "no expert" as -1 truncates back to the stored all-ones value.
+      std::memcpy(dst, src, static_cast<size_t>(row * out_bytes));
+    } else if (p.stored_id_elem == kU8) {
+      ids_from_stored(src, dst, p.dst_id_elem, row, p.invalid_code);
+    } else if (p.stored_id_elem == kU16) {
+      ids_from_stored(reinterpret_cast<const uint16_t*>(src), dst, p.dst_id_elem, row, p.invalid_code);
+    } else {
+      ids_from_stored(reinterpret_cast<const int32_t*>(src), dst, p.dst_id_elem, row, p.invalid_code);
+    }
+    if (p.dst_weights == nullptr) continue;
+    const int64_t w_bytes = elem_bytes(p.stored_weight_elem);
+    const uint8_t* wsrc = p.src_weights + slot * row * w_bytes;
+    uint8_t* wdst = static_cast<uint8_t*>(p.dst_weights) + t * row * elem_bytes(p.dst_weight_elem);
+    if (p.dst_weight_elem == p.stored_weight_elem) {
+      std::memcpy(wdst, wsrc, static_cast<size_t>(row * w_bytes));
+    } else {
+      for (int64_t e = 0; e < row; ++e) store_float(wdst, p.dst_weight_elem, e, load_float(wsrc, p.stored_weight_elem, e));
+    }
   }
 }
 

@@ -53,3 +53,12 @@ extern "C" __global__ void moecap_commit_kernel(CommitParams p) {
     }
   }
 }
+
+// moecap_read into device memory: gathers host-cache rows over the bus.
+extern "C" __global__ void moecap_gather_kernel(GatherParams p) {
+  const int64_t elements = p.count * p.row_elements;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < elements;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    gather_element(p, i);
+  }
+}

@@ -56,4 +56,16 @@ MOECAP_HD bool commit_target(const CommitParams& p, int64_t j, int64_t* src_row,
   return commit_goes_to(p, *src_row, *slot);
 }
 
+// Element i of a gather's [count, row_elements] output.
+MOECAP_HD void gather_element(const GatherParams& p, int64_t i) {
+  const int64_t t = i / p.row_elements;
+  const int64_t e = i - t * p.row_elements;
+  const int64_t at = load_int(p.slots, p.slots_elem, t) * p.row_elements + e;
+  const int64_t id = load_int(p.src_ids, p.stored_id_elem, at);
+  store_int(p.dst_ids, p.dst_id_elem, i, id == p.invalid_code ? -1 : id);
+  if (p.dst_weights != nullptr) {
+    store_float(p.dst_weights, p.dst_weight_elem, i, load_float(p.src_weights, p.stored_weight_elem, at));
+  }
+}
+
 }  // namespace moecap

@@ -53,8 +53,28 @@ struct CommitParams {
   int32_t dst_slots_elem;   // kI32 / kI64
 };
 
+// Host-cache rows of `count` slots into a caller tensor [count, row_elements],
+// converting ids (stored "no expert" -> -1) and weights to the caller's dtypes.
+struct GatherParams {
+  const uint8_t* src_ids;   // host cache base (device-mapped address for the kernel)
+  const uint8_t* src_weights;
+  const void* slots;        // [count], already checked to lie in [0, host_slots)
+  void* dst_ids;            // [count, row_elements]
+  void* dst_weights;        // or nullptr
+  int64_t count;
+  int64_t row_elements;
+  int64_t invalid_code;     // the stored "no expert" value, or INT64_MIN when every value is a valid id
+  int32_t slots_elem;       // kI32 / kI64
+  int32_t stored_id_elem;
+  int32_t dst_id_elem;
+  int32_t stored_weight_elem;
+  int32_t dst_weight_elem;
+  int32_t pad_;
+};
+
 // Host twins of the kernels in capture_kernels.cu: same parameters, same effect.
 void capture_on_host(const CaptureParams& p);
 void commit_on_host(const CommitParams& p);
+void gather_on_host(const GatherParams& p);
 
 }  // namespace moecap

@@ -44,12 +44,17 @@ class Backend {
   // backend must stage (CUDA); the caller already checked their values.
   virtual void commit(const CommitParams& p, bool slots_on_host, bool rows_on_host, void* stream) = 0;
   virtual void zero_device(void* ptr, size_t bytes, void* stream) = 0;
+  // moecap_read into memory only kernels can write (device tensors); p.slots
+  // is host memory the backend stages. Host outputs never come here.
+  virtual void gather(const GatherParams& p, void* stream) = 0;
 
   // Host-side waits and copies (never legal in graphs).
   // Waits for (or, with block = false, polls) every commit enqueued so far.
   virtual bool commits_done(bool block) = 0;
   virtual void copy_device_to_host(void* dst, const void* src, size_t bytes) = 0;
   virtual void copy_host_to_device(void* dst, const void* src, size_t bytes) = 0;
+  // Waits until the caller's stream finished what it enqueued so far.
+  virtual void wait_stream(void* stream) = 0;
 
   // Whether `stream` is being captured into a graph (by anyone).
   virtual bool stream_capturing(void* stream) = 0;

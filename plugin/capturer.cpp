@@ -40,31 +40,6 @@ int64_t id_limit(int32_t elem) {
   }
 }
 
-template <class S, class D>
-void convert_ids(const S* src, D* dst, int64_t n, int64_t invalid_code) {
-  if (invalid_code == INT64_MIN) {  // every stored value is a valid id: plain widening
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<D>(src[i]);
-    return;
-  }
-  const S code = static_cast<S>(invalid_code);
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] == code ? static_cast<D>(-1) : static_cast<D>(src[i]);
-}
-
-// Converts n stored ids to the caller's dtype. `invalid_code` is the stored
-// "no expert" value when it is not also a valid id (else a value never seen).
-template <class S>
-void ids_from_stored(const S* src, void* dst, int32_t dst_elem, int64_t n, int64_t invalid_code) {
-  switch (dst_elem) {
-    case kU8: convert_ids(src, static_cast<uint8_t*>(dst), n, invalid_code); break;
-    case kI8: convert_ids(src, static_cast<int8_t*>(dst), n, invalid_code); break;
-    case kU16: convert_ids(src, static_cast<uint16_t*>(dst), n, invalid_code); break;
-    case kI16: convert_ids(src, static_cast<int16_t*>(dst), n, invalid_code); break;
-    case kI32: convert_ids(src, static_cast<int32_t*>(dst), n, invalid_code); break;
-    default: convert_ids(src, static_cast<int64_t*>(dst), n, invalid_code); break;
-  }
-}
-
-
 }  // namespace
 
 Capturer::Capturer(const Plan& plan) : plan_(plan) {
@@ -315,8 +290,10 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
   }
   const int64_t t = slots->shape[0];
   const int32_t out_elem = check_tensor(ids_out, {"ids_out", {kU8, kI8, kU16, kI16, kI32, kI64}, 3});
-  if (!Backend::host_can_read(ids_out->device)) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out is on ", device_name(ids_out->device), "; expected host memory");
+  const bool on_device = !Backend::host_can_read(ids_out->device);
+  if (on_device && !backend_->kernel_can_read(ids_out->device)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out is on ", device_name(ids_out->device),
+         "; expected host memory or the capturer's device (", device_name(backend_->device()), ")");
   }
   check_dim(ids_out, "ids_out", 0, t, "entries of slots");
   check_dim(ids_out, "ids_out", 1, c.num_layers, "num_layers");
@@ -331,46 +308,61 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
       fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
     }
     w_elem = check_tensor(weights_out, {"weights_out", {kF32, kBF16, kF16}, 3});
-    if (!Backend::host_can_read(weights_out->device)) {
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out is on ", device_name(weights_out->device),
-           "; expected host memory");
+    if (Backend::host_can_read(weights_out->device) == on_device) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out is on ", device_name(weights_out->device), " but ids_out on ",
+           device_name(ids_out->device), "; both must be host memory or both device memory");
     }
     for (int d = 0; d < 3; ++d) check_dim(weights_out, "weights_out", d, ids_out->shape[d], "shape of ids_out");
   }
   check_host_slots(slots, "slots", false, c.host_slots);
   settle("moecap_read", (flags & MOECAP_READ_NONBLOCKING) == 0);
+  if (t == 0) return;
 
-  const int32_t slot_elem = elem_of(slots->dtype);
-  const uint8_t* host_ids = host_block_ + host_ids_.offset;
-  const uint8_t* host_w = host_block_ + host_weights_.offset;
-  const int64_t row = plan_.row_elements;
+  const uint8_t* cache = on_device ? host_block_on_device_ : host_block_;
   const int64_t code = invalid_id_code(plan_.id_elem);
-  const int64_t invalid = code >= c.num_experts || code < 0 ? code : INT64_MIN;
-  uint8_t* out = tensor_data(ids_out);
-  const int64_t out_row_bytes = row * elem_bytes(out_elem);
-  for (int64_t i = 0; i < t; ++i) {
-    const int64_t slot = load_int(tensor_data(slots), slot_elem, i);
-    const uint8_t* src = host_ids + slot * plan_.id_row_bytes();
-    void* dst = out + i * out_row_bytes;
-    if (out_elem == plan_.id_elem) {
-      std::memcpy(dst, src, static_cast<size_t>(out_row_bytes));
-    } else if (plan_.id_elem == kU8) {
-      ids_from_stored(src, dst, out_elem, row, invalid);
-    } else if (plan_.id_elem == kU16) {
-      ids_from_stored(reinterpret_cast<const uint16_t*>(src), dst, out_elem, row, invalid);
-    } else {
-      ids_from_stored(reinterpret_cast<const int32_t*>(src), dst, out_elem, row, invalid);
-    }
-    if (w_elem >= 0) {
-      const uint8_t* wsrc = host_w + slot * plan_.weight_row_bytes();
-      uint8_t* wdst = tensor_data(weights_out) + i * row * elem_bytes(w_elem);
-      if (w_elem == plan_.weight_elem) {
-        std::memcpy(wdst, wsrc, static_cast<size_t>(plan_.weight_row_bytes()));
-      } else {
-        for (int64_t e = 0; e < row; ++e) store_float(wdst, w_elem, e, load_float(wsrc, plan_.weight_elem, e));
-      }
-    }
+  GatherParams g{};
+  g.src_ids = cache + host_ids_.offset;
+  g.src_weights = cache + host_weights_.offset;
+  g.slots = tensor_data(slots);
+  g.dst_ids = tensor_data(ids_out);
+  g.dst_weights = w_elem >= 0 ? tensor_data(weights_out) : nullptr;
+  g.count = t;
+  g.row_elements = plan_.row_elements;
+  g.invalid_code = code >= c.num_experts || code < 0 ? code : INT64_MIN;
+  g.slots_elem = elem_of(slots->dtype);
+  g.stored_id_elem = plan_.id_elem;
+  g.dst_id_elem = out_elem;
+  g.stored_weight_elem = plan_.weight_elem;
+  g.dst_weight_elem = w_elem;
+  if (on_device) {
+    backend_->gather(g, stream);
+  } else {
+    gather_on_host(g);
   }
+}
+
+// Where write's inputs are read from: host tensors in place, device tensors
+// through a host copy made after the caller's stream finished writing them.
+struct HostView {
+  DLTensor tensor{};
+  std::vector<uint8_t> copy;
+};
+
+HostView Capturer::host_view(const DLTensor* t, const char* name, void* stream) {
+  HostView v;
+  v.tensor = *t;
+  if (Backend::host_can_read(t->device)) return v;
+  if (!backend_->kernel_can_read(t->device)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " is on ", device_name(t->device),
+         "; expected host memory or the capturer's device (", device_name(backend_->device()), ")");
+  }
+  v.copy.resize(static_cast<size_t>(element_count(t) * elem_bytes(elem_of(t->dtype))));
+  backend_->wait_stream(stream);
+  backend_->copy_device_to_host(v.copy.data(), tensor_data(t), v.copy.size());
+  v.tensor.data = v.copy.data();
+  v.tensor.byte_offset = 0;
+  v.tensor.device = DLDevice{kDLCPU, 0};
+  return v;
 }
 
 void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, void* stream) {
@@ -382,25 +374,21 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
   }
   const int64_t t = slots->shape[0];
   const int32_t in_elem = check_tensor(ids, {"ids", {kU8, kI8, kU16, kI16, kI32, kI64}, 3});
-  if (!Backend::host_can_read(ids->device)) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids is on ", device_name(ids->device), "; expected host memory");
-  }
   check_dim(ids, "ids", 0, t, "entries of slots");
   check_dim(ids, "ids", 1, c.num_layers, "num_layers");
   check_dim(ids, "ids", 2, c.top_k, "top_k");
   int32_t w_elem = -1;
   if (plan_.has_weights()) {
     w_elem = check_tensor(weights, {"weights", {kF32, kBF16, kF16}, 3});
-    if (!Backend::host_can_read(weights->device)) {
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights is on ", device_name(weights->device), "; expected host memory");
-    }
     for (int d = 0; d < 3; ++d) check_dim(weights, "weights", d, ids->shape[d], "shape of ids");
   } else if (weights != nullptr) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
   }
   check_host_slots(slots, "slots", false, c.host_slots);
+  const HostView id_view = host_view(ids, "ids", stream);
+  const HostView w_view = w_elem >= 0 ? host_view(weights, "weights", stream) : HostView{};
   const int64_t row = plan_.row_elements;
-  const uint8_t* in = tensor_data(ids);
+  const uint8_t* in = tensor_data(&id_view.tensor);
   const bool in_signed = in_elem == kI8 || in_elem == kI16 || in_elem == kI32 || in_elem == kI64;
   for (int64_t i = 0; i < t * row; ++i) {
     const int64_t v = load_int(in, in_elem, i);
@@ -425,7 +413,7 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
     if (w_elem >= 0) {
       uint8_t* wdst = host_w + slot * plan_.weight_row_bytes();
       for (int64_t e = 0; e < row; ++e) {
-        store_float(wdst, plan_.weight_elem, e, load_float(tensor_data(weights), w_elem, i * row + e));
+        store_float(wdst, plan_.weight_elem, e, load_float(tensor_data(&w_view.tensor), w_elem, i * row + e));
       }
     }
   }

@@ -12,6 +12,8 @@
 
 namespace moecap {
 
+struct HostView;
+
 // A non-owning description of one exportable buffer.
 struct BufferView {
   void* data;
@@ -64,6 +66,7 @@ class Capturer {
   void check_host_slots(const DLTensor* slots, const char* name, bool allow_drop, int64_t limit) const;
   void write_guards();
   void check_guards(const char* call, bool device_regions);
+  HostView host_view(const DLTensor* t, const char* name, void* stream);
   bool on_host() const { return plan_.config.device_type == MOECAP_DEVICE_HOST; }
 
   Plan plan_;

@@ -29,6 +29,7 @@ class HostBackend final : public Backend {
   void commit(const CommitParams& p, bool, bool, void*) override {
     run([p] { commit_on_host(p); });
   }
+  void gather(const GatherParams& p, void*) override { gather_on_host(p); }
   void zero_device(void* ptr, size_t bytes, void*) override {
     run([ptr, bytes] { std::memset(ptr, 0, bytes); });
   }
@@ -37,6 +38,7 @@ class HostBackend final : public Backend {
   void copy_device_to_host(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy_host_to_device(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
 
+  void wait_stream(void*) override {}
   bool stream_capturing(void*) override { return false; }
 
   void begin_graph(void*) override { recording_ = std::make_unique<HostGraph>(); }

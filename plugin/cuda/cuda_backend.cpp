@@ -78,10 +78,12 @@ class CudaBackend final : public Backend {
       check(d_, d_.cuModuleLoadData(&module_, moecap_kernels_fatbin), "cuModuleLoadData (embedded kernels)");
       check(d_, d_.cuModuleGetFunction(&capture_fn_, module_, "moecap_capture_kernel"), "cuModuleGetFunction");
       check(d_, d_.cuModuleGetFunction(&commit_fn_, module_, "moecap_commit_kernel"), "cuModuleGetFunction");
+      check(d_, d_.cuModuleGetFunction(&gather_fn_, module_, "moecap_gather_kernel"), "cuModuleGetFunction");
       check(d_, d_.cuStreamCreate(&internal_, kStreamNonBlocking), "cuStreamCreate");
       for (CUevent& e : events_) check(d_, d_.cuEventCreate(&e, kEventDisableTiming), "cuEventCreate");
       check(d_, d_.cuEventCreate(&staging_free_, kEventDisableTiming), "cuEventCreate");
-      const size_t staging = static_cast<size_t>(plan.device_rows) * sizeof(int64_t);
+      staging_rows_ = plan.device_rows;
+      const size_t staging = static_cast<size_t>(staging_rows_) * sizeof(int64_t);
       check(d_, d_.cuMemAlloc(&slot_staging_, staging), "cuMemAlloc (slot staging)");
       check(d_, d_.cuMemAlloc(&row_staging_, staging), "cuMemAlloc (row staging)");
     } catch (...) {
@@ -179,6 +181,32 @@ class CudaBackend final : public Backend {
     if (recorded_ < events_.size()) ++recorded_;
   }
 
+  void gather(const GatherParams& p, void* stream) override {
+    ContextScope scope(d_, ctx_);
+    CUstream s = static_cast<CUstream>(stream);
+    check(d_, d_.cuStreamWaitEvent(s, staging_free_, 0), "cuStreamWaitEvent");
+    // The staging area holds device_rows slots; longer requests go in pieces,
+    // each ordered on `s` after the previous piece's kernel read the staging.
+    const int64_t slot_bytes = p.slots_elem == kI64 ? 8 : 4;
+    const int64_t id_row = p.row_elements * elem_bytes(p.dst_id_elem);
+    const int64_t w_row = p.dst_weights ? p.row_elements * elem_bytes(p.dst_weight_elem) : 0;
+    for (int64_t first = 0; first < p.count; first += staging_rows_) {
+      GatherParams piece = p;
+      piece.count = std::min(staging_rows_, p.count - first);
+      check(d_, d_.cuMemcpyHtoDAsync(slot_staging_, static_cast<const uint8_t*>(p.slots) + first * slot_bytes,
+                                     static_cast<size_t>(piece.count * slot_bytes), s),
+            "cuMemcpyHtoDAsync (slots)");
+      piece.slots = reinterpret_cast<const void*>(slot_staging_);
+      piece.dst_ids = static_cast<uint8_t*>(p.dst_ids) + first * id_row;
+      if (p.dst_weights) piece.dst_weights = static_cast<uint8_t*>(p.dst_weights) + first * w_row;
+      const int64_t elements = piece.count * p.row_elements;
+      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((elements + 255) / 256, 4096));
+      void* args[] = {&piece};
+      check(d_, d_.cuLaunchKernel(gather_fn_, blocks, 1, 1, 256, 1, 1, 0, s, args, nullptr), "cuLaunchKernel (gather)");
+    }
+    check(d_, d_.cuEventRecord(staging_free_, s), "cuEventRecord");
+  }
+
   void zero_device(void* ptr, size_t bytes, void* stream) override {
     ContextScope scope(d_, ctx_);
     check(d_, d_.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(ptr), 0, bytes, static_cast<CUstream>(stream)),
@@ -208,6 +236,11 @@ class CudaBackend final : public Backend {
     ContextScope scope(d_, ctx_);
     check(d_, d_.cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, internal_), "cuMemcpyHtoDAsync");
     check(d_, d_.cuStreamSynchronize(internal_), "cuStreamSynchronize");
+  }
+
+  void wait_stream(void* stream) override {
+    ContextScope scope(d_, ctx_);
+    check(d_, d_.cuStreamSynchronize(static_cast<CUstream>(stream)), "cuStreamSynchronize");
   }
 
   bool stream_capturing(void* stream) override {
@@ -265,12 +298,14 @@ class CudaBackend final : public Backend {
   CUmodule module_ = nullptr;
   CUfunction capture_fn_ = nullptr;
   CUfunction commit_fn_ = nullptr;
+  CUfunction gather_fn_ = nullptr;
   CUstream internal_ = nullptr;
   std::array<CUevent, 16> events_{};
   size_t next_event_ = 0;
   size_t recorded_ = 0;
   CUevent staging_free_ = nullptr;
   CUdeviceptr slot_staging_ = 0;
+  int64_t staging_rows_ = 0;
   CUdeviceptr row_staging_ = 0;
   CUstream recording_ = nullptr;
 };

@@ -260,6 +260,88 @@ TEST_CASE("device slots out of range are skipped, counted, and reported by the n
   CHECK(moecap_graph_begin(p.cuda, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);  // legacy stream: not capturable
 }
 
+TEST_CASE("read into device tensors and write from device tensors match the host paths") {
+  moecap_config c = small_config();
+  c.num_layers = 4;
+  c.top_k = 8;
+  c.num_experts = 256;  // u8 ids, every value a valid id
+  c.weight_dtype = MOECAP_WEIGHTS_BF16;
+  c.max_running_requests = 16;
+  c.chunked_prefill_size = 16;  // device_rows 16: a 40-slot read goes in pieces
+  c.host_slots = 64;
+  Pair p(c);
+  const int64_t row = c.num_layers * c.top_k;
+  HostTensor slots({40}, i64());
+  HostTensor ids({40, c.num_layers, c.top_k}, i32());
+  HostTensor w({40, c.num_layers, c.top_k}, f32());
+  for (int64_t i = 0; i < 40; ++i) slots.set(i, 63 - i);
+  for (int64_t i = 0; i < 40 * row; ++i) {
+    ids.set(i, i % 97 == 0 ? -1 : route(i, 1, 2, c.num_experts));
+    w.as<float>()[i] = static_cast<float>(i % 17) / 16.0f;
+  }
+  DeviceTensor dids(ids);
+  DeviceTensor dw(w);
+  REQUIRE(moecap_write(p.host, slots.get(), ids.get(), w.get(), nullptr) == MOECAP_OK);
+  REQUIRE_MESSAGE(moecap_write(p.cuda, slots.get(), dids.get(), dw.get(), p.stream) == MOECAP_OK,
+                  std::string(moecap_last_error()));
+  for (DLDataType out_type : {i32(), i64(), u8()}) {
+    CAPTURE(int(out_type.bits));
+    HostTensor want({40, c.num_layers, c.top_k}, out_type);
+    HostTensor want_w({40, c.num_layers, c.top_k}, f32());
+    REQUIRE(moecap_read(p.host, slots.get(), want.get(), want_w.get(), 0, nullptr) == MOECAP_OK);
+    HostTensor got({40, c.num_layers, c.top_k}, out_type);
+    HostTensor got_w({40, c.num_layers, c.top_k}, f32());
+    DeviceTensor dgot(got);
+    DeviceTensor dgot_w(got_w);
+    REQUIRE_MESSAGE(moecap_read(p.cuda, slots.get(), dgot.get(), dgot_w.get(), 0, p.stream) == MOECAP_OK,
+                    std::string(moecap_last_error()));
+    CUDA_OK(cudaStreamSynchronize(p.stream));
+    CUDA_OK(cudaMemcpy(got.as<uint8_t>(), dgot.get()->data, got.bytes().size(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(got_w.as<uint8_t>(), dgot_w.get()->data, got_w.bytes().size(), cudaMemcpyDeviceToHost));
+    CHECK(got.bytes() == want.bytes());
+    CHECK(got_w.bytes() == want_w.bytes());
+  }
+}
+
+TEST_CASE("a moecap graph embedded as a child node of the engine's graph") {
+  moecap_config c = small_config();
+  Pair p(c);
+  HostTensor ids({2, c.top_k}, i32());
+  HostTensor slots({2}, i64());
+  DeviceTensor dids(ids);
+  DeviceTensor dslots(slots);
+  REQUIRE(moecap_graph_begin(p.cuda, p.stream) == MOECAP_OK);
+  for (int32_t l = 0; l < c.num_layers; ++l) REQUIRE(moecap_capture(p.cuda, l, dids.get(), nullptr, p.stream) == MOECAP_OK);
+  moecap_commit_args a{sizeof a, 0, nullptr, dslots.get()};
+  REQUIRE(moecap_commit(p.cuda, &a, p.stream) == MOECAP_OK);
+  moecap_graph* g = nullptr;
+  REQUIRE(moecap_graph_end(p.cuda, &g) == MOECAP_OK);
+  void* child = nullptr;
+  REQUIRE(moecap_graph_native(g, &child) == MOECAP_OK);
+  cudaGraph_t engine = nullptr;
+  CUDA_OK(cudaGraphCreate(&engine, 0));
+  cudaGraphNode_t node = nullptr;
+  CUDA_OK(cudaGraphAddChildGraphNode(&node, engine, nullptr, 0, static_cast<cudaGraph_t>(child)));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, engine, 0));
+  ids.fill<int32_t>({3, 1, 6, 2});
+  slots.fill<int64_t>({9, 12});
+  dids.upload();
+  dslots.upload();
+  CUDA_OK(cudaGraphLaunch(exec, p.stream));
+  CUDA_OK(cudaStreamSynchronize(p.stream));
+  HostTensor q({2}, i64());
+  q.fill<int64_t>({12, 9});
+  HostTensor out({2, c.num_layers, c.top_k}, i32());
+  REQUIRE(moecap_read(p.cuda, q.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
+  CHECK(out.at(0) == 6);
+  CHECK(out.at(1) == 2);
+  CHECK(out.at(c.num_layers * c.top_k) == 3);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(engine);
+  moecap_graph_destroy(g);
+}
+
 int main(int argc, char** argv) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {

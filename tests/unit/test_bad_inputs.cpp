@@ -171,6 +171,9 @@ TEST_CASE("read refuses bad input") {
   f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out is on cuda:0", [&] { return moecap_read(f.h, slots.get(), &gpu_out, nullptr, 0, nullptr); });
   HostTensor wbad({2, c.num_layers, c.top_k + 1}, f32());
   f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out->shape[2]", [&] { return moecap_read(f.h, slots.get(), out.get(), wbad.get(), 0, nullptr); });
+  DLTensor gpu_w = wout.dl();
+  gpu_w.device = DLDevice{kDLCUDA, 0};
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "both must be host memory or both device memory", [&] { return moecap_read(f.h, slots.get(), out.get(), &gpu_w, 0, nullptr); });
   CHECK(out.bytes() == out_before);  // no partial write into the caller's tensor either
 }
 
@@ -206,6 +209,9 @@ TEST_CASE("write refuses bad input") {
   HostTensor past({1}, i32());
   past.fill<int32_t>({32});
   f.refused(MOECAP_ERROR_OUT_OF_RANGE, "slots[0] is 32", [&] { return moecap_write(f.h, past.get(), ids.get(), w.get(), nullptr); });
+  DLTensor gpu_ids = ids.dl();
+  gpu_ids.device = DLDevice{kDLCUDA, 0};
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids is on cuda:0; expected host memory or the capturer's device (cpu)", [&] { return moecap_write(f.h, slots.get(), &gpu_ids, w.get(), nullptr); });
   HostTensor ids2({2, c.num_layers, c.top_k}, i32());
   f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids->shape[0] is 2", [&] { return moecap_write(f.h, slots.get(), ids2.get(), w.get(), nullptr); });
 }

@@ -304,8 +304,10 @@ class Capturer:
         _check(library().moecap_histogram_reset(self._h(), _stream(stream)))
 
     # host side
-    def read(self, slots, dtype=None, out=None, weights_out=None, nonblocking=False):
-        """Rows of `slots` as [T, num_layers, top_k]; returns out (and weights_out if given)."""
+    def read(self, slots, dtype=None, out=None, weights_out=None, nonblocking=False, stream=None):
+        """Rows of `slots` (host) as [T, num_layers, top_k]; returns out (and weights_out if given).
+
+        `out` may be a CUDA tensor on the capturer's GPU: it is filled on `stream`."""
         import numpy as np
         torch = _torch()
         if out is None:
@@ -317,12 +319,12 @@ class Capturer:
                 out = np.empty(shape, dtype=dtype or np.int32)
         s, o, w = _borrow(slots), _borrow(out), _borrow(weights_out)
         flags = _abi.READ_NONBLOCKING if nonblocking else 0
-        _check(library().moecap_read(self._h(), s.ref(), o.ref(), _ref(w), flags, None))
+        _check(library().moecap_read(self._h(), s.ref(), o.ref(), _ref(w), flags, _stream(stream)))
         return out if weights_out is None else (out, weights_out)
 
-    def write(self, slots, ids, weights=None):
+    def write(self, slots, ids, weights=None, stream=None):
         s, i, w = _borrow(slots), _borrow(ids), _borrow(weights)
-        _check(library().moecap_write(self._h(), s.ref(), i.ref(), _ref(w), None))
+        _check(library().moecap_write(self._h(), s.ref(), i.ref(), _ref(w), _stream(stream)))
 
     def synchronize(self):
         _check(library().moecap_synchronize(self._h()))
