@@ -126,6 +126,12 @@ def serve(device, weight_dtype, use_graph):
     cap.synchronize()
     assert cap.errors()["skipped_rows"] == 0
     check(cap, slots_of, truth, weight_dtype)
+    if device == "cuda":  # the same rows gathered straight into GPU tensors
+        for r in range(REQUESTS):
+            slots = torch.tensor(slots_of[r], dtype=torch.int64)
+            on_gpu = cap.read(slots, out=torch.empty(len(slots_of[r]), LAYERS, TOP_K, dtype=torch.int64, device="cuda"),
+                              stream=torch.cuda.current_stream())
+            assert torch.equal(on_gpu.cpu(), torch.from_numpy(np.stack(truth.ids[r])).long())
     cap.close()
 
 
