@@ -24,7 +24,14 @@ TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   "$root/build-tsan/tests/moecap_unit_tests" --test-case='*thread*'
 
 echo "=== libFuzzer: ABI call sequences for ${FUZZ_SECONDS:-60} s"
-command -v clang++ >/dev/null || { apt-get install -y -qq clang >/dev/null; }
+missing=()
+for p in clang libclang-rt-14-dev; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
 CC=clang CXX=clang++ cmake -S "$root" -B "$root/build-fuzz" -DCMAKE_BUILD_TYPE=Debug -DMOECAP_FUZZ=ON \
   -DMOECAP_CUDA=OFF -DMOECAP_BUILD_TESTS=OFF -DMOECAP_BUILD_EXAMPLES=OFF -DMOECAP_BUILD_BENCH=OFF >/dev/null
 cmake --build "$root/build-fuzz" -j "$jobs" --target moecap_fuzz_abi >/dev/null

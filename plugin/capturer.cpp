@@ -90,32 +90,32 @@ Capturer::~Capturer() {
   backend_->free_device(device_block_);
 }
 
-void Capturer::require_stream(const char* call, void* stream) {
+void Capturer::require_stream(void* stream) {
   if (recording_ && stream != recording_stream_) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, call, ": stream differs from the one moecap_graph_begin records on");
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "stream differs from the one moecap_graph_begin records on");
   }
 }
 
-void Capturer::require_not_capturing(const char* call, void* stream) {
-  if (recording_) fail(MOECAP_ERROR_CAPTURE_ILLEGAL, call, " is not allowed while moecap records a graph");
+void Capturer::require_not_capturing(void* stream) {
+  if (recording_) fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "not allowed while moecap records a graph");
   if (stream != nullptr && backend_->stream_capturing(stream)) {
-    fail(MOECAP_ERROR_CAPTURE_ILLEGAL, call, " is not allowed while its stream is being captured into a graph");
+    fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "not allowed while its stream is being captured into a graph");
   }
 }
 
-void Capturer::settle(const char* call, bool block) {
+void Capturer::settle(bool block) {
   if (!backend_->commits_done(block)) {
-    fail(MOECAP_ERROR_NOT_READY, call, ": commits are still in flight (MOECAP_READ_NONBLOCKING)");
+    fail(MOECAP_ERROR_NOT_READY, "commits are still in flight (MOECAP_READ_NONBLOCKING)");
   }
   ErrorWord word{};
   backend_->copy_device_to_host(&word, device_block_ + error_word_.offset, sizeof word);
   if (word.skipped_rows > 0) {
-    fail(MOECAP_ERROR_ROWS_SKIPPED, call, ": ", word.skipped_rows,
+    fail(MOECAP_ERROR_ROWS_SKIPPED, word.skipped_rows,
          " committed rows were skipped (slot outside [-1, host_slots = ", plan_.config.host_slots,
          ") or source row outside [0, device_rows = ", plan_.device_rows,
          ")); moecap_get_errors with MOECAP_ERRORS_CLEAR acknowledges them");
   }
-  check_guards(call, true);
+  check_guards(true);
 }
 
 namespace {
@@ -148,7 +148,7 @@ void Capturer::check_host_slots(const DLTensor* slots, const char* name, bool al
 
 void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, void* stream) {
   const moecap_config& c = plan_.config;
-  require_stream("moecap_capture", stream);
+  require_stream(stream);
   if (layer < 0 || layer >= c.num_layers) {
     fail(MOECAP_ERROR_OUT_OF_RANGE, "layer is ", layer, "; it must be in [0, num_layers = ", c.num_layers, ")");
   }
@@ -179,7 +179,7 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   } else if (weights != nullptr) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
   }
-  if (!recording_) check_guards("moecap_capture", on_host());
+  if (!recording_) check_guards(on_host());
   if (n == 0) return;
 
   CaptureParams p{};
@@ -207,7 +207,7 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
 
 void Capturer::commit(const moecap_commit_args* args, void* stream) {
   check_struct(args, args ? args->struct_size : 0, sizeof(moecap_commit_args), "args");
-  require_stream("moecap_commit", stream);
+  require_stream(stream);
   const bool graph = recording_ || (stream != nullptr && backend_->stream_capturing(stream));
 
   const DLTensor* slots = args->dst_slots;
@@ -256,7 +256,7 @@ void Capturer::commit(const moecap_commit_args* args, void* stream) {
   if (!graph && Backend::host_can_read(slots->device)) {
     check_host_slots(slots, "args->dst_slots", true, plan_.config.host_slots);
   }
-  if (!graph) check_guards("moecap_commit", on_host());
+  if (!graph) check_guards(on_host());
   if (count == 0) return;
 
   CommitParams p{};
@@ -280,7 +280,7 @@ void Capturer::commit(const moecap_commit_args* args, void* stream) {
 
 void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, void* stream) {
   const moecap_config& c = plan_.config;
-  require_not_capturing("moecap_read", stream);
+  require_not_capturing(stream);
   if ((flags & ~MOECAP_READ_NONBLOCKING) != 0) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "flags has unknown bits 0x", std::hex, (flags & ~MOECAP_READ_NONBLOCKING));
   }
@@ -315,7 +315,7 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
     for (int d = 0; d < 3; ++d) check_dim(weights_out, "weights_out", d, ids_out->shape[d], "shape of ids_out");
   }
   check_host_slots(slots, "slots", false, c.host_slots);
-  settle("moecap_read", (flags & MOECAP_READ_NONBLOCKING) == 0);
+  settle((flags & MOECAP_READ_NONBLOCKING) == 0);
   if (t == 0) return;
 
   const uint8_t* cache = on_device ? host_block_on_device_ : host_block_;
@@ -367,7 +367,7 @@ HostView Capturer::host_view(const DLTensor* t, const char* name, void* stream) 
 
 void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, void* stream) {
   const moecap_config& c = plan_.config;
-  require_not_capturing("moecap_write", stream);
+  require_not_capturing(stream);
   check_tensor(slots, {"slots", {kI32, kI64}, 1});
   if (!Backend::host_can_read(slots->device)) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "slots is on ", device_name(slots->device), "; expected host memory");
@@ -397,7 +397,7 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
            "; ids must be in [0, num_experts = ", c.num_experts, ") or -1");
     }
   }
-  settle("moecap_write", true);
+  settle(true);
 
   uint8_t* host_ids = host_block_ + host_ids_.offset;
   uint8_t* host_w = host_block_ + host_weights_.offset;
@@ -420,12 +420,12 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
 }
 
 void Capturer::synchronize() {
-  require_not_capturing("moecap_synchronize", nullptr);
-  settle("moecap_synchronize", true);
+  require_not_capturing(nullptr);
+  settle(true);
 }
 
 moecap_error_counts Capturer::errors(bool clear) {
-  require_not_capturing("moecap_get_errors", nullptr);
+  require_not_capturing(nullptr);
   backend_->commits_done(true);
   ErrorWord word{};
   void* dev = device_block_ + error_word_.offset;
@@ -443,10 +443,10 @@ moecap_error_counts Capturer::errors(bool clear) {
 
 void Capturer::histogram_reset(void* stream) {
   if (!plan_.has_histogram()) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "moecap_histogram_reset: the capturer was created without ",
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "the capturer was created without ",
          "MOECAP_FLAG_HISTOGRAM");
   }
-  require_stream("moecap_histogram_reset", stream);
+  require_stream(stream);
   backend_->zero_device(device_block_ + histogram_.offset, histogram_.bytes, stream);
 }
 
@@ -522,13 +522,13 @@ BufferView Capturer::view(int32_t which, int32_t layer) const {
 }
 
 void Capturer::graph_begin(void* stream) {
-  if (recording_) fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "moecap_graph_begin: this capturer already records a graph");
+  if (recording_) fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "this capturer already records a graph");
   if (plan_.config.device_type == MOECAP_DEVICE_CUDA && stream == nullptr) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "moecap_graph_begin: stream is NULL; the legacy default stream cannot be ",
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "stream is NULL; the legacy default stream cannot be ",
          "captured");
   }
   if (stream != nullptr && backend_->stream_capturing(stream)) {
-    fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "moecap_graph_begin: stream is already being captured; call moecap ",
+    fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "stream is already being captured; call moecap ",
          "directly inside the engine's own capture instead");
   }
   backend_->begin_graph(stream);
@@ -537,7 +537,7 @@ void Capturer::graph_begin(void* stream) {
 }
 
 std::unique_ptr<BackendGraph> Capturer::graph_end() {
-  if (!recording_) fail(MOECAP_ERROR_INVALID_ARGUMENT, "moecap_graph_end: no moecap_graph_begin on this capturer");
+  if (!recording_) fail(MOECAP_ERROR_INVALID_ARGUMENT, "no moecap_graph_begin on this capturer");
   recording_ = false;
   recording_stream_ = nullptr;
   return backend_->end_graph();
@@ -572,9 +572,9 @@ const char* Capturer::damaged_guard(bool device_regions) {
   return nullptr;
 }
 
-void Capturer::check_guards(const char* call, bool device_regions) {
+void Capturer::check_guards(bool device_regions) {
   if (const char* region = damaged_guard(device_regions)) {
-    fail(MOECAP_ERROR_CORRUPTION, call, ": the guard after the ", region,
+    fail(MOECAP_ERROR_CORRUPTION, "the guard after the ", region,
          " buffer was overwritten: something wrote past its end");
   }
 }

@@ -58,14 +58,14 @@ class Capturer {
     size_t bytes;
   };
 
-  void require_not_capturing(const char* call, void* stream);
-  void require_stream(const char* call, void* stream);
+  void require_not_capturing(void* stream);
+  void require_stream(void* stream);
   // Waits for commits, then fails with ROWS_SKIPPED while the counter is set.
-  void settle(const char* call, bool block);
+  void settle(bool block);
   // Fails with OUT_OF_RANGE naming the first index tensor entry outside [allow_drop ? -1 : 0, limit).
   void check_host_slots(const DLTensor* slots, const char* name, bool allow_drop, int64_t limit) const;
   void write_guards();
-  void check_guards(const char* call, bool device_regions);
+  void check_guards(bool device_regions);
   HostView host_view(const DLTensor* t, const char* name, void* stream);
   bool on_host() const { return plan_.config.device_type == MOECAP_DEVICE_HOST; }
 

@@ -23,8 +23,7 @@ moecap_status guarded(const char* function, Body&& body) noexcept {
     body();
     return MOECAP_OK;
   } catch (const Error& e) {
-    const char* what = e.what();
-    set_last_error(std::strncmp(what, "moecap_", 7) == 0 ? std::string(what) : cat(function, ": ", what));
+    set_last_error(cat(function, ": ", e.what()));
     return e.code();
   } catch (const std::bad_alloc&) {
     set_last_error(cat(function, ": out of host memory"));
