@@ -33,18 +33,22 @@ void ids_from_stored(const S* src, void* dst, int32_t dst_elem, int64_t n, int64
 
 // The common case without weights or histogram, typed so the compiler can
 // vectorize the narrowing; anything else takes the shared per-element path.
-template <class In, class Out>
+// TopK > 0 fixes the row width at compile time (the common top-k values),
+// so each row narrows in a few vector instructions; 0 reads it at run time.
+template <int TopK, class In, class Out>
 void capture_ids_only(const CaptureParams& p) {
   const In* src = static_cast<const In*>(p.ids);
   Out* dst = static_cast<Out*>(p.dst_ids);
   const Out invalid = static_cast<Out>(invalid_id_code(p.stored_id_elem));
+  const int32_t top_k = TopK > 0 ? TopK : p.top_k;
+  const In experts = static_cast<In>(p.num_experts);
   unsigned long long bad = 0;
   for (int64_t r = 0; r < p.n; ++r) {
     const In* in = src + r * p.in_cols;
     Out* out = dst + r * p.dst_row_stride;
-    for (int32_t k = 0; k < p.top_k; ++k) {
+    for (int32_t k = 0; k < top_k; ++k) {
       const In id = in[k];
-      const bool ok = id >= 0 && id < p.num_experts;
+      const bool ok = id >= 0 && id < experts;
       out[k] = ok ? static_cast<Out>(id) : invalid;
       bad += ok ? 0u : 1u;
     }
@@ -52,12 +56,23 @@ void capture_ids_only(const CaptureParams& p) {
   if (bad != 0) __atomic_fetch_add(&p.errors->invalid_ids, bad, __ATOMIC_RELAXED);
 }
 
+template <class In, class Out>
+void capture_ids_by_width(const CaptureParams& p) {
+  switch (p.top_k) {
+    case 2: capture_ids_only<2, In, Out>(p); break;
+    case 4: capture_ids_only<4, In, Out>(p); break;
+    case 6: capture_ids_only<6, In, Out>(p); break;
+    case 8: capture_ids_only<8, In, Out>(p); break;
+    default: capture_ids_only<0, In, Out>(p); break;
+  }
+}
+
 template <class In>
 bool capture_fast(const CaptureParams& p) {
   switch (p.stored_id_elem) {
-    case kU8: capture_ids_only<In, uint8_t>(p); return true;
-    case kU16: capture_ids_only<In, uint16_t>(p); return true;
-    case kI32: capture_ids_only<In, int32_t>(p); return true;
+    case kU8: capture_ids_by_width<In, uint8_t>(p); return true;
+    case kU16: capture_ids_by_width<In, uint16_t>(p); return true;
+    case kI32: capture_ids_by_width<In, int32_t>(p); return true;
     default: return false;
   }
 }
