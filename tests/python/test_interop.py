@@ -84,3 +84,26 @@ def test_plan_without_allocating():
     assert p["rows_per_rank"] == 32
     assert p["device_rows"] == 128
     assert p["id_bytes"] == 1
+
+
+class OnlyDLPack:
+    """A producer known only through the DLPack protocol (as CuPy or JAX arrays are)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, stream=None):
+        return self.array.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_any_dlpack_producer_is_borrowed_without_copies():
+    with moecap.Capturer(**CONFIG) as cap:
+        ids = np.array([[9, 8], [7, 6]], dtype=np.int32)
+        cap.capture(0, OnlyDLPack(ids))
+        cap.commit(OnlyDLPack(np.array([3, 4], dtype=np.int64)))
+        out = np.zeros((2, 3, 2), dtype=np.int16)
+        cap.read(OnlyDLPack(np.array([4, 3], dtype=np.int64)), out=OnlyDLPack(out))
+        assert out[:, 0].tolist() == [[7, 6], [9, 8]]  # written in place through the borrowed DLTensor

@@ -62,12 +62,21 @@ class _Borrowed:
     def __init__(self, obj):
         self.obj = obj
         torch = _torch()
+        import numpy as np
+        if not isinstance(obj, np.ndarray) and not (torch is not None and isinstance(obj, torch.Tensor)) \
+                and hasattr(obj, "__dlpack__"):
+            # Any other DLPack producer (CuPy, JAX, ...): borrow its DLTensor without
+            # consuming the capsule, whose own destructor frees it with this object.
+            self._capsule = obj.__dlpack__()
+            managed = ctypes.cast(_capsule_pointer(ctypes.c_void_p(id(self._capsule)), _DLTENSOR),
+                                  ctypes.POINTER(_abi.DLManagedTensor))
+            self.dl = managed.contents.dl_tensor
+            return
         if torch is not None and isinstance(obj, torch.Tensor):
             data, shape, strides = obj.data_ptr(), tuple(obj.shape), tuple(obj.stride())
             dtype = _torch_dtype(obj.dtype)
             device = (_abi.KDL_CUDA, obj.device.index or 0) if obj.is_cuda else (_abi.KDL_CPU, 0)
         else:
-            import numpy as np
             arr = obj if isinstance(obj, np.ndarray) else np.asarray(obj)
             self.obj = arr
             item = arr.dtype.itemsize
