@@ -22,9 +22,12 @@
  *   sets to sizeof(the struct) as compiled against this header; fields are
  *   only ever appended. A struct_size the library does not know is refused
  *   with MOECAP_ERROR_ABI_MISMATCH.
- * - Tensors passed in are borrowed `DLTensor*`: only read during the call
- *   (their *data* is read or written by the operation, on `stream`).
- *   Shapes and strides are in elements; NULL strides means compact row-major;
+ * - Tensors passed in are borrowed `DLTensor*`: the struct is only read
+ *   during the call; its *data* is read or written by the operation, on
+ *   `stream`, so the caller keeps that memory valid until the enqueued work
+ *   ran, and for as long as a graph that recorded the call may replay (a
+ *   graph bakes the address and reads the contents at each replay). Shapes
+ *   and strides are in elements; NULL strides means compact row-major;
  *   byte_offset is honoured.
  * - `stream` is a CUstream: the engine's stream, on which moecap enqueues its
  *   work and nothing else (NULL is the legacy default stream, accepted where
@@ -189,8 +192,9 @@ MOECAP_API moecap_status moecap_plan(const moecap_config* config, moecap_plan_in
 
 /* Allocates every buffer of the plan (zeroed) and, for CUDA, loads the
  * driver and kernels on the primary context of config->device_id. *out is
- * set only on MOECAP_OK. Not legal while a stream capture is in progress on
- * the calling thread's CUDA context usage (returns CAPTURE_ILLEGAL). */
+ * set only on MOECAP_OK. Call it before capturing graphs: an allocation the
+ * driver refuses because a capture is in progress is reported as
+ * MOECAP_ERROR_CAPTURE_ILLEGAL. Any thread. */
 MOECAP_API moecap_status moecap_create(const moecap_config* config, moecap_capturer** out);
 
 /* Releases the handle. NULL is a no-op returning MOECAP_OK. Memory stays
@@ -309,7 +313,8 @@ MOECAP_API moecap_status moecap_synchronize(moecap_capturer* capturer);
  * kernels and graph replays). Filled by moecap_get_errors. */
 typedef struct moecap_error_counts {
   size_t struct_size;     /* sizeof(moecap_error_counts), set by the caller */
-  uint64_t skipped_rows;  /* committed rows whose slot was outside [-1, host_slots) */
+  uint64_t skipped_rows;  /* committed rows whose slot was outside [-1, host_slots) or
+                             whose source row was outside [0, device_rows) */
   uint64_t invalid_ids;   /* captured ids outside [0, num_experts) */
 } moecap_error_counts;
 

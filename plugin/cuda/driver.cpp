@@ -127,7 +127,10 @@ void check(const Driver& d, CUresult r, const char* what) {
   const char* text = nullptr;
   if (d.cuGetErrorName != nullptr) d.cuGetErrorName(r, &name);
   if (d.cuGetErrorString != nullptr) d.cuGetErrorString(r, &text);
-  fail(r == kErrorOutOfMemory ? MOECAP_ERROR_OUT_OF_MEMORY : MOECAP_ERROR_DRIVER, what, " failed: ",
+  const moecap_status code = r == kErrorOutOfMemory                                ? MOECAP_ERROR_OUT_OF_MEMORY
+                             : (r >= kErrorCaptureFirst && r <= kErrorCaptureLast) ? MOECAP_ERROR_CAPTURE_ILLEGAL
+                                                                                   : MOECAP_ERROR_DRIVER;
+  fail(code, what, " failed: ",
        name ? name : "CUresult", " (", r, ")", text ? ": " : "", text ? text : "");
 }
 

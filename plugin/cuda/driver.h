@@ -28,6 +28,10 @@ constexpr CUresult kErrorStubLibrary = 34;
 constexpr CUresult kErrorNoDevice = 100;
 constexpr CUresult kErrorNotFound = 500;
 constexpr CUresult kErrorNotReady = 600;
+// CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED .. CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD:
+// the call is not allowed while a graph is being captured.
+constexpr CUresult kErrorCaptureFirst = 900;
+constexpr CUresult kErrorCaptureLast = 908;
 
 constexpr unsigned kStreamNonBlocking = 0x1;
 constexpr unsigned kEventDisableTiming = 0x2;
@@ -92,7 +96,8 @@ struct Driver {
 // MOECAP_LIBCUDA, if set, names the library to load instead of libcuda.so.1.
 const Driver& driver();
 
-// Throws moecap::Error(DRIVER, or OUT_OF_MEMORY) naming `what` unless r == 0.
+// Throws moecap::Error naming `what` unless r == 0: OUT_OF_MEMORY, CAPTURE_ILLEGAL
+// for the stream-capture errors, DRIVER for the rest.
 void check(const Driver& d, CUresult r, const char* what);
 
 }  // namespace moecap::cuda
