@@ -211,9 +211,12 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
 
 /* Copies one layer's routing into device rows [0, n):
  *   topk_ids     [n, top_k] or [n, top_k + extra_columns], int32 or int64,
- *                compact row-major, on the capturer's device. Extra columns
- *                are dropped; ids outside [0, num_experts) are stored as the
- *                stored dtype's maximum and counted (moecap_get_errors).
+ *                compact row-major, on the capturer's device (host memory
+ *                for the host backend). Extra columns are dropped; ids
+ *                outside [0, num_experts) are stored as "no expert" (all bits
+ *                set, which moecap_read returns as -1 unless that value is
+ *                itself a valid id, as 255 is with 256 experts in u8) and
+ *                counted (moecap_get_errors).
  *   topk_weights NULL, or the same shape, float32/bfloat16/float16; required
  *                iff weight_dtype != NONE. Converted to the stored dtype.
  * n <= device_rows, checked here on the host, so a check made at graph
