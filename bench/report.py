@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Turns moecap_bench's JSON (--benchmark_out) into the README's tables:
+each moecap case beside its baseline from the same run, as a ratio.
+
+    python3 bench/report.py build/moecap_bench.json
+"""
+import json
+import sys
+
+
+def load(path):
+    with open(path) as f:
+        data = json.load(f)
+    cases = {}
+    for b in data["benchmarks"]:
+        if b.get("error_occurred"):
+            continue
+        name = b.get("run_name", b["name"]).replace("/manual_time", "")
+        # With --benchmark_repetitions the medians speak; single runs speak for themselves.
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        if b.get("run_type") == "iteration" and name in cases:
+            continue
+        cases[name] = b
+    return data.get("context", {}), cases
+
+
+def ns(b):
+    scale = {"ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}[b["time_unit"]]
+    return b["real_time"] * scale
+
+
+def rate(b):
+    return b.get("items_per_second", 0.0)
+
+
+def fmt_rate(r):
+    return f"{r / 1e6:.1f} M"
+
+
+def fmt_ns(t):
+    return f"{t:.1f} ns" if t < 1e3 else f"{t / 1e3:.1f} µs"
+
+
+def host_rows(c):
+    rows = []
+    for n, order in ((4096, 0), (512, 0), (4096, 1), (512, 1)):
+        m, b, cp = c.get(f"BM_Commit_Moecap/{n}/{order}"), c.get(f"BM_Commit_Baseline/{n}/{order}"), c.get(f"BM_Commit_Memcpy/{n}")
+        if m and b and cp:
+            kind = "random" if order else "sequential"
+            rows.append((f"commit {n} rows, {kind} slots (tokens/s)", fmt_rate(rate(m)), fmt_rate(rate(b)),
+                         f"{rate(m) / rate(b):.1f}x; {rate(m) / rate(cp):.2f} of memcpy ({fmt_rate(rate(cp))})"))
+    for t in (128, 4096, 32768):
+        m, b = c.get(f"BM_Read_Moecap/{t}"), c.get(f"BM_Read_Baseline/{t}")
+        if m and b:
+            rows.append((f"read {t} tokens into int32 (tokens/s)", fmt_rate(rate(m)), fmt_rate(rate(b)),
+                         f"{rate(m) / rate(b):.1f}x"))
+    for n in (1, 512, 4096, 16384):
+        m, b = c.get(f"BM_Capture_Moecap/{n}/32/1"), c.get(f"BM_Capture_Baseline/{n}")
+        if m and b:
+            rows.append((f"capture {n} row(s), int32 -> u8 (time per call)", fmt_ns(ns(m)), fmt_ns(ns(b)),
+                         f"{ns(b) / ns(m):.2f}x"))
+    m, b = c.get("BM_Abi_CaptureThroughDlopen"), c.get("BM_Abi_CaptureDirectCpp")
+    if m and b:
+        rows.append(("capture 1 row through dlopen vs direct C++", fmt_ns(ns(m)), fmt_ns(ns(b)),
+                     f"+{ns(m) - ns(b):.1f} ns"))
+    return rows
+
+
+def cuda_rows(c):
+    rows = []
+    for n in (64, 512, 4096, 16384):
+        m, b = c.get(f"BM_CudaCommit_Direct/{n}"), c.get(f"BM_CudaCommit_Staged/{n}")
+        if m and b:
+            rows.append((f"commit {n} rows to random slots (tokens/s)", fmt_rate(rate(m)), fmt_rate(rate(b)),
+                         f"{rate(m) / rate(b):.1f}x"))
+    for n in (64, 512, 4096):
+        with_, without = c.get(f"BM_CudaGraph_Replay/{n}/1"), c.get(f"BM_CudaGraph_Replay/{n}/0")
+        if with_ and without:
+            per_node = (ns(with_) - ns(without)) / 49  # 48 capture nodes + 1 commit
+            rows.append((f"graph replay, 48 layers, {n} tokens", fmt_ns(ns(with_)), fmt_ns(ns(without)),
+                         f"+{per_node / 1e3:.2f} µs per moecap node"))
+    return rows
+
+
+def memory_rows(c):
+    rows = []
+    for name, b in sorted(c.items()):
+        if not name.startswith("BM_Memory/"):
+            continue
+        dp = name.split("/")[2]
+        rows.append((b.get("label", ""), dp, f"{b['moecap_device_MiB']:.1f} / {b['moecap_host_MiB']:.0f} MiB",
+                     f"{b['old_device_MiB']:.1f} / {b['old_host_MiB']:.0f} MiB"))
+    return rows
+
+
+def table(header, rows):
+    if not rows:
+        return ""
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def main():
+    context, cases = load(sys.argv[1] if len(sys.argv) > 1 else "build/moecap_bench.json")
+    print(f"<!-- {context.get('host_name', '?')}, {context.get('num_cpus', '?')} CPUs, {context.get('date', '?')} -->")
+    print(table(("case", "moecap", "baseline", "ratio"), host_rows(cases)))
+    print(table(("case (CUDA)", "moecap", "baseline", "ratio"), cuda_rows(cases)))
+    print(table(("model", "dp", "moecap device / host", "int32, old sizing: device / host"), memory_rows(cases)))
+
+
+if __name__ == "__main__":
+    main()
