@@ -28,6 +28,7 @@ step "other tests" ctest --test-dir "$build" -LE gpu --output-on-failure
 if [ -x "$build/bench/moecap_bench" ]; then
   step bench "$build/bench/moecap_bench" --benchmark_min_time=0.05 \
     --benchmark_out="$out/moecap_bench.json" --benchmark_out_format=json
+  step "bench report" python3 "$root/bench/report.py" "$out/moecap_bench.json"
 fi
 echo "device_check: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status
