@@ -40,9 +40,13 @@ class Backend {
 
   // Stream-ordered work; legal in graphs.
   virtual void capture(const CaptureParams& p, void* stream) = 0;
-  // `slots_on_host` / `rows_on_host`: the tensors are host memory the
-  // backend must stage (CUDA); the caller already checked their values.
-  virtual void commit(const CommitParams& p, bool slots_on_host, bool rows_on_host, void* stream) = 0;
+  // How a commit's index tensors reach the kernel, and where it is enqueued.
+  struct CommitPlacement {
+    bool slots_on_host;  // host memory the backend must stage (values already checked)
+    bool rows_on_host;
+    bool in_graph;       // `stream` is being captured (by the engine or by moecap)
+  };
+  virtual void commit(const CommitParams& p, CommitPlacement where, void* stream) = 0;
   virtual void zero_device(void* ptr, size_t bytes, void* stream) = 0;
   // moecap_read into memory only kernels can write (device tensors); p.slots
   // is host memory the backend stages. Host outputs never come here.

@@ -275,7 +275,7 @@ void Capturer::commit(const moecap_commit_args* args, void* stream) {
   p.weight_row_bytes = plan_.weight_row_bytes();
   p.src_rows_elem = rows_elem;
   p.dst_slots_elem = slots_elem;
-  backend_->commit(p, slots_on_host, rows_on_host, stream);
+  backend_->commit(p, Backend::CommitPlacement{slots_on_host, rows_on_host, graph}, stream);
 }
 
 void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, void* stream) {

@@ -26,7 +26,7 @@ class HostBackend final : public Backend {
   void capture(const CaptureParams& p, void*) override {
     run([p] { capture_on_host(p); });
   }
-  void commit(const CommitParams& p, bool, bool, void*) override {
+  void commit(const CommitParams& p, CommitPlacement, void*) override {
     run([p] { commit_on_host(p); });
   }
   void gather(const GatherParams& p, void*) override { gather_on_host(p); }

@@ -146,7 +146,9 @@ class CudaBackend final : public Backend {
           "cuLaunchKernel (capture)");
   }
 
-  void commit(const CommitParams& p, bool slots_on_host, bool rows_on_host, void* stream) override {
+  void commit(const CommitParams& p, CommitPlacement where, void* stream) override {
+    const bool slots_on_host = where.slots_on_host;
+    const bool rows_on_host = where.rows_on_host;
     ContextScope scope(d_, ctx_);
     CUstream s = static_cast<CUstream>(stream);
     CommitParams params = p;
@@ -172,7 +174,7 @@ class CudaBackend final : public Backend {
     // graph, and the host may not wait on it; an external record becomes an
     // event-record node that every replay performs, so read can wait for it.
     CUevent e = events_[next_event_];
-    if (stream_capturing(stream)) {
+    if (where.in_graph) {
       check(d_, d_.cuEventRecordWithFlags(e, s, kEventRecordExternal), "cuEventRecordWithFlags (commit)");
     } else {
       check(d_, d_.cuEventRecord(e, s), "cuEventRecord (commit)");
