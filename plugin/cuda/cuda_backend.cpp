@@ -147,20 +147,19 @@ class CudaBackend final : public Backend {
   }
 
   void commit(const CommitParams& p, CommitPlacement where, void* stream) override {
-    const bool slots_on_host = where.slots_on_host;
-    const bool rows_on_host = where.rows_on_host;
     ContextScope scope(d_, ctx_);
     CUstream s = static_cast<CUstream>(stream);
     CommitParams params = p;
-    if (slots_on_host || rows_on_host) {
+    const bool staged = where.slots_on_host || where.rows_on_host;
+    if (staged) {
       // One staging area per capturer: the previous user must be done with it.
       check(d_, d_.cuStreamWaitEvent(s, staging_free_, 0), "cuStreamWaitEvent");
-      if (slots_on_host) {
+      if (where.slots_on_host) {
         check(d_, d_.cuMemcpyHtoDAsync(slot_staging_, p.dst_slots, static_cast<size_t>(p.count) *
                                        (p.dst_slots_elem == kI64 ? 8 : 4), s), "cuMemcpyHtoDAsync (slots)");
         params.dst_slots = reinterpret_cast<const void*>(slot_staging_);
       }
-      if (rows_on_host) {
+      if (where.rows_on_host) {
         check(d_, d_.cuMemcpyHtoDAsync(row_staging_, p.src_rows, static_cast<size_t>(p.count) *
                                        (p.src_rows_elem == kI64 ? 8 : 4), s), "cuMemcpyHtoDAsync (rows)");
         params.src_rows = reinterpret_cast<const void*>(row_staging_);
@@ -169,7 +168,7 @@ class CudaBackend final : public Backend {
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((p.count + 7) / 8, 4096));
     void* args[] = {&params};
     check(d_, d_.cuLaunchKernel(commit_fn_, blocks, 1, 1, 256, 1, 1, 0, s, args, nullptr), "cuLaunchKernel (commit)");
-    if (slots_on_host || rows_on_host) check(d_, d_.cuEventRecord(staging_free_, s), "cuEventRecord");
+    if (staged) check(d_, d_.cuEventRecord(staging_free_, s), "cuEventRecord");
     // Inside a capture a plain record only expresses a dependency inside the
     // graph, and the host may not wait on it; an external record becomes an
     // event-record node that every replay performs, so read can wait for it.
