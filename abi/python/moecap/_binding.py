@@ -244,7 +244,11 @@ class Graph:
             self._handle = None
             self._keep = None
 
-    __del__ = close
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
 
 
 class Capturer:
@@ -279,7 +283,10 @@ class Capturer:
 
     def __del__(self):
         if getattr(self, "_handle", None):
-            library().moecap_destroy(self._handle)
+            try:
+                library().moecap_destroy(self._handle)
+            except Exception:  # interpreter shutdown
+                pass
             self._handle = None
 
     def _h(self):
