@@ -30,7 +30,8 @@ class Backend {
   // Whether the host may read a tensor on `d` now (at the call).
   static bool host_can_read(DLDevice d) { return d.device_type == kDLCPU || d.device_type == kDLCUDAHost; }
 
-  // Allocation happens at create only. Memory comes back zeroed.
+  // Allocation happens at create only. Memory comes back zeroed. The frees
+  // never throw: they run from destructors, also at process exit.
   virtual void* alloc_device(size_t bytes) = 0;
   virtual void free_device(void* ptr) = 0;
   virtual void* alloc_host(size_t bytes) = 0;

@@ -113,9 +113,13 @@ class CudaBackend final : public Backend {
     }
     return reinterpret_cast<void*>(p);
   }
+  // Frees run from destructors, also at process exit when the driver may be
+  // gone: they never throw, and a driver that cannot free anymore keeps it.
   void free_device(void* ptr) override {
-    ContextScope scope(d_, ctx_);
+    if (d_.cuCtxPushCurrent(ctx_) != kSuccess) return;
     d_.cuMemFree(reinterpret_cast<CUdeviceptr>(ptr));
+    CUcontext popped = nullptr;
+    d_.cuCtxPopCurrent(&popped);
   }
   void* alloc_host(size_t bytes) override {
     ContextScope scope(d_, ctx_);
@@ -126,8 +130,10 @@ class CudaBackend final : public Backend {
     return p;
   }
   void free_host(void* ptr) override {
-    ContextScope scope(d_, ctx_);
+    if (d_.cuCtxPushCurrent(ctx_) != kSuccess) return;
     d_.cuMemFreeHost(ptr);
+    CUcontext popped = nullptr;
+    d_.cuCtxPopCurrent(&popped);
   }
   void* device_address_of_host(void* host) override {
     ContextScope scope(d_, ctx_);
