@@ -24,7 +24,7 @@ with moecap.Capturer(num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS, host_s
     ids, weights = cap.read(np.array([10, 11]), dtype=np.int64,
                             weights_out=np.zeros((2, LAYERS, TOP_K), dtype=np.float32))
     print("request rows [token, layer, k]:", ids.tolist())
-    print("routing weights (bf16-stored):", np.round(weights, 3).tolist())
+    print("routing weights (bf16-stored):", np.round(weights.astype(np.float64), 3).tolist())
 
     host = np.from_dlpack(cap.export("host_ids"))            # the whole host cache, zero-copy
     print("host cache", host.shape, host.dtype, "slot 10:", host[10].tolist())
