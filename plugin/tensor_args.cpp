@@ -69,6 +69,13 @@ int32_t check_tensor(const DLTensor* t, const TensorRules& r) {
       expect *= t->shape[i];
     }
   }
+  // The byte size must be representable, or no later bound means anything.
+  int64_t bytes = elem_bytes(e);
+  for (int i = 0; i < t->ndim; ++i) {
+    if (__builtin_mul_overflow(bytes, t->shape[i], &bytes)) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " has a shape whose byte size overflows int64");
+    }
+  }
   const int64_t n = element_count(t);
   if (n > 0 && t->data == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->data is NULL");
   if (n > 0 && (reinterpret_cast<uintptr_t>(tensor_data(t)) % static_cast<uintptr_t>(elem_bytes(e))) != 0) {

@@ -81,6 +81,10 @@ TEST_CASE("capture refuses bad input") {
   DLTensor misaligned = ids.dl();
   misaligned.byte_offset = 2;
   f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "not aligned", [&] { return moecap_capture(f.h, 0, &misaligned, w.get(), nullptr); });
+  int64_t huge_shape[2] = {int64_t{1} << 62, k};
+  DLTensor huge = ids.dl();
+  huge.shape = huge_shape;
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "byte size overflows", [&] { return moecap_capture(f.h, 0, &huge, w.get(), nullptr); });
   f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is NULL", [&] { return moecap_capture(f.h, 0, ids.get(), nullptr, nullptr); });
   HostTensor w3({3, k}, f32());
   f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights->shape[0] is 3", [&] { return moecap_capture(f.h, 0, ids.get(), w3.get(), nullptr); });
