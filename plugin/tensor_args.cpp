@@ -58,6 +58,13 @@ int32_t check_tensor(const DLTensor* t, const TensorRules& r) {
   for (int i = 0; i < t->ndim; ++i) {
     if (t->shape[i] < 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->shape[", i, "] is ", t->shape[i]);
   }
+  // The byte size must be representable, or no later bound means anything.
+  int64_t bytes = elem_bytes(e);
+  for (int i = 0; i < t->ndim; ++i) {
+    if (__builtin_mul_overflow(bytes, t->shape[i], &bytes)) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " has a shape whose byte size overflows int64");
+    }
+  }
   if (t->strides != nullptr) {
     int64_t expect = 1;
     for (int i = t->ndim - 1; i >= 0; --i) {
@@ -67,13 +74,6 @@ int32_t check_tensor(const DLTensor* t, const TensorRules& r) {
              t->strides[i], ", expected ", expect);
       }
       expect *= t->shape[i];
-    }
-  }
-  // The byte size must be representable, or no later bound means anything.
-  int64_t bytes = elem_bytes(e);
-  for (int i = 0; i < t->ndim; ++i) {
-    if (__builtin_mul_overflow(bytes, t->shape[i], &bytes)) {
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " has a shape whose byte size overflows int64");
     }
   }
   const int64_t n = element_count(t);
