@@ -91,7 +91,9 @@ typedef enum {
 /* ------------------------------------------------------------------------ */
 
 /* Stored dtype of expert ids. AUTO picks the narrowest that holds
- * num_experts + extra_columns ids: U8 up to 256, U16 up to 65536, else I32. */
+ * num_experts + extra_columns ids: U8 up to 256, U16 up to 65536, else I32.
+ * An explicit dtype must hold num_experts ids (extra columns are not stored):
+ * U8 serves 256 routed experts plus a fused shared expert. */
 typedef enum {
   MOECAP_IDS_AUTO = 0,
   MOECAP_IDS_U8 = 1,

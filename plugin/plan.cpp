@@ -73,6 +73,9 @@ Plan make_plan(const moecap_config* config) {
 
   Plan p{};
   p.config = c;
+  // AUTO leaves room for the fused columns' ids too; an explicit dtype only
+  // has to hold what is stored, the routed ids [0, num_experts), since the
+  // extra columns are dropped at capture.
   const int64_t ids_needed = static_cast<int64_t>(c.num_experts) + c.extra_columns;
   int32_t id_dtype = c.id_dtype;
   if (id_dtype == MOECAP_IDS_AUTO) {
@@ -87,9 +90,9 @@ Plan make_plan(const moecap_config* config) {
            "; expected MOECAP_IDS_AUTO, _U8, _U16 or _I32 (0..3)");
   }
   const int64_t id_capacity = p.id_bytes == 4 ? int64_t{1} << 31 : int64_t{1} << (8 * p.id_bytes);
-  if (ids_needed > id_capacity) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->id_dtype holds ", id_capacity,
-         " expert ids; num_experts + extra_columns is ", ids_needed);
+  if (c.num_experts > id_capacity) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->id_dtype holds ", id_capacity, " expert ids; num_experts is ",
+         c.num_experts);
   }
   p.config.id_dtype = id_dtype;
   switch (c.weight_dtype) {

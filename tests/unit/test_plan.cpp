@@ -172,6 +172,21 @@ TEST_CASE("AUTO picks the narrowest id dtype that holds num_experts + extra_colu
   }
 }
 
+TEST_CASE("an explicit U8 holds 256 routed experts with a fused shared expert; 257 routed do not fit") {
+  moecap_config c = small_config();
+  c.num_experts = 256;
+  c.extra_columns = 1;
+  c.id_dtype = MOECAP_IDS_U8;
+  moecap_plan_info info{};
+  info.struct_size = sizeof info;
+  CHECK(moecap_plan(&c, &info) == MOECAP_OK);
+  CHECK(info.id_bytes == 1);
+  c.num_experts = 257;
+  c.extra_columns = 0;
+  CHECK(moecap_plan(&c, &info) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(moecap_last_error()).find("holds 256 expert ids; num_experts is 257") != std::string::npos);
+}
+
 TEST_CASE("plan bytes: a 61-layer top-8 model at int32 versus moecap's u8") {
   moecap_config c = small_config();
   c.num_layers = 61;
