@@ -103,6 +103,35 @@ void Capturer::require_not_capturing(void* stream) {
   }
 }
 
+void Capturer::require_kernel_readable(const DLTensor* t, const char* name) const {
+  if (!backend_->kernel_can_read(t->device)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " is on ", device_name(t->device), "; the capturer is on ",
+         device_name(backend_->device()));
+  }
+}
+
+void Capturer::require_host_memory(const DLTensor* t, const char* name) {
+  if (!Backend::host_can_read(t->device)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " is on ", device_name(t->device), "; expected host memory");
+  }
+}
+
+bool Capturer::staged_index(const DLTensor* t, const char* name, bool graph) const {
+  if (backend_->kernel_can_read(t->device)) return false;
+  if (!Backend::host_can_read(t->device)) require_kernel_readable(t, name);
+  if (graph) {
+    fail(MOECAP_ERROR_CAPTURE_ILLEGAL, name, " is in pageable host memory, which a graph replay cannot read; ",
+         "pass a device tensor");
+  }
+  return true;
+}
+
+void Capturer::check_request_rows(const DLTensor* t, const char* name, int64_t rows, const char* rows_from) const {
+  check_dim(t, name, 0, rows, rows_from);
+  check_dim(t, name, 1, plan_.config.num_layers, "num_layers");
+  check_dim(t, name, 2, plan_.config.top_k, "top_k");
+}
+
 void Capturer::settle(bool block) {
   if (!backend_->commits_done(block)) {
     fail(MOECAP_ERROR_NOT_READY, "commits are still in flight (MOECAP_READ_NONBLOCKING)");
@@ -153,10 +182,7 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
     fail(MOECAP_ERROR_OUT_OF_RANGE, "layer is ", layer, "; it must be in [0, num_layers = ", c.num_layers, ")");
   }
   const int32_t ids_elem = check_tensor(ids, {"topk_ids", {kI32, kI64}, 2});
-  if (!backend_->kernel_can_read(ids->device)) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids is on ", device_name(ids->device), "; the capturer is on ",
-         device_name(backend_->device()));
-  }
+  require_kernel_readable(ids, "topk_ids");
   const int64_t n = ids->shape[0];
   const int64_t cols = ids->shape[1];
   if (cols != c.top_k && cols != c.top_k + c.extra_columns) {
@@ -170,12 +196,8 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   int32_t weights_elem = -1;
   if (plan_.has_weights()) {
     weights_elem = check_tensor(weights, {"topk_weights", {kF32, kBF16, kF16}, 2});
-    check_dim(weights, "topk_weights", 0, n, "rows of topk_ids");
-    check_dim(weights, "topk_weights", 1, cols, "columns of topk_ids");
-    if (!backend_->kernel_can_read(weights->device)) {
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is on ", device_name(weights->device),
-           "; the capturer is on ", device_name(backend_->device()));
-    }
+    check_same_shape(weights, "topk_weights", ids, "topk_ids");
+    require_kernel_readable(weights, "topk_weights");
   } else if (weights != nullptr) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
   }
@@ -216,16 +238,7 @@ void Capturer::commit(const moecap_commit_args* args, void* stream) {
   if (count > plan_.device_rows) {
     fail(MOECAP_ERROR_CAPACITY, "args->dst_slots has ", count, " entries; device_rows is ", plan_.device_rows);
   }
-  const bool slots_readable = backend_->kernel_can_read(slots->device);
-  const bool slots_on_host = !slots_readable && Backend::host_can_read(slots->device);
-  if (!slots_readable && !slots_on_host) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "args->dst_slots is on ", device_name(slots->device), "; the capturer is on ",
-         device_name(backend_->device()));
-  }
-  if (slots_on_host && graph) {
-    fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "args->dst_slots is in pageable host memory, which a graph replay cannot ",
-         "read; pass a device tensor");
-  }
+  const bool slots_on_host = staged_index(slots, "args->dst_slots", graph);
 
   int32_t rows_elem = kI64;
   bool rows_on_host = false;
@@ -238,16 +251,7 @@ void Capturer::commit(const moecap_commit_args* args, void* stream) {
   } else {
     rows_elem = check_tensor(rows, {"args->src_rows", {kI32, kI64}, 1});
     check_dim(rows, "args->src_rows", 0, count, "entries of args->dst_slots");
-    const bool rows_readable = backend_->kernel_can_read(rows->device);
-    rows_on_host = !rows_readable && Backend::host_can_read(rows->device);
-    if (!rows_readable && !rows_on_host) {
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "args->src_rows is on ", device_name(rows->device),
-           "; the capturer is on ", device_name(backend_->device()));
-    }
-    if (rows_on_host && graph) {
-      fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "args->src_rows is in pageable host memory, which a graph replay cannot ",
-           "read; pass a device tensor");
-    }
+    rows_on_host = staged_index(rows, "args->src_rows", graph);
     if (!graph && Backend::host_can_read(rows->device)) {
       check_host_slots(rows, "args->src_rows", false, plan_.device_rows);
     }
@@ -285,9 +289,7 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "flags has unknown bits 0x", std::hex, (flags & ~MOECAP_READ_NONBLOCKING));
   }
   check_tensor(slots, {"slots", {kI32, kI64}, 1});
-  if (!Backend::host_can_read(slots->device)) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "slots is on ", device_name(slots->device), "; expected host memory");
-  }
+  require_host_memory(slots, "slots");
   const int64_t t = slots->shape[0];
   const int32_t out_elem = check_tensor(ids_out, {"ids_out", {kU8, kI8, kU16, kI16, kI32, kI64}, 3});
   const bool on_device = !Backend::host_can_read(ids_out->device);
@@ -295,9 +297,7 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out is on ", device_name(ids_out->device),
          "; expected host memory or the capturer's device (", device_name(backend_->device()), ")");
   }
-  check_dim(ids_out, "ids_out", 0, t, "entries of slots");
-  check_dim(ids_out, "ids_out", 1, c.num_layers, "num_layers");
-  check_dim(ids_out, "ids_out", 2, c.top_k, "top_k");
+  check_request_rows(ids_out, "ids_out", t, "entries of slots");
   if (id_limit(out_elem) < c.num_experts) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out has dtype ", elem_name(out_elem), ", which holds ids below ",
          id_limit(out_elem), "; num_experts is ", c.num_experts);
@@ -312,7 +312,7 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
       fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out is on ", device_name(weights_out->device), " but ids_out on ",
            device_name(ids_out->device), "; both must be host memory or both device memory");
     }
-    for (int d = 0; d < 3; ++d) check_dim(weights_out, "weights_out", d, ids_out->shape[d], "shape of ids_out");
+    check_same_shape(weights_out, "weights_out", ids_out, "ids_out");
   }
   check_host_slots(slots, "slots", false, c.host_slots);
   settle((flags & MOECAP_READ_NONBLOCKING) == 0);
@@ -369,18 +369,14 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   check_tensor(slots, {"slots", {kI32, kI64}, 1});
-  if (!Backend::host_can_read(slots->device)) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "slots is on ", device_name(slots->device), "; expected host memory");
-  }
+  require_host_memory(slots, "slots");
   const int64_t t = slots->shape[0];
   const int32_t in_elem = check_tensor(ids, {"ids", {kU8, kI8, kU16, kI16, kI32, kI64}, 3});
-  check_dim(ids, "ids", 0, t, "entries of slots");
-  check_dim(ids, "ids", 1, c.num_layers, "num_layers");
-  check_dim(ids, "ids", 2, c.top_k, "top_k");
+  check_request_rows(ids, "ids", t, "entries of slots");
   int32_t w_elem = -1;
   if (plan_.has_weights()) {
     w_elem = check_tensor(weights, {"weights", {kF32, kBF16, kF16}, 3});
-    for (int d = 0; d < 3; ++d) check_dim(weights, "weights", d, ids->shape[d], "shape of ids");
+    check_same_shape(weights, "weights", ids, "ids");
   } else if (weights != nullptr) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
   }

@@ -59,6 +59,15 @@ class Capturer {
   };
 
   void require_not_capturing(void* stream);
+  // Argument placement: refuses a tensor the kernels cannot read in place.
+  void require_kernel_readable(const DLTensor* t, const char* name) const;
+  // Refuses a tensor the host cannot read now.
+  static void require_host_memory(const DLTensor* t, const char* name);
+  // A commit's index tensor: false when kernels read it in place, true when it
+  // is host memory the backend stages (illegal in a graph); else refused.
+  bool staged_index(const DLTensor* t, const char* name, bool graph) const;
+  // Requires [rows, num_layers, top_k]: the shape of a request's rows.
+  void check_request_rows(const DLTensor* t, const char* name, int64_t rows, const char* rows_from) const;
   void require_stream(void* stream);
   // Waits for commits, then fails with ROWS_SKIPPED while the counter is set.
   void settle(bool block);

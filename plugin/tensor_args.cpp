@@ -92,4 +92,9 @@ void check_dim(const DLTensor* t, const char* name, int dim, int64_t expected, c
   }
 }
 
+void check_same_shape(const DLTensor* t, const char* name, const DLTensor* ref, const char* ref_name) {
+  const std::string what = cat("shape of ", ref_name);
+  for (int d = 0; d < ref->ndim; ++d) check_dim(t, name, d, ref->shape[d], what.c_str());
+}
+
 }  // namespace moecap

@@ -29,6 +29,9 @@ int32_t check_tensor(const DLTensor* t, const TensorRules& rules);
 // Requires shape[dim] == expected; `what` says where the number comes from.
 void check_dim(const DLTensor* t, const char* name, int dim, int64_t expected, const char* what);
 
+// Requires t's shape to equal ref's (weights beside their ids).
+void check_same_shape(const DLTensor* t, const char* name, const DLTensor* ref, const char* ref_name);
+
 // Pointer to element 0 (data + byte_offset).
 inline uint8_t* tensor_data(const DLTensor* t) { return static_cast<uint8_t*>(t->data) + t->byte_offset; }
 
