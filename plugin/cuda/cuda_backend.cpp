@@ -160,16 +160,8 @@ class CudaBackend final : public Backend {
     if (staged) {
       // One staging area per capturer: the previous user must be done with it.
       check(d_, d_.cuStreamWaitEvent(s, staging_free_, 0), "cuStreamWaitEvent");
-      if (where.slots_on_host) {
-        check(d_, d_.cuMemcpyHtoDAsync(slot_staging_, p.dst_slots, static_cast<size_t>(p.count) *
-                                       (p.dst_slots_elem == kI64 ? 8 : 4), s), "cuMemcpyHtoDAsync (slots)");
-        params.dst_slots = reinterpret_cast<const void*>(slot_staging_);
-      }
-      if (where.rows_on_host) {
-        check(d_, d_.cuMemcpyHtoDAsync(row_staging_, p.src_rows, static_cast<size_t>(p.count) *
-                                       (p.src_rows_elem == kI64 ? 8 : 4), s), "cuMemcpyHtoDAsync (rows)");
-        params.src_rows = reinterpret_cast<const void*>(row_staging_);
-      }
+      if (where.slots_on_host) params.dst_slots = stage(slot_staging_, p.dst_slots, p.count, p.dst_slots_elem, s);
+      if (where.rows_on_host) params.src_rows = stage(row_staging_, p.src_rows, p.count, p.src_rows_elem, s);
     }
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((p.count + 7) / 8, 4096));
     void* args[] = {&params};
@@ -194,16 +186,14 @@ class CudaBackend final : public Backend {
     check(d_, d_.cuStreamWaitEvent(s, staging_free_, 0), "cuStreamWaitEvent");
     // The staging area holds device_rows slots; longer requests go in pieces,
     // each ordered on `s` after the previous piece's kernel read the staging.
-    const int64_t slot_bytes = p.slots_elem == kI64 ? 8 : 4;
+    const int64_t slot_bytes = elem_bytes(p.slots_elem);
     const int64_t id_row = p.row_elements * elem_bytes(p.dst_id_elem);
     const int64_t w_row = p.dst_weights ? p.row_elements * elem_bytes(p.dst_weight_elem) : 0;
     for (int64_t first = 0; first < p.count; first += staging_rows_) {
       GatherParams piece = p;
       piece.count = std::min(staging_rows_, p.count - first);
-      check(d_, d_.cuMemcpyHtoDAsync(slot_staging_, static_cast<const uint8_t*>(p.slots) + first * slot_bytes,
-                                     static_cast<size_t>(piece.count * slot_bytes), s),
-            "cuMemcpyHtoDAsync (slots)");
-      piece.slots = reinterpret_cast<const void*>(slot_staging_);
+      piece.slots = stage(slot_staging_, static_cast<const uint8_t*>(p.slots) + first * slot_bytes, piece.count,
+                          p.slots_elem, s);
       piece.dst_ids = static_cast<uint8_t*>(p.dst_ids) + first * id_row;
       if (p.dst_weights) piece.dst_weights = static_cast<uint8_t*>(p.dst_weights) + first * w_row;
       const int64_t elements = piece.count * p.row_elements;
@@ -279,6 +269,13 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Copies `count` host indices into a staging buffer on `s`; returns it.
+  const void* stage(CUdeviceptr staging, const void* host, int64_t count, int32_t elem, CUstream s) {
+    check(d_, d_.cuMemcpyHtoDAsync(staging, host, static_cast<size_t>(count * elem_bytes(elem)), s),
+          "cuMemcpyHtoDAsync (staging)");
+    return reinterpret_cast<const void*>(staging);
+  }
+
   // Frees what the constructor made; errors are ignored because this also
   // runs at process exit, when the driver may already be shutting down.
   void release() {
