@@ -19,7 +19,6 @@ class HostGraph final : public BackendGraph {
     for (const auto& op : ops_) op();
   }
   void* native() override { return nullptr; }
-  size_t size() const { return ops_.size(); }
 
  private:
   std::vector<std::function<void()>> ops_;

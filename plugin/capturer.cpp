@@ -62,15 +62,15 @@ Capturer::Capturer(const Plan& plan) : plan_(plan) {
   device_weights_ = place("device weights", plan_.device_weights_bytes);
   histogram_ = place("histogram", plan_.histogram_bytes);
   error_word_ = place("error word", sizeof(ErrorWord));
-  device_block_bytes_ = at;
+  const size_t device_block_bytes = at;
   at = 0;
   host_ids_ = place("host ids", plan_.host_ids_bytes);
   host_weights_ = place("host weights", plan_.host_weights_bytes);
-  host_block_bytes_ = at;
+  const size_t host_block_bytes = at;
 
-  device_block_ = static_cast<uint8_t*>(backend_->alloc_device(device_block_bytes_));
+  device_block_ = static_cast<uint8_t*>(backend_->alloc_device(device_block_bytes));
   try {
-    host_block_ = static_cast<uint8_t*>(backend_->alloc_host(host_block_bytes_));
+    host_block_ = static_cast<uint8_t*>(backend_->alloc_host(host_block_bytes));
     host_block_on_device_ = static_cast<uint8_t*>(backend_->device_address_of_host(host_block_));
     if (guards_) write_guards();
   } catch (...) {

@@ -85,8 +85,6 @@ class Capturer {
   uint8_t* device_block_ = nullptr;
   uint8_t* host_block_ = nullptr;
   uint8_t* host_block_on_device_ = nullptr;  // the host cache as kernels address it
-  size_t device_block_bytes_ = 0;
-  size_t host_block_bytes_ = 0;
   Region device_ids_{}, device_weights_{}, histogram_{}, error_word_{};
   Region host_ids_{}, host_weights_{};
   bool recording_ = false;
