@@ -45,7 +45,7 @@ void capture_ids_only(const CaptureParams& p) {
   unsigned long long bad = 0;
   for (int64_t r = 0; r < p.n; ++r) {
     const In* in = src + r * p.in_cols;
-    Out* out = dst + r * p.dst_row_stride;
+    Out* out = dst + r * top_k;
     for (int32_t k = 0; k < top_k; ++k) {
       const In id = in[k];
       const bool ok = id >= 0 && id < experts;
@@ -72,6 +72,7 @@ bool capture_fast(const CaptureParams& p) {
   switch (p.stored_id_elem) {
     case kU8: capture_ids_by_width<In, uint8_t>(p); return true;
     case kU16: capture_ids_by_width<In, uint16_t>(p); return true;
+    case kI16: capture_ids_by_width<In, int16_t>(p); return true;
     case kI32: capture_ids_by_width<In, int32_t>(p); return true;
     default: return false;
   }
@@ -89,57 +90,68 @@ void capture_on_host(const CaptureParams& p) {
 
 namespace {
 
-// Typed over the slot and row-list index types, so the per-row loop has no
-// dtype switch; the decision per row is the kernels' (commit_goes_to).
-template <class Slot, class Row>
-void commit_rows(const CommitParams& p) {
-  const Slot* slots = static_cast<const Slot*>(p.dst_slots);
-  const Row* rows = static_cast<const Row*>(p.src_rows);
-  // Rows whose sources and slots both run consecutively (a prefill into a
-  // fresh block of slots) go out as one copy.
-  int64_t run_src = 0, run_slot = 0, run_len = 0;
-  auto flush = [&] {
-    if (run_len == 0) return;
-    std::memcpy(p.dst_ids + run_slot * p.id_row_bytes, p.src_ids + run_src * p.id_row_bytes,
-                static_cast<size_t>(run_len * p.id_row_bytes));
-    if (p.weight_row_bytes > 0) {
-      std::memcpy(p.dst_weights + run_slot * p.weight_row_bytes, p.src_weights + run_src * p.weight_row_bytes,
-                  static_cast<size_t>(run_len * p.weight_row_bytes));
-    }
-    run_len = 0;
-  };
-  for (int64_t j = 0; j < p.count; ++j) {
-    const int64_t slot = static_cast<int64_t>(slots[j]);
-    const int64_t src = rows != nullptr ? static_cast<int64_t>(rows[j]) : p.src_start + j;
-    if (!commit_goes_to(p, src, slot)) continue;
-    if (run_len > 0 && src == run_src + run_len && slot == run_slot + run_len) {
-      ++run_len;
-      continue;
-    }
-    flush();
-    run_src = src;
-    run_slot = slot;
-    run_len = 1;
+// One layer's top_k ids of a committed row, narrowed from the device dtype
+// into the host cache's; typed so it vectorizes. Returns whether any id was
+// outside [0, experts).
+template <class S, class D>
+bool narrow_ids(const S* src, D* dst, int32_t top_k, int64_t experts, D no_expert) {
+  bool bad = false;
+  for (int32_t k = 0; k < top_k; ++k) {
+    const int64_t id = static_cast<int64_t>(src[k]);
+    const bool ok = id >= 0 && id < experts;
+    dst[k] = ok ? static_cast<D>(id) : no_expert;
+    bad |= !ok;
   }
-  flush();
+  return bad;
 }
 
-template <class Slot>
-void commit_with_slots(const CommitParams& p) {
-  if (p.src_rows == nullptr || p.src_rows_elem == kI64) {
-    commit_rows<Slot, int64_t>(p);
-  } else {
-    commit_rows<Slot, int32_t>(p);
+// Rows in list order, so a slot listed twice keeps its last row; the
+// decision per row is the kernels' (commit_goes_to).
+template <class S, class D>
+void commit_rows(const CommitParams& p) {
+  const int64_t row = static_cast<int64_t>(p.num_layers) * p.top_k;
+  const int64_t layer_stride = p.device_rows * p.top_k;
+  const D no_expert = static_cast<D>(p.dst_no_expert);
+  const int64_t w_bytes = p.weight_elem >= 0 ? elem_bytes(p.weight_elem) : 0;
+  for (int64_t j = 0; j < p.count; ++j) {
+    int64_t src = 0, slot = 0;
+    if (!commit_target(p, j, &src, &slot)) continue;
+    if (p.mode == kInvalidate) {
+      p.dst_states[slot] = kSlotEmpty;
+      continue;
+    }
+    const S* in = reinterpret_cast<const S*>(p.src_ids) + src * p.top_k;
+    D* out = reinterpret_cast<D*>(p.dst_ids) + slot * row;
+    bool bad = false;
+    for (int32_t l = 0; l < p.num_layers; ++l) {
+      bad |= narrow_ids(in + l * layer_stride, out + l * p.top_k, p.top_k, p.num_experts, no_expert);
+    }
+    for (int32_t l = 0; w_bytes > 0 && l < p.num_layers; ++l) {
+      std::memcpy(p.dst_weights + (slot * row + l * p.top_k) * w_bytes,
+                  p.src_weights + (l * layer_stride + src * p.top_k) * w_bytes, static_cast<size_t>(p.top_k * w_bytes));
+    }
+    p.dst_states[slot] = committed_state(bad);
+  }
+}
+
+template <class S>
+void commit_from(const CommitParams& p) {
+  switch (p.dst_id_elem) {
+    case kU8: commit_rows<S, uint8_t>(p); break;
+    case kU16: commit_rows<S, uint16_t>(p); break;
+    case kI16: commit_rows<S, int16_t>(p); break;
+    default: commit_rows<S, int32_t>(p); break;
   }
 }
 
 }  // namespace
 
 void commit_on_host(const CommitParams& p) {
-  if (p.dst_slots_elem == kI64) {
-    commit_with_slots<int64_t>(p);
-  } else {
-    commit_with_slots<int32_t>(p);
+  switch (p.src_id_elem) {
+    case kU8: commit_from<uint8_t>(p); break;
+    case kU16: commit_from<uint16_t>(p); break;
+    case kI16: commit_from<int16_t>(p); break;
+    default: commit_from<int32_t>(p); break;
   }
 }
 
@@ -149,8 +161,15 @@ void gather_on_host(const GatherParams& p) {
   const int64_t out_bytes = elem_bytes(p.dst_id_elem);
   for (int64_t t = 0; t < p.count; ++t) {
     const int64_t slot = load_int(p.slots, p.slots_elem, t);
-    const uint8_t* src = p.src_ids + slot * row * id_bytes;
     void* dst = static_cast<uint8_t*>(p.dst_ids) + t * row * out_bytes;
+    uint8_t* wdst =
+        p.dst_weights != nullptr ? static_cast<uint8_t*>(p.dst_weights) + t * row * elem_bytes(p.dst_weight_elem) : nullptr;
+    if (!slot_readable(p.states[slot], p.invalid_code)) {
+      for (int64_t e = 0; e < row; ++e) store_int(dst, p.dst_id_elem, e, -1);
+      if (wdst != nullptr) std::memset(wdst, 0, static_cast<size_t>(row * elem_bytes(p.dst_weight_elem)));
+      continue;
+    }
+    const uint8_t* src = p.src_ids + slot * row * id_bytes;
     if (p.dst_id_elem == p.stored_id_elem) {
       // Same width: "no expert" as -1 truncates back to the stored all-ones value.
       std::memcpy(dst, src, static_cast<size_t>(row * out_bytes));
@@ -158,13 +177,14 @@ void gather_on_host(const GatherParams& p) {
       ids_from_stored(src, dst, p.dst_id_elem, row, p.invalid_code);
     } else if (p.stored_id_elem == kU16) {
       ids_from_stored(reinterpret_cast<const uint16_t*>(src), dst, p.dst_id_elem, row, p.invalid_code);
+    } else if (p.stored_id_elem == kI16) {
+      ids_from_stored(reinterpret_cast<const int16_t*>(src), dst, p.dst_id_elem, row, p.invalid_code);
     } else {
       ids_from_stored(reinterpret_cast<const int32_t*>(src), dst, p.dst_id_elem, row, p.invalid_code);
     }
-    if (p.dst_weights == nullptr) continue;
+    if (wdst == nullptr) continue;
     const int64_t w_bytes = elem_bytes(p.stored_weight_elem);
     const uint8_t* wsrc = p.src_weights + slot * row * w_bytes;
-    uint8_t* wdst = static_cast<uint8_t*>(p.dst_weights) + t * row * elem_bytes(p.dst_weight_elem);
     if (p.dst_weight_elem == p.stored_weight_elem) {
       std::memcpy(wdst, wsrc, static_cast<size_t>(row * w_bytes));
     } else {

@@ -15,24 +15,11 @@ extern "C" __global__ void moecap_capture_kernel(CaptureParams p) {
   }
 }
 
-// Copies `bytes` with the widest access both addresses and the size allow:
-// the destination is usually pinned host memory over the bus, where wide
-// writes matter most.
-__device__ void copy_row(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane, int lanes) {
-  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                          static_cast<uintptr_t>(bytes);
-  if ((align & 15u) == 0) {
-    for (int64_t i = lane; i < bytes / 16; i += lanes)
-      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-  } else if ((align & 3u) == 0) {
-    for (int64_t i = lane; i < bytes / 4; i += lanes)
-      reinterpret_cast<uint32_t*>(dst)[i] = reinterpret_cast<const uint32_t*>(src)[i];
-  } else {
-    for (int64_t i = lane; i < bytes; i += lanes) dst[i] = src[i];
-  }
-}
-
-// One warp per committed row.
+// One warp per committed row: lane 0 decides where it goes, the lanes narrow
+// its elements (every layer) into the host cache over the bus, and lane 0
+// then sets the slot's state, once every lane's ids are known. An
+// invalidation only sets the state. Rows run in parallel, so a slot listed
+// twice in one commit is written by two warps.
 extern "C" __global__ void moecap_commit_kernel(CommitParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -46,11 +33,10 @@ extern "C" __global__ void moecap_commit_kernel(CommitParams p) {
     if (!go) continue;
     src = __shfl_sync(0xffffffffu, src, 0);
     slot = __shfl_sync(0xffffffffu, slot, 0);
-    copy_row(p.dst_ids + slot * p.id_row_bytes, p.src_ids + src * p.id_row_bytes, p.id_row_bytes, lane, 32);
-    if (p.weight_row_bytes > 0) {
-      copy_row(p.dst_weights + slot * p.weight_row_bytes, p.src_weights + src * p.weight_row_bytes,
-               p.weight_row_bytes, lane, 32);
-    }
+    bool bad = false;
+    if (p.mode == kCommitRows) bad = commit_row_elements(p, src, slot, lane, 32);
+    bad = __any_sync(0xffffffffu, bad);
+    if (lane == 0) p.dst_states[slot] = p.mode == kInvalidate ? static_cast<uint8_t>(kSlotEmpty) : committed_state(bad);
   }
 }
 

@@ -20,7 +20,7 @@ struct BufferView {
   DLDevice device;
   DLDataType dtype;
   int32_t ndim;
-  int64_t shape[3];
+  int64_t shape[3];  // compact row-major: strides follow from the shape
   int64_t strides[3];
 };
 
@@ -36,6 +36,7 @@ class Capturer {
 
   void capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, void* stream);
   void commit(const moecap_commit_args* args, void* stream);
+  void invalidate(const DLTensor* slots, void* stream);
   void read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, void* stream);
   void write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, void* stream);
   void synchronize();
@@ -59,6 +60,10 @@ class Capturer {
   };
 
   void require_not_capturing(void* stream);
+  // A commit or invalidation's parameters, without its index tensors.
+  CommitParams commit_params(int32_t mode) const;
+  // MOECAP_READ_STRICT: fails with NO_ROUTING unless every slot is plainly valid.
+  void require_routing(const DLTensor* slots) const;
   // Argument placement: refuses a tensor the kernels cannot read in place.
   void require_kernel_readable(const DLTensor* t, const char* name) const;
   // Refuses a tensor the host cannot read now.
@@ -86,7 +91,7 @@ class Capturer {
   uint8_t* host_block_ = nullptr;
   uint8_t* host_block_on_device_ = nullptr;  // the host cache as kernels address it
   Region device_ids_{}, device_weights_{}, histogram_{}, error_word_{};
-  Region host_ids_{}, host_weights_{};
+  Region host_ids_{}, host_weights_{}, host_states_{};
   bool recording_ = false;
   void* recording_stream_ = nullptr;
 };
