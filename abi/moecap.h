@@ -228,7 +228,8 @@ MOECAP_API const char* moecap_status_name(moecap_status status);
  * MOECAP_DEVICE_HOST, device 0, next NULL; the model and scheduler fields
  * (num_layers, top_k, num_experts, max_running_requests, host_slots) are 0
  * and must be set. The caller sets struct_size first, and only that many
- * bytes are written:  moecap_config c = {sizeof c}; moecap_config_init(&c);
+ * bytes are written:
+ *   moecap_config c = {0}; c.struct_size = sizeof c; moecap_config_init(&c);
  * Any thread. (1.1) */
 MOECAP_API moecap_status moecap_config_init(moecap_config* config);
 

@@ -27,18 +27,15 @@ constexpr int64_t kHostSlots = 1 << 17;
 moecap_config bench_config(int32_t id_dtype) {
   moecap_config c{};
   c.struct_size = sizeof c;
-  c.abi_version = MOECAP_ABI_VERSION;
+  if (moecap_config_init(&c) != MOECAP_OK) std::abort();
   c.flags = MOECAP_FLAG_NO_GUARDS;
   c.num_layers = kLayers;
   c.top_k = kTopK;
   c.num_experts = kExperts;
-  c.dp_size = 1;
-  c.verify_tokens = 1;
   c.max_running_requests = 256;
   c.chunked_prefill_size = kDeviceRows;
   c.host_slots = kHostSlots;
   c.id_dtype = id_dtype;
-  c.device_type = MOECAP_DEVICE_HOST;
   return c;
 }
 

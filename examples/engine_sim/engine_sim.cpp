@@ -244,7 +244,7 @@ class Engine {
 
     config_ = moecap_config{};
     config_.struct_size = sizeof config_;
-    config_.abi_version = MOECAP_ABI_VERSION;
+    mc_.check(mc_->config_init(&config_), "moecap_config_init");
     config_.num_layers = o.layers;
     config_.top_k = o.top_k;
     config_.extra_columns = o.extra_columns;
