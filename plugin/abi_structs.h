@@ -11,7 +11,7 @@
 #include <cstring>
 
 #include "moecap.h"
-#include "status.h"
+#include "base/status.h"
 
 namespace moecap {
 

@@ -1,14 +1,14 @@
-#include "capturer.h"
+#include "plugin/capturer.h"
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "abi_structs.h"
-#include "element.h"
-#include "kernel_ops.h"
-#include "status.h"
-#include "tensor_args.h"
+#include "base/status.h"
+#include "graphs/element.h"
+#include "graphs/kernel_ops.h"
+#include "plugin/abi_structs.h"
+#include "plugin/tensor_args.h"
 
 namespace moecap {
 namespace {

@@ -1,12 +1,12 @@
-#include "plan.h"
+#include "plugin/plan.h"
 
 #include <algorithm>
 #include <limits>
 
-#include "abi_structs.h"
-#include "element.h"
-#include "kernel_ops.h"
-#include "status.h"
+#include "base/status.h"
+#include "graphs/element.h"
+#include "graphs/kernel_ops.h"
+#include "plugin/abi_structs.h"
 
 namespace moecap {
 namespace {

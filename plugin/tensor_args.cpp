@@ -1,9 +1,9 @@
-#include "tensor_args.h"
+#include "plugin/tensor_args.h"
 
 #include <cstring>
 
-#include "element.h"
-#include "status.h"
+#include "base/status.h"
+#include "graphs/element.h"
 
 namespace moecap {
 
