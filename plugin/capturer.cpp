@@ -19,19 +19,6 @@ constexpr uint8_t kGuardByte = 0xA5;
 
 size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-DLDataType dl_type(int32_t elem) {
-  switch (elem) {
-    case kU8: return DLDataType{kDLUInt, 8, 1};
-    case kU16: return DLDataType{kDLUInt, 16, 1};
-    case kI16: return DLDataType{kDLInt, 16, 1};
-    case kI32: return DLDataType{kDLInt, 32, 1};
-    case kI64: return DLDataType{kDLInt, 64, 1};
-    case kF32: return DLDataType{kDLFloat, 32, 1};
-    case kBF16: return DLDataType{kDLBfloat, 16, 1};
-    default: return DLDataType{kDLFloat, 16, 1};
-  }
-}
-
 // Ids [0, n) an output dtype holds.
 int64_t id_limit(int32_t elem) {
   switch (elem) {
@@ -100,15 +87,19 @@ Capturer::~Capturer() {
   backend_->free_device(device_block_);
 }
 
-void Capturer::require_stream(void* stream) {
+void Capturer::require_stream(EngineStream stream) {
   if (recording_ && stream != recording_stream_) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "stream differs from the one moecap_graph_begin records on");
   }
 }
 
-void Capturer::require_not_capturing(void* stream) {
+void Capturer::require_not_recording() const {
   if (recording_) fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "not allowed while moecap records a graph");
-  if (stream != nullptr && backend_->stream_capturing(stream)) {
+}
+
+void Capturer::require_not_capturing(EngineStream stream) {
+  require_not_recording();
+  if (!stream.is_legacy_default() && backend_->stream_capturing(stream)) {
     fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "not allowed while its stream is being captured into a graph");
   }
 }
@@ -185,7 +176,7 @@ void Capturer::check_host_slots(const DLTensor* slots, const char* name, bool al
   }
 }
 
-void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, void* stream) {
+void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, EngineStream stream) {
   const moecap_config& c = plan_.config;
   require_stream(stream);
   if (layer < 0 || layer >= c.num_layers) {
@@ -236,11 +227,11 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   backend_->capture(p, stream);
 }
 
-void Capturer::commit(const moecap_commit_args* caller_args, void* stream) {
+void Capturer::commit(const moecap_commit_args* caller_args, EngineStream stream) {
   const moecap_commit_args args_copy = read_struct(caller_args, MOECAP_COMMIT_ARGS_SIZE_1_0, "args");
   const moecap_commit_args* args = &args_copy;
   require_stream(stream);
-  const bool graph = recording_ || (stream != nullptr && backend_->stream_capturing(stream));
+  const bool graph = recording_ || (!stream.is_legacy_default() && backend_->stream_capturing(stream));
 
   const DLTensor* slots = args->dst_slots;
   const int32_t slots_elem = check_tensor(slots, {"args->dst_slots", {kI32, kI64}, 1});
@@ -306,9 +297,9 @@ CommitParams Capturer::commit_params(int32_t mode) const {
   return p;
 }
 
-void Capturer::invalidate(const DLTensor* slots, void* stream) {
+void Capturer::invalidate(const DLTensor* slots, EngineStream stream) {
   require_stream(stream);
-  const bool graph = recording_ || (stream != nullptr && backend_->stream_capturing(stream));
+  const bool graph = recording_ || (!stream.is_legacy_default() && backend_->stream_capturing(stream));
   const int32_t slots_elem = check_tensor(slots, {"slots", {kI32, kI64}, 1});
   const bool slots_on_host = staged_index(slots, "slots", graph);
   if (!graph && Backend::host_can_read(slots->device)) check_host_slots(slots, "slots", true, plan_.config.host_slots);
@@ -326,7 +317,7 @@ void Capturer::invalidate(const DLTensor* slots, void* stream) {
   }
 }
 
-void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, void* stream) {
+void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream) {
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   constexpr uint32_t kKnownFlags = MOECAP_READ_NONBLOCKING | MOECAP_READ_STRICT;
@@ -419,7 +410,7 @@ struct HostView {
   std::vector<uint8_t> copy;
 };
 
-HostView Capturer::host_view(const DLTensor* t, const char* name, void* stream) {
+HostView Capturer::host_view(const DLTensor* t, const char* name, EngineStream stream) {
   HostView v;
   v.tensor = *t;
   if (Backend::host_can_read(t->device)) return v;
@@ -436,7 +427,7 @@ HostView Capturer::host_view(const DLTensor* t, const char* name, void* stream) 
   return v;
 }
 
-void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, void* stream) {
+void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream) {
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   check_tensor(slots, {"slots", {kI32, kI64}, 1});
@@ -491,12 +482,12 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
 }
 
 void Capturer::synchronize() {
-  require_not_capturing(nullptr);
+  require_not_recording();
   settle(true);
 }
 
 moecap_error_counts Capturer::errors(bool clear) {
-  require_not_capturing(nullptr);
+  require_not_recording();
   backend_->commits_done(true);
   ErrorWord word{};
   void* dev = device_block_ + error_word_.offset;
@@ -512,7 +503,7 @@ moecap_error_counts Capturer::errors(bool clear) {
   return out;
 }
 
-void Capturer::histogram_reset(void* stream) {
+void Capturer::histogram_reset(EngineStream stream) {
   if (!plan_.has_histogram()) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "the capturer was created without ",
          "MOECAP_FLAG_HISTOGRAM");
@@ -529,7 +520,7 @@ BufferView Capturer::view(int32_t which, int32_t layer) const {
                      std::initializer_list<int64_t> shape) {
     v.data = const_cast<uint8_t*>(base) + offset;
     v.device = dev;
-    v.dtype = dl_type(elem);
+    v.dtype = dtype_of(elem);
     v.ndim = static_cast<int32_t>(shape.size());
     int32_t d = 0;
     for (int64_t extent : shape) v.shape[d++] = extent;
@@ -585,13 +576,13 @@ BufferView Capturer::view(int32_t which, int32_t layer) const {
   return v;
 }
 
-void Capturer::graph_begin(void* stream) {
+void Capturer::graph_begin(EngineStream stream) {
   if (recording_) fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "this capturer already records a graph");
-  if (plan_.config.device_type == MOECAP_DEVICE_CUDA && stream == nullptr) {
+  if (plan_.config.device_type == MOECAP_DEVICE_CUDA && stream.is_legacy_default()) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "stream is NULL; the legacy default stream cannot be ",
          "captured");
   }
-  if (stream != nullptr && backend_->stream_capturing(stream)) {
+  if (!stream.is_legacy_default() && backend_->stream_capturing(stream)) {
     fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "stream is already being captured; call moecap ",
          "directly inside the engine's own capture instead");
   }
@@ -603,7 +594,7 @@ void Capturer::graph_begin(void* stream) {
 std::unique_ptr<BackendGraph> Capturer::graph_end() {
   if (!recording_) fail(MOECAP_ERROR_INVALID_ARGUMENT, "no moecap_graph_begin on this capturer");
   recording_ = false;
-  recording_stream_ = nullptr;
+  recording_stream_ = EngineStream::legacy_default();
   return backend_->end_graph();
 }
 
