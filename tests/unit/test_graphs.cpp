@@ -9,17 +9,12 @@
 #include <vector>
 
 #include "moecap.h"
+#include "tests/support/capturer_handle.h"
 #include "tests/support/tensors.h"
 
 using namespace moecap_test;
 
 namespace {
-
-struct Handle {
-  explicit Handle(const moecap_config& c) { REQUIRE(moecap_create(&c, &h) == MOECAP_OK); }
-  ~Handle() { moecap_destroy(h); }
-  moecap_capturer* h = nullptr;
-};
 
 struct Graph {
   ~Graph() { moecap_graph_destroy(g); }

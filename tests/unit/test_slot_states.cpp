@@ -11,17 +11,12 @@
 #include <vector>
 
 #include "moecap.h"
+#include "tests/support/capturer_handle.h"
 #include "tests/support/tensors.h"
 
 using namespace moecap_test;
 
 namespace {
-
-struct Handle {
-  explicit Handle(const moecap_config& c) { REQUIRE(moecap_create(&c, &h) == MOECAP_OK); }
-  ~Handle() { moecap_destroy(h); }
-  moecap_capturer* h = nullptr;
-};
 
 bool error_has(const char* needle) { return std::string(moecap_last_error()).find(needle) != std::string::npos; }
 
