@@ -1,6 +1,9 @@
 // Host twins of capture_kernels.cu. The host backend runs these directly and
 // its graph emulation records them with their parameters baked.
+#include <algorithm>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "graphs/kernel_ops.h"
 
@@ -90,57 +93,116 @@ void capture_on_host(const CaptureParams& p) {
 
 namespace {
 
-// One layer's top_k ids of a committed row, narrowed from the device dtype
-// into the host cache's; typed so it vectorizes. Returns whether any id was
-// outside [0, experts).
+// Narrows n ids from the device dtype into the host cache's. "No expert" is
+// all ones in every host dtype (invalid_id_code), so an out-of-range id
+// becomes id | all-ones: no select, and the loop vectorizes. Returns nonzero
+// when an id was outside [0, experts).
 template <class S, class D>
-bool narrow_ids(const S* src, D* dst, int32_t top_k, int64_t experts, D no_expert) {
-  bool bad = false;
-  for (int32_t k = 0; k < top_k; ++k) {
-    const int64_t id = static_cast<int64_t>(src[k]);
-    const bool ok = id >= 0 && id < experts;
-    dst[k] = ok ? static_cast<D>(id) : no_expert;
-    bad |= !ok;
+uint32_t narrow_ids(const S* __restrict in, D* __restrict out, int64_t n, uint32_t experts) {
+  // Compared at the source width (the plan keeps num_experts within it), so
+  // the vector lanes stay narrow; as unsigned, one compare is both bounds: a
+  // negative id wraps above experts.
+  using U = std::make_unsigned_t<S>;
+  const U limit = static_cast<U>(experts);
+  U bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const U id = static_cast<U>(in[i]);
+    const U outside = id >= limit ? U{1} : U{0};
+    out[i] = static_cast<D>(static_cast<D>(id) | static_cast<D>(U{0} - outside));
+    bad = static_cast<U>(bad | outside);
   }
   return bad;
 }
 
-// Rows in list order, so a slot listed twice keeps its last row; the
-// decision per row is the kernels' (commit_goes_to).
-template <class S, class D>
+// Rows in blocks: first where each row of the block goes (the kernels'
+// decision, commit_goes_to), then layer by layer: the block's rows of that
+// layer are narrowed in one vectorized pass (read in place when the source
+// rows are consecutive, as in a prefill) and scattered to their slots. Rows
+// keep list order within every layer, so a slot listed twice keeps its last row.
+// TopK > 0 fixes the width at compile time (the common top-k values), so the
+// per-row copies are single moves rather than calls.
+template <int TopK, class S, class D>
 void commit_rows(const CommitParams& p) {
-  const int64_t row = static_cast<int64_t>(p.num_layers) * p.top_k;
-  const int64_t layer_stride = p.device_rows * p.top_k;
-  const D no_expert = static_cast<D>(p.dst_no_expert);
+  const int64_t top_k = TopK > 0 ? TopK : p.top_k;
+  const int64_t row = p.num_layers * top_k;
+  const int64_t layer_stride = p.device_rows * top_k;
+  const int64_t block = std::max<int64_t>(1, 4096 / top_k);
+  const uint32_t experts = static_cast<uint32_t>(p.num_experts);
   const int64_t w_bytes = p.weight_elem >= 0 ? elem_bytes(p.weight_elem) : 0;
-  for (int64_t j = 0; j < p.count; ++j) {
-    int64_t src = 0, slot = 0;
-    if (!commit_target(p, j, &src, &slot)) continue;
-    if (p.mode == kInvalidate) {
-      p.dst_states[slot] = kSlotEmpty;
-      continue;
+  const size_t id_chunk = static_cast<size_t>(top_k) * sizeof(D);
+  const size_t in_chunk = static_cast<size_t>(top_k) * sizeof(S);
+  std::vector<int64_t> srcs(static_cast<size_t>(block)), slots(static_cast<size_t>(block));
+  std::vector<uint8_t> bad(static_cast<size_t>(block));
+  std::vector<S> gathered(static_cast<size_t>(block * top_k));
+  std::vector<D> narrowed(static_cast<size_t>(block * top_k));
+  for (int64_t first = 0; first < p.count; first += block) {
+    int64_t n = 0;
+    for (int64_t j = first; j < p.count && j < first + block; ++j) {
+      int64_t src = 0, slot = 0;
+      if (!commit_target(p, j, &src, &slot)) continue;
+      if (p.mode == kInvalidate) {
+        p.dst_states[slot] = kSlotEmpty;
+        continue;
+      }
+      srcs[static_cast<size_t>(n)] = src;
+      slots[static_cast<size_t>(n)] = slot;
+      bad[static_cast<size_t>(n)] = 0;
+      ++n;
     }
-    const S* in = reinterpret_cast<const S*>(p.src_ids) + src * p.top_k;
-    D* out = reinterpret_cast<D*>(p.dst_ids) + slot * row;
-    bool bad = false;
-    for (int32_t l = 0; l < p.num_layers; ++l) {
-      bad |= narrow_ids(in + l * layer_stride, out + l * p.top_k, p.top_k, p.num_experts, no_expert);
+    bool consecutive = true;
+    for (int64_t i = 1; i < n; ++i) consecutive = consecutive && srcs[static_cast<size_t>(i)] == srcs[0] + i;
+    for (int64_t l = 0; l < p.num_layers; ++l) {
+      const S* layer = reinterpret_cast<const S*>(p.src_ids) + l * layer_stride;
+      const S* in = gathered.data();
+      if (consecutive && n > 0) {
+        in = layer + srcs[0] * top_k;
+      } else {
+        for (int64_t i = 0; i < n; ++i) {
+          std::memcpy(gathered.data() + i * top_k, layer + srcs[static_cast<size_t>(i)] * top_k, in_chunk);
+        }
+      }
+      if (narrow_ids(in, narrowed.data(), n * top_k, experts) != 0) {
+        for (int64_t i = 0; i < n; ++i) {  // rare: which rows had an id out of range
+          D probe[1];
+          uint32_t row_bad = 0;
+          for (int64_t k = 0; k < top_k; ++k) row_bad |= narrow_ids(in + i * top_k + k, probe, 1, experts);
+          bad[static_cast<size_t>(i)] = static_cast<uint8_t>(bad[static_cast<size_t>(i)] | row_bad);
+        }
+      }
+      D* out = reinterpret_cast<D*>(p.dst_ids) + l * top_k;
+      for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(out + slots[static_cast<size_t>(i)] * row, narrowed.data() + i * top_k, id_chunk);
+      }
+      for (int64_t i = 0; w_bytes > 0 && i < n; ++i) {
+        std::memcpy(p.dst_weights + (slots[static_cast<size_t>(i)] * row + l * top_k) * w_bytes,
+                    p.src_weights + (l * layer_stride + srcs[static_cast<size_t>(i)] * top_k) * w_bytes,
+                    static_cast<size_t>(top_k * w_bytes));
+      }
     }
-    for (int32_t l = 0; w_bytes > 0 && l < p.num_layers; ++l) {
-      std::memcpy(p.dst_weights + (slot * row + l * p.top_k) * w_bytes,
-                  p.src_weights + (l * layer_stride + src * p.top_k) * w_bytes, static_cast<size_t>(p.top_k * w_bytes));
+    for (int64_t i = 0; i < n; ++i) {
+      p.dst_states[slots[static_cast<size_t>(i)]] = committed_state(bad[static_cast<size_t>(i)] != 0);
     }
-    p.dst_states[slot] = committed_state(bad);
+  }
+}
+
+template <class S, class D>
+void commit_by_width(const CommitParams& p) {
+  switch (p.top_k) {
+    case 2: commit_rows<2, S, D>(p); break;
+    case 4: commit_rows<4, S, D>(p); break;
+    case 6: commit_rows<6, S, D>(p); break;
+    case 8: commit_rows<8, S, D>(p); break;
+    default: commit_rows<0, S, D>(p); break;
   }
 }
 
 template <class S>
 void commit_from(const CommitParams& p) {
   switch (p.dst_id_elem) {
-    case kU8: commit_rows<S, uint8_t>(p); break;
-    case kU16: commit_rows<S, uint16_t>(p); break;
-    case kI16: commit_rows<S, int16_t>(p); break;
-    default: commit_rows<S, int32_t>(p); break;
+    case kU8: commit_by_width<S, uint8_t>(p); break;
+    case kU16: commit_by_width<S, uint16_t>(p); break;
+    case kI16: commit_by_width<S, int16_t>(p); break;
+    default: commit_by_width<S, int32_t>(p); break;
   }
 }
 
@@ -165,7 +227,7 @@ void gather_on_host(const GatherParams& p) {
     uint8_t* wdst =
         p.dst_weights != nullptr ? static_cast<uint8_t*>(p.dst_weights) + t * row * elem_bytes(p.dst_weight_elem) : nullptr;
     if (!slot_readable(p.states[slot], p.invalid_code)) {
-      for (int64_t e = 0; e < row; ++e) store_int(dst, p.dst_id_elem, e, -1);
+      std::memset(dst, 0xff, static_cast<size_t>(row * out_bytes));  // -1 in every integer width
       if (wdst != nullptr) std::memset(wdst, 0, static_cast<size_t>(row * elem_bytes(p.dst_weight_elem)));
       continue;
     }
