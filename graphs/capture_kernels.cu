@@ -32,7 +32,16 @@ __device__ void copy_row(uint8_t* dst, const uint8_t* src, int64_t bytes, int la
   }
 }
 
-// One warp per committed row.
+// Before the commit kernel, when slots may repeat: each slot's last entry.
+extern "C" __global__ void moecap_claim_kernel(CommitParams p) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < p.count;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    claim_slot(p, j);
+  }
+}
+
+// One warp per committed row. With claims, the last block to finish clears
+// them for the next commit (every block has read its claims by then).
 extern "C" __global__ void moecap_commit_kernel(CommitParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -51,6 +60,21 @@ extern "C" __global__ void moecap_commit_kernel(CommitParams p) {
       copy_row(p.dst_weights + slot * p.weight_row_bytes, p.src_weights + src * p.weight_row_bytes,
                p.weight_row_bytes, lane, 32);
     }
+  }
+  if (p.claims == nullptr) return;
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(p.claims_done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  for (int64_t j = threadIdx.x; j < p.count; j += blockDim.x) release_claim(p, j);
+  if (threadIdx.x == 0) *p.claims_done = 0;
+}
+
+extern "C" __global__ void moecap_take_errors_kernel(TakeErrorsParams p) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    take_error(&p.errors->skipped_rows, &p.out->skipped_rows);
+    take_error(&p.errors->invalid_ids, &p.out->invalid_ids);
   }
 }
 

@@ -50,10 +50,48 @@ MOECAP_HD bool commit_goes_to(const CommitParams& p, int64_t src_row, int64_t sl
   return true;
 }
 
-MOECAP_HD bool commit_target(const CommitParams& p, int64_t j, int64_t* src_row, int64_t* slot) {
+MOECAP_HD void commit_source(const CommitParams& p, int64_t j, int64_t* src_row, int64_t* slot) {
   *slot = load_int(p.dst_slots, p.dst_slots_elem, j);
   *src_row = p.src_rows != nullptr ? load_int(p.src_rows, p.src_rows_elem, j) : p.src_start + j;
-  return commit_goes_to(p, *src_row, *slot);
+}
+
+MOECAP_HD bool commit_in_range(const CommitParams& p, int64_t src_row, int64_t slot) {
+  return slot >= 0 && slot < p.host_slots && src_row >= 0 && src_row < p.device_rows;
+}
+
+// Entry j of a commit claims its slot: the largest entry wins (see CommitParams::claims).
+MOECAP_HD void claim_slot(const CommitParams& p, int64_t j) {
+  int64_t src = 0, slot = 0;
+  commit_source(p, j, &src, &slot);
+  if (!commit_in_range(p, src, slot)) return;
+  const int32_t mine = static_cast<int32_t>(j + 1);
+#if defined(__CUDA_ARCH__)
+  atomicMax(&p.claims[slot], mine);
+#else
+  if (p.claims[slot] < mine) p.claims[slot] = mine;  // host twins run one entry at a time
+#endif
+}
+
+MOECAP_HD void release_claim(const CommitParams& p, int64_t j) {
+  int64_t src = 0, slot = 0;
+  commit_source(p, j, &src, &slot);
+  if (commit_in_range(p, src, slot)) p.claims[slot] = 0;
+}
+
+// Where entry j goes, counting it when out of range; false as well when a
+// later entry of the commit targets the same slot.
+MOECAP_HD bool commit_target(const CommitParams& p, int64_t j, int64_t* src_row, int64_t* slot) {
+  commit_source(p, j, src_row, slot);
+  if (!commit_goes_to(p, *src_row, *slot)) return false;
+  return p.claims == nullptr || p.claims[*slot] == static_cast<int32_t>(j + 1);
+}
+
+MOECAP_HD void take_error(unsigned long long* counter, unsigned long long* out) {
+#if defined(__CUDA_ARCH__)
+  *out = atomicExch(counter, 0ull);
+#else
+  *out = __atomic_exchange_n(counter, 0ull, __ATOMIC_RELAXED);
+#endif
 }
 
 // Element i of a gather's [count, row_elements] output.

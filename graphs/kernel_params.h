@@ -43,6 +43,13 @@ struct CommitParams {
   const void* src_rows;     // [count] row list, or nullptr for the range below
   const void* dst_slots;    // [count]
   ErrorWord* errors;
+  // Duplicate slots: the last entry wins. On CUDA, where rows run in any
+  // order, claims[slot] holds 1 + the last entry targeting the slot (set by
+  // the claim kernel, cleared by the commit kernel's last block; 0 between
+  // commits); claims_done counts the commit kernel's finished blocks. Both
+  // nullptr on the host backend, whose rows run in order.
+  int32_t* claims;          // [host_slots]
+  unsigned int* claims_done;
   int64_t src_start;        // first row when src_rows is nullptr
   int64_t count;
   int64_t device_rows;
@@ -72,9 +79,18 @@ struct GatherParams {
   int32_t pad_;
 };
 
+// Reads the error counters and zeroes them in one atomic step per counter,
+// so increments by replays running meanwhile are either read or kept.
+struct TakeErrorsParams {
+  ErrorWord* errors;
+  ErrorWord* out;
+};
+
 // Host twins of the kernels in capture_kernels.cu: same parameters, same effect.
 void capture_on_host(const CaptureParams& p);
 void commit_on_host(const CommitParams& p);
 void gather_on_host(const GatherParams& p);
+void claim_on_host(const CommitParams& p);
+void take_errors_on_host(const TakeErrorsParams& p);
 
 }  // namespace moecap

@@ -203,6 +203,8 @@ using namespace moecap;
 
 void run_capture(const void* p) { capture_on_host(*static_cast<const CaptureParams*>(p)); }
 void run_gather(const void* p) { gather_on_host(*static_cast<const GatherParams*>(p)); }
+void run_claim(const void* p) { claim_on_host(*static_cast<const CommitParams*>(p)); }
+void run_take_errors(const void* p) { take_errors_on_host(*static_cast<const TakeErrorsParams*>(p)); }
 // One warp per row on the GPU, rows in any order: here the last row first.
 void run_commit(const void* v) {
   const CommitParams& p = *static_cast<const CommitParams*>(v);
@@ -216,6 +218,9 @@ void run_commit(const void* v) {
                   static_cast<size_t>(p.weight_row_bytes));
     }
   }
+  if (p.claims != nullptr) {
+    for (int64_t j = 0; j < p.count; ++j) release_claim(p, j);  // the kernel's last block
+  }
 }
 
 std::vector<const void*> capture_pointers(const void* v) {
@@ -224,14 +229,21 @@ std::vector<const void*> capture_pointers(const void* v) {
 }
 std::vector<const void*> commit_pointers(const void* v) {
   const auto& p = *static_cast<const CommitParams*>(v);
-  return {p.src_ids, p.src_weights, p.dst_ids, p.dst_weights, p.src_rows, p.dst_slots, p.errors};
+  return {p.src_ids, p.src_weights, p.dst_ids, p.dst_weights, p.src_rows, p.dst_slots, p.errors, p.claims};
 }
 std::vector<const void*> gather_pointers(const void* v) {
   const auto& p = *static_cast<const GatherParams*>(v);
   return {p.src_ids, p.src_weights, p.slots, p.dst_ids, p.dst_weights};
 }
 
+std::vector<const void*> take_errors_pointers(const void* v) {
+  const auto& p = *static_cast<const TakeErrorsParams*>(v);
+  return {p.errors, p.out};
+}
+
 const Kernel kKernels[] = {
+    {"moecap_claim_kernel", sizeof(CommitParams), run_claim, commit_pointers},
+    {"moecap_take_errors_kernel", sizeof(TakeErrorsParams), run_take_errors, take_errors_pointers},
     {"moecap_capture_kernel", sizeof(CaptureParams), run_capture, capture_pointers},
     {"moecap_commit_kernel", sizeof(CommitParams), run_commit, commit_pointers},
     {"moecap_gather_kernel", sizeof(GatherParams), run_gather, gather_pointers},
