@@ -487,6 +487,25 @@ CUresult cuStreamIsCapturing(void* stream, int* status) {
   *status = !s.capture ? 0 : s.capture->invalidated ? 2 : 1;
   return kOk;
 }
+// CUDA 11.3's ABI (cuStreamGetCaptureInfo_v2) and 12.3's (_v3, with edge
+// data); cuGetProcAddress picks by the version asked for. The capture's
+// graph is the one being built: user objects retained on it go with it.
+CUresult capture_info_v3(void* stream, int* status, uint64_t* id, Graph** graph, const void** deps,
+                         const void** edges, size_t* ndeps) {
+  ENTER();
+  const Stream& s = *stream_of(stream);
+  *status = !s.capture ? 0 : s.capture->invalidated ? 2 : 1;
+  if (id != nullptr) *id = s.capture ? reinterpret_cast<uintptr_t>(s.capture.get()) : 0;
+  if (graph != nullptr) *graph = s.capture ? s.capture->graph.get() : nullptr;
+  if (deps != nullptr) *deps = nullptr;
+  if (edges != nullptr) *edges = nullptr;
+  if (ndeps != nullptr) *ndeps = 0;
+  return kOk;
+}
+CUresult capture_info_v2(void* stream, int* status, uint64_t* id, Graph** graph, const void** deps, size_t* ndeps) {
+  return capture_info_v3(stream, status, id, graph, deps, nullptr, ndeps);
+}
+
 CUresult cuStreamBeginCapture(void* stream, int mode) {
   ENTER();
   Stream* s = stream_of(stream);
@@ -673,8 +692,13 @@ __attribute__((visibility("default"))) int cuDriverGetVersion(int* version) {
   return kOk;
 }
 
-__attribute__((visibility("default"))) int cuGetProcAddress_v2(const char* name, void** pfn, int, uint64_t,
+__attribute__((visibility("default"))) int cuGetProcAddress_v2(const char* name, void** pfn, int version, uint64_t,
                                                                 int* found) {
+  if (std::strcmp(name, "cuStreamGetCaptureInfo") == 0) {
+    *pfn = version >= 12030 ? reinterpret_cast<void*>(&capture_info_v3) : reinterpret_cast<void*>(&capture_info_v2);
+    if (found != nullptr) *found = 1;
+    return version >= 11030 ? kOk : kNotFound;  // 10.1's ABI (no graph) is not modeled
+  }
   for (const Entry& e : kEntries) {
     if (std::strcmp(e.name, name) == 0) {
       *pfn = e.fn;
