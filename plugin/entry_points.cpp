@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "handles.h"
-#include "plan.h"
-#include "status.h"
+#include "base/status.h"
+#include "plugin/handles.h"
+#include "plugin/plan.h"
 
 namespace moecap {
 namespace {
