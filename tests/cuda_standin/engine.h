@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "moecap.h"
-#include "standin.h"
-#include "tensors.h"
+#include "tests/cuda_standin/standin.h"
+#include "tests/support/tensors.h"
 
 namespace standin {
 

@@ -1,5 +1,5 @@
 // The stand-in CUDA driver; standin.h says what it models and what not.
-#include "standin.h"
+#include "tests/cuda_standin/standin.h"
 
 #include <sys/mman.h>
 
@@ -15,8 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include "kernel_ops.h"
-#include "kernel_params.h"
+#include "graphs/kernel_ops.h"
+#include "graphs/kernel_params.h"
 
 namespace {
 

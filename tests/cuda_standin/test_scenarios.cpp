@@ -9,7 +9,7 @@
 #include <string>
 #include <thread>
 
-#include "engine.h"
+#include "tests/cuda_standin/engine.h"
 
 using namespace standin;
 
