@@ -123,9 +123,6 @@ void commit_rows(const CommitParams& p) {
     run_len = 1;
   }
   flush();
-  if (p.claims != nullptr) {
-    for (int64_t j = 0; j < p.count; ++j) release_claim(p, j);
-  }
 }
 
 template <class Slot>
@@ -149,6 +146,10 @@ void commit_on_host(const CommitParams& p) {
 
 void claim_on_host(const CommitParams& p) {
   for (int64_t j = 0; j < p.count; ++j) claim_slot(p, j);
+}
+
+void release_on_host(const CommitParams& p) {
+  for (int64_t j = 0; j < p.count; ++j) release_claim(p, j);
 }
 
 void take_errors_on_host(const TakeErrorsParams& p) {

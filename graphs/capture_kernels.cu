@@ -40,8 +40,15 @@ extern "C" __global__ void moecap_claim_kernel(CommitParams p) {
   }
 }
 
-// One warp per committed row. With claims, the last block to finish clears
-// them for the next commit (every block has read its claims by then).
+// After the commit kernel: clears this commit's claims for the next one.
+extern "C" __global__ void moecap_release_kernel(CommitParams p) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < p.count;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    release_claim(p, j);
+  }
+}
+
+// One warp per committed row.
 extern "C" __global__ void moecap_commit_kernel(CommitParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -61,14 +68,6 @@ extern "C" __global__ void moecap_commit_kernel(CommitParams p) {
                p.weight_row_bytes, lane, 32);
     }
   }
-  if (p.claims == nullptr) return;
-  __shared__ bool last;
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(p.claims_done, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  for (int64_t j = threadIdx.x; j < p.count; j += blockDim.x) release_claim(p, j);
-  if (threadIdx.x == 0) *p.claims_done = 0;
 }
 
 extern "C" __global__ void moecap_take_errors_kernel(TakeErrorsParams p) {

@@ -44,12 +44,11 @@ struct CommitParams {
   const void* dst_slots;    // [count]
   ErrorWord* errors;
   // Duplicate slots: the last entry wins. On CUDA, where rows run in any
-  // order, claims[slot] holds 1 + the last entry targeting the slot (set by
-  // the claim kernel, cleared by the commit kernel's last block; 0 between
-  // commits); claims_done counts the commit kernel's finished blocks. Both
-  // nullptr on the host backend, whose rows run in order.
+  // order, claims[slot] holds 1 + the last entry targeting the slot: set by
+  // the claim kernel before the commit kernel, cleared by the release kernel
+  // after it (0 between commits). nullptr where rows run in order (host
+  // twins) or the slots are known to be distinct (deduplicated at the call).
   int32_t* claims;          // [host_slots]
-  unsigned int* claims_done;
   int64_t src_start;        // first row when src_rows is nullptr
   int64_t count;
   int64_t device_rows;
@@ -91,6 +90,7 @@ void capture_on_host(const CaptureParams& p);
 void commit_on_host(const CommitParams& p);
 void gather_on_host(const GatherParams& p);
 void claim_on_host(const CommitParams& p);
+void release_on_host(const CommitParams& p);
 void take_errors_on_host(const TakeErrorsParams& p);
 
 }  // namespace moecap

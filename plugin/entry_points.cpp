@@ -130,6 +130,7 @@ moecap_status moecap_create(const moecap_config* config, moecap_capturer** out) 
     const moecap::Plan plan = moecap::make_plan(config);
     auto handle = std::make_unique<moecap_capturer>();
     handle->impl = std::make_shared<Capturer>(plan);
+    handle->impl->set_owner(handle->impl);
     *out = handle.release();
   });
 }

@@ -39,8 +39,10 @@ struct Capture {
   std::shared_ptr<Graph> graph;
   int mode;
   std::thread::id thread;
+  uint64_t id;
   bool invalidated = false;
 };
+uint64_t g_next_capture_id = 1;
 
 struct Stream {
   std::deque<std::function<void()>> queue;
@@ -100,7 +102,14 @@ int64_t g_spin_waits = 0;
 void (*g_wait_hook)(void*) = nullptr;
 void* g_wait_hook_arg = nullptr;
 int64_t g_live_user_objects = 0;
-std::vector<std::thread> g_callback_threads;
+// Destructor threads the driver started; joined by standin_drain_callbacks, or at exit.
+struct CallbackThreads : std::vector<std::thread> {
+  ~CallbackThreads() {
+    for (std::thread& t : *this)
+      if (t.joinable()) t.join();
+  }
+};
+CallbackThreads g_callback_threads;
 thread_local int t_capture_mode = kModeGlobal;
 thread_local bool t_in_callback = false;
 thread_local std::vector<void*> t_contexts;
@@ -204,6 +213,7 @@ using namespace moecap;
 void run_capture(const void* p) { capture_on_host(*static_cast<const CaptureParams*>(p)); }
 void run_gather(const void* p) { gather_on_host(*static_cast<const GatherParams*>(p)); }
 void run_claim(const void* p) { claim_on_host(*static_cast<const CommitParams*>(p)); }
+void run_release(const void* p) { release_on_host(*static_cast<const CommitParams*>(p)); }
 void run_take_errors(const void* p) { take_errors_on_host(*static_cast<const TakeErrorsParams*>(p)); }
 // One warp per row on the GPU, rows in any order: here the last row first.
 void run_commit(const void* v) {
@@ -217,9 +227,6 @@ void run_commit(const void* v) {
       std::memcpy(p.dst_weights + slot * p.weight_row_bytes, p.src_weights + src * p.weight_row_bytes,
                   static_cast<size_t>(p.weight_row_bytes));
     }
-  }
-  if (p.claims != nullptr) {
-    for (int64_t j = 0; j < p.count; ++j) release_claim(p, j);  // the kernel's last block
   }
 }
 
@@ -243,6 +250,7 @@ std::vector<const void*> take_errors_pointers(const void* v) {
 
 const Kernel kKernels[] = {
     {"moecap_claim_kernel", sizeof(CommitParams), run_claim, commit_pointers},
+    {"moecap_release_kernel", sizeof(CommitParams), run_release, commit_pointers},
     {"moecap_take_errors_kernel", sizeof(TakeErrorsParams), run_take_errors, take_errors_pointers},
     {"moecap_capture_kernel", sizeof(CaptureParams), run_capture, capture_pointers},
     {"moecap_commit_kernel", sizeof(CommitParams), run_commit, commit_pointers},
@@ -495,7 +503,7 @@ CUresult capture_info_v3(void* stream, int* status, uint64_t* id, Graph** graph,
   ENTER();
   const Stream& s = *stream_of(stream);
   *status = !s.capture ? 0 : s.capture->invalidated ? 2 : 1;
-  if (id != nullptr) *id = s.capture ? reinterpret_cast<uintptr_t>(s.capture.get()) : 0;
+  if (id != nullptr) *id = s.capture ? s.capture->id : 0;
   if (graph != nullptr) *graph = s.capture ? s.capture->graph.get() : nullptr;
   if (deps != nullptr) *deps = nullptr;
   if (edges != nullptr) *edges = nullptr;
@@ -511,7 +519,7 @@ CUresult cuStreamBeginCapture(void* stream, int mode) {
   Stream* s = stream_of(stream);
   if (s == &g_legacy) return kCaptureUnsupported;
   if (s->capture) return kIllegalState;
-  s->capture = std::make_unique<Capture>(Capture{std::make_shared<Graph>(), mode, std::this_thread::get_id()});
+  s->capture = std::make_unique<Capture>(Capture{std::make_shared<Graph>(), mode, std::this_thread::get_id(), g_next_capture_id++});
   g_captures.push_back(s->capture.get());
   return kOk;
 }
