@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <mutex>
 
 #include "base/stream.h"
 #include "graphs/backend_graph.h"
@@ -62,8 +63,11 @@ class Backend {
   // Host-side waits and copies (never legal in graphs).
   // Waits for (or, with block = false, polls) the commits enqueued so far
   // that may write `slots` (every commit when nullptr): eager commits to
-  // other slots are not waited for; commits in graphs always are.
-  virtual bool commits_done(bool block, const SlotList* slots = nullptr) = 0;
+  // other slots are not waited for; commits in graphs always are. A blocking
+  // wait releases `unlock_while_waiting` (the capturer's lock, held by the
+  // caller) while it sleeps, so the engine's other calls go on meanwhile.
+  virtual bool commits_done(bool block, const SlotList* slots = nullptr,
+                            std::unique_lock<std::mutex>* unlock_while_waiting = nullptr) = 0;
   // Waits until reads into device tensors enqueued so far no longer read
   // the host cache rows of `slots` (before the host writes them).
   virtual void reads_done(const SlotList& slots) = 0;

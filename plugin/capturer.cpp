@@ -122,8 +122,8 @@ void Capturer::check_request_rows(const DLTensor* t, const char* name, int64_t r
   check_dim(t, name, 2, plan_.config.top_k, "top_k");
 }
 
-void Capturer::settle(bool block, const Backend::SlotList* slots) {
-  if (!backend_->commits_done(block, slots)) {
+void Capturer::settle(bool block, const Backend::SlotList* slots, std::unique_lock<std::mutex>* lock) {
+  if (!backend_->commits_done(block, slots, lock)) {
     fail(MOECAP_ERROR_NOT_READY, "commits to these slots are still in flight (MOECAP_READ_NONBLOCKING)");
   }
   check_counters();
@@ -276,7 +276,8 @@ void Capturer::commit(const moecap_commit_args* args, EngineStream stream) {
   backend_->commit(p, Backend::CommitPlacement{slots_on_host, rows_on_host, graph}, stream);
 }
 
-void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream) {
+void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,
+                    std::unique_lock<std::mutex>* lock) {
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   if ((flags & ~MOECAP_READ_NONBLOCKING) != 0) {
@@ -314,7 +315,7 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
   if (on_device) {
     check_counters();
   } else {
-    settle((flags & MOECAP_READ_NONBLOCKING) == 0, &slot_list);
+    settle((flags & MOECAP_READ_NONBLOCKING) == 0, &slot_list, lock);
   }
   if (t == 0) return;
 
@@ -365,7 +366,8 @@ HostView Capturer::host_view(const DLTensor* t, const char* name, EngineStream s
   return v;
 }
 
-void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream) {
+void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream,
+                     std::unique_lock<std::mutex>* lock) {
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   check_tensor(slots, {"slots", {kI32, kI64}, 1});
@@ -397,7 +399,7 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
   // device tensors, and every commit that may write them.
   const Backend::SlotList slot_list{tensor_data(slots), elem_of(slots->dtype), t};
   backend_->reads_done(slot_list);
-  settle(true, &slot_list);
+  settle(true, &slot_list, lock);
 
   uint8_t* host_ids = host_block_ + host_ids_.offset;
   uint8_t* host_w = host_block_ + host_weights_.offset;
@@ -419,9 +421,9 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
   }
 }
 
-void Capturer::synchronize() {
+void Capturer::synchronize(std::unique_lock<std::mutex>* lock) {
   require_not_recording();
-  settle(true, nullptr);
+  settle(true, nullptr, lock);
 }
 
 moecap_error_counts Capturer::errors(bool clear) {

@@ -40,9 +40,13 @@ class Capturer {
 
   void capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, EngineStream stream);
   void commit(const moecap_commit_args* args, EngineStream stream);
-  void read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream);
-  void write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream);
-  void synchronize();
+  // Host calls that wait for commits: `lock`, when given, is the caller's
+  // hold on mutex(), released while they sleep.
+  void read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,
+            std::unique_lock<std::mutex>* lock = nullptr);
+  void write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream,
+             std::unique_lock<std::mutex>* lock = nullptr);
+  void synchronize(std::unique_lock<std::mutex>* lock = nullptr);
   moecap_error_counts errors(bool clear);
   void histogram_reset(EngineStream stream);
   BufferView view(int32_t which, int32_t layer) const;
@@ -80,7 +84,7 @@ class Capturer {
   void require_stream(EngineStream stream);
   // Waits for the commits that may write `slots` (all when nullptr), then
   // fails with ROWS_SKIPPED while the counter is set.
-  void settle(bool block, const Backend::SlotList* slots);
+  void settle(bool block, const Backend::SlotList* slots, std::unique_lock<std::mutex>* lock);
   // ROWS_SKIPPED while the counter is set; CORRUPTION for a damaged guard.
   void check_counters();
   // Fails with OUT_OF_RANGE naming the first index tensor entry outside [allow_drop ? -1 : 0, limit).

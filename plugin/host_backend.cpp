@@ -34,7 +34,7 @@ class HostBackend final : public Backend {
     graphs_.run([ptr, bytes] { std::memset(ptr, 0, bytes); });
   }
 
-  bool commits_done(bool, const SlotList*) override { return true; }
+  bool commits_done(bool, const SlotList*, std::unique_lock<std::mutex>*) override { return true; }
   void reads_done(const SlotList&) override {}
   ErrorWord take_errors(ErrorWord* counters, bool clear) override {
     if (!clear) return *counters;

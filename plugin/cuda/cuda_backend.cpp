@@ -81,6 +81,22 @@ bool touches(const InFlight& f, const std::vector<int64_t>* wanted) {
   return false;
 }
 
+// Releases a held lock for a scope, taking it again after (also on a throw).
+class Unlocked {
+ public:
+  explicit Unlocked(std::unique_lock<std::mutex>* lock) : lock_(lock) {
+    if (lock_ != nullptr) lock_->unlock();
+  }
+  ~Unlocked() {
+    if (lock_ != nullptr) lock_->lock();
+  }
+  Unlocked(const Unlocked&) = delete;
+  Unlocked& operator=(const Unlocked&) = delete;
+
+ private:
+  std::unique_lock<std::mutex>* lock_;
+};
+
 // Where a graph holding moecap's nodes keeps the capturer: a user object
 // whose destructor the driver calls on its own thread, where no CUDA call is
 // allowed, so the capturer (whose destruction frees driver memory) is
@@ -194,33 +210,16 @@ class CudaBackend final : public Backend {
     retire(commits_);
     CommitParams params = p;
     InFlight done{take_event(), {}, !where.slots_on_host};
-    Snapshot& snap = next_snapshot();
+    Snapshot* snap = where.rows_on_host || where.slots_on_host ? &next_snapshot() : nullptr;
     size_t at = 0;
-    if (where.rows_on_host) params.src_rows = copy_in(snap, at, p.src_rows, p.count, p.src_rows_elem);
+    if (where.rows_on_host) params.src_rows = copy_in(*snap, at, p.src_rows, p.count, p.src_rows_elem);
     if (where.slots_on_host) {
-      // Copied at the call, with each earlier duplicate dropped (-1): the
-      // last entry wins without a claim pass.
-      done.slots.resize(static_cast<size_t>(p.count));
-      int64_t* slots = reinterpret_cast<int64_t*>(snap.host + at);
-      params.dst_slots = snapshot_device_ + (snap.host - snapshot_host()) + at;
-      params.dst_slots_elem = kI64;
-      std::vector<std::pair<int64_t, int64_t>> order(static_cast<size_t>(p.count));
-      for (int64_t j = 0; j < p.count; ++j) {
-        slots[j] = load_int(p.dst_slots, p.dst_slots_elem, j);
-        order[static_cast<size_t>(j)] = {slots[j], j};
-      }
-      std::sort(order.begin(), order.end());
-      for (size_t i = 0; i < order.size(); ++i) {
-        done.slots[i] = order[i].first;
-        if (i + 1 < order.size() && order[i + 1].first == order[i].first && order[i].first != -1) {
-          slots[order[i].second] = -1;
-        }
-      }
+      done.slots = snapshot_slots(*snap, at, p, params);
     } else {
       params.claims = reinterpret_cast<int32_t*>(claims_.get());
     }
     launch_commit(params, s);
-    check(d_, d_.cuEventRecord(snap.done.get(), s), "cuEventRecord (snapshot)");
+    if (snap != nullptr) check(d_, d_.cuEventRecord(snap->done.get(), s), "cuEventRecord (snapshot)");
     check(d_, d_.cuEventRecord(done.event.get(), s), "cuEventRecord (commit)");
     commits_.push_back(std::move(done));
   }
@@ -264,16 +263,26 @@ class CudaBackend final : public Backend {
           "cuMemsetD8Async");
   }
 
-  bool commits_done(bool block, const SlotList* slots) override {
+  bool commits_done(bool block, const SlotList* slots, std::unique_lock<std::mutex>* unlock_while_waiting) override {
     HostCallScope scope(d_, ctx());
     std::vector<int64_t> wanted;
     if (slots != nullptr) wanted = sorted_slots(*slots);
     const std::vector<int64_t>* filter = slots != nullptr ? &wanted : nullptr;
-    for (const UniqueEvent& e : graph_commits_) {
-      if (!finished(e.get(), block)) return false;
-    }
+    std::vector<CUevent> waits;
+    for (const UniqueEvent& e : graph_commits_) waits.push_back(e.get());
     for (const InFlight& f : commits_) {
-      if (touches(f, filter) && !finished(f.event.get(), block)) return false;
+      if (touches(f, filter)) waits.push_back(f.event.get());
+    }
+    if (!block) {
+      for (CUevent e : waits) {
+        if (!finished(e, false)) return false;
+      }
+    } else {
+      // Without the capturer's lock: another thread may retire and re-record
+      // these events meanwhile (a later record: a longer wait, never a
+      // shorter one); they are destroyed only with the backend.
+      Unlocked unlocked(unlock_while_waiting);
+      for (CUevent e : waits) finished(e, true);
     }
     retire(commits_);
     return true;
@@ -438,6 +447,27 @@ class CudaBackend final : public Backend {
     const void* device = snapshot_device_ + (snap.host - snapshot_host()) + at;
     at += (bytes + 7) / 8 * 8;
     return device;
+  }
+
+  // Copies a commit's host slots into `snap` at `at` as int64, each earlier
+  // duplicate dropped (-1) so that the last entry wins without a claim pass;
+  // points `params` at them. Returns the slots, sorted.
+  std::vector<int64_t> snapshot_slots(Snapshot& snap, size_t at, const CommitParams& p, CommitParams& params) {
+    int64_t* slots = reinterpret_cast<int64_t*>(snap.host + at);
+    params.dst_slots = snapshot_device_ + (snap.host - snapshot_host()) + at;
+    params.dst_slots_elem = kI64;
+    std::vector<std::pair<int64_t, int64_t>> order(static_cast<size_t>(p.count));
+    for (int64_t j = 0; j < p.count; ++j) {
+      slots[j] = load_int(p.dst_slots, p.dst_slots_elem, j);
+      order[static_cast<size_t>(j)] = {slots[j], j};
+    }
+    std::sort(order.begin(), order.end());
+    std::vector<int64_t> sorted(order.size());
+    for (size_t i = 0; i < order.size(); ++i) {
+      sorted[i] = order[i].first;
+      if (i + 1 < order.size() && order[i + 1].first == order[i].first) slots[order[i].second] = -1;
+    }
+    return sorted;
   }
 
   // Inside a stream capture (the engine's or moecap's), the graph being

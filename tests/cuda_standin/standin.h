@@ -66,8 +66,8 @@ void standin_run_stream(StandinStream stream);
 int64_t standin_pending(StandinStream stream);
 // Called at the start of every host wait (cuStreamSynchronize,
 // cuEventSynchronize, pageable device-to-host copy), on the waiting thread,
-// with the driver's lock held: it may call the driver (not moecap, whose lock
-// the waiting thread may hold). NULL removes it.
+// before the driver's lock is taken: "meanwhile", the hook may call the
+// driver, or start threads that call moecap and wait for them. NULL removes it.
 void standin_set_wait_hook(void (*hook)(void*), void* arg);
 // Violations seen so far (kernels touching freed memory, driver calls from a
 // user-object destructor, ...), and the first one's text ("" if none).

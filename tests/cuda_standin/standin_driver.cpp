@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -99,8 +100,8 @@ Stream g_legacy;
 int64_t g_violations = 0;
 std::string g_first_violation;
 int64_t g_spin_waits = 0;
-void (*g_wait_hook)(void*) = nullptr;
-void* g_wait_hook_arg = nullptr;
+std::atomic<void (*)(void*)> g_wait_hook{nullptr};
+std::atomic<void*> g_wait_hook_arg{nullptr};
 int64_t g_live_user_objects = 0;
 // Destructor threads the driver started; joined by standin_drain_callbacks, or at exit.
 struct CallbackThreads : std::vector<std::thread> {
@@ -142,8 +143,11 @@ void run_until(Stream& s, uint64_t seq) {
   }
 }
 
+// Called before a host wait takes the driver's lock: the hook may start
+// threads that call the driver, and wait for them.
 void host_wait_hook() {
-  if (g_wait_hook != nullptr) g_wait_hook(g_wait_hook_arg);
+  if (t_in_callback) return;
+  if (auto hook = g_wait_hook.load()) hook(g_wait_hook_arg.load());
 }
 
 // --- capture rules -------------------------------------------------------------
@@ -189,6 +193,12 @@ Alloc* alloc_of(const void* p) {
   if (it == g_allocs.begin()) return nullptr;
   --it;
   return a < it->first + std::max<size_t>(it->second.bytes, 1) ? &it->second : nullptr;
+}
+
+bool pinned(const void* p, size_t bytes);
+bool pinned_unlocked(const void* p, size_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  return pinned(p, bytes);
 }
 
 bool pinned(const void* p, size_t bytes) {
@@ -377,6 +387,7 @@ CUresult cuMemcpyHtoDAsync(unsigned long long dst, const void* src, size_t n, vo
 }
 
 CUresult cuMemcpyDtoHAsync(void* dst, unsigned long long src, size_t n, void* stream) {
+  if (!pinned_unlocked(dst, n)) host_wait_hook();
   ENTER();
   auto op = [dst, src, n] { std::memcpy(dst, reinterpret_cast<const void*>(src), n); };
   if (pinned(dst, n)) return submit(stream, [op](Stream& s) { s.push(op); });
@@ -387,7 +398,6 @@ CUresult cuMemcpyDtoHAsync(void* dst, unsigned long long src, size_t n, void* st
     return kCaptureUnsupported;
   }
   if (CUresult r = unsafe_call()) return r;
-  host_wait_hook();
   run_until(s, s.push(op));
   return kOk;
 }
@@ -457,11 +467,11 @@ CUresult cuStreamDestroy(void* stream) {
   return kOk;
 }
 CUresult cuStreamSynchronize(void* stream) {
+  host_wait_hook();
   ENTER();
   if (CUresult r = unsafe_call()) return r;
   Stream& s = *stream_of(stream);
   if (s.capture) return kCaptureUnsupported;
-  host_wait_hook();
   run_until(s, s.enqueued);
   return kOk;
 }
@@ -576,11 +586,11 @@ CUresult cuEventQuery(Event* e) {
   return e->stream == nullptr || e->stream->done >= e->seq ? kOk : kNotReady;
 }
 CUresult cuEventSynchronize(Event* e) {
+  host_wait_hook();
   ENTER();
   if (CUresult r = unsafe_call()) return r;
   if (e->captured_in != nullptr) return kCaptureIsolation;
   if (!(e->flags & kEventBlockingSync)) ++g_spin_waits;
-  host_wait_hook();
   if (e->stream != nullptr) run_until(*e->stream, e->seq);
   return kOk;
 }
@@ -750,9 +760,8 @@ __attribute__((visibility("default"))) int64_t standin_pending(StandinStream str
 }
 
 __attribute__((visibility("default"))) void standin_set_wait_hook(void (*hook)(void*), void* arg) {
-  std::lock_guard<std::recursive_mutex> lock(g_mu);
-  g_wait_hook = hook;
   g_wait_hook_arg = arg;
+  g_wait_hook = hook;
 }
 
 __attribute__((visibility("default"))) int64_t standin_violations(void) {

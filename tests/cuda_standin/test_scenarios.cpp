@@ -5,6 +5,8 @@
 // violations the stand-in records.
 #include <doctest/doctest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -368,5 +370,57 @@ TEST_CASE("defect 10: a read into GPU tensors orders on the stream instead of bl
   CHECK(standin_pending(a) > 0);  // the host did not wait for the commit
   standin_run_stream(reader);
   CHECK(std::vector<int64_t>(out.as<int64_t>(), out.as<int64_t>() + c.num_layers * c.top_k) == expected_row(11, 0));
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
+namespace {
+
+// While a read waits, another engine thread captures a layer: it must not
+// wait for the read.
+struct EagerCallMeanwhile {
+  moecap_capturer* h;
+  DLTensor* ids;
+  Stream stream;
+  std::thread other;
+  std::atomic<bool> done{false};
+  bool in_time = false;
+  bool started = false;
+};
+
+void capture_meanwhile(void* arg) {
+  auto* m = static_cast<EagerCallMeanwhile*>(arg);
+  if (m->started) return;
+  m->started = true;
+  m->other = std::thread([m] {
+    int64_t shape[2] = {1, cuda_config().top_k};
+    DLTensor view = *m->ids;
+    view.ndim = 2;
+    view.shape = shape;
+    moecap_capture(m->h, 0, &view, nullptr, m->stream);
+    m->done = true;
+  });
+  for (int i = 0; i < 200 && !m->done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  m->in_time = m->done;
+}
+
+}  // namespace
+
+TEST_CASE("defect 10: a blocking read does not hold the capturer's lock while it waits") {
+  moecap_capturer* h = make_capturer();
+  Stream a = new_stream();
+  Stream other = new_stream();
+  Tensor ids = routing_buffer(kRows);
+  forward(ids, kRows, 12, 1);
+  capture_layers(h, ids, kRows, 1, a);
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  slot.set(0, 4);
+  commit(h, slot.get(), 0, a);  // read waits for it
+  EagerCallMeanwhile m{h, ids.get(), other};
+  standin_set_wait_hook(capture_meanwhile, &m);
+  CHECK(read_rows(h, {4}) == expected_row(12, 0));
+  standin_set_wait_hook(nullptr, nullptr);
+  if (m.other.joinable()) m.other.join();
+  CHECK(m.started);
+  CHECK(m.in_time);
   CHECK(moecap_destroy(h) == MOECAP_OK);
 }
