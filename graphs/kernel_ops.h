@@ -94,6 +94,48 @@ MOECAP_HD void take_error(unsigned long long* counter, unsigned long long* out) 
 #endif
 }
 
+#if defined(__CUDACC__)
+using Vec16 = uint4;
+#else
+struct alignas(16) Vec16 {
+  uint32_t x, y, z, w;
+};
+#endif
+
+// Lane `lane` of `lanes` copies its share of a row of `bytes`, with the
+// widest stores both addresses and the size allow. The destination is
+// usually pinned host memory over the bus, where each store is a bus
+// transaction: rows whose size is not a multiple of 4 (byte ids, odd layer
+// counts) are stored 16 bytes at a time at the destination's alignment,
+// assembled from byte loads of the source, with bytes only at the ends.
+MOECAP_HD void copy_row(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane, int lanes) {
+  const uintptr_t both = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         static_cast<uintptr_t>(bytes);
+  if ((both & 15u) == 0) {
+    for (int64_t i = lane; i < bytes / 16; i += lanes) reinterpret_cast<Vec16*>(dst)[i] = reinterpret_cast<const Vec16*>(src)[i];
+    return;
+  }
+  if ((both & 3u) == 0) {
+    for (int64_t i = lane; i < bytes / 4; i += lanes)
+      reinterpret_cast<uint32_t*>(dst)[i] = reinterpret_cast<const uint32_t*>(src)[i];
+    return;
+  }
+  const int64_t misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) & 15u);
+  const int64_t head = misalign == 0 ? 0 : (16 - misalign < bytes ? 16 - misalign : bytes);
+  const int64_t blocks = (bytes - head) / 16;
+  for (int64_t i = lane; i < head; i += lanes) dst[i] = src[i];
+  for (int64_t b = lane; b < blocks; b += lanes) {
+    union {
+      Vec16 v;
+      uint8_t u[16];
+    } pack;
+    const uint8_t* from = src + head + b * 16;
+    for (int k = 0; k < 16; ++k) pack.u[k] = from[k];
+    reinterpret_cast<Vec16*>(dst + head)[b] = pack.v;
+  }
+  for (int64_t i = head + blocks * 16 + lane; i < bytes; i += lanes) dst[i] = src[i];
+}
+
 // Element i of a gather's [count, row_elements] output.
 MOECAP_HD void gather_element(const GatherParams& p, int64_t i) {
   const int64_t t = i / p.row_elements;
