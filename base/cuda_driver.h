@@ -150,18 +150,21 @@ void check_module_load(const Driver& d, CUresult r);
 // (a wait, copy or allocation), restoring its mode after: in the default
 // global mode such calls fail, and invalidate the capture, while any thread
 // captures a graph (torch.cuda.graph on another thread, or this one).
+// Never throws (frees use it too): if the exchange fails, the mode stays.
 class RelaxedCaptureScope {
  public:
-  explicit RelaxedCaptureScope(const Driver& d) : d_(d) {
-    check(d_, d_.cuThreadExchangeStreamCaptureMode(&mode_), "cuThreadExchangeStreamCaptureMode");
+  explicit RelaxedCaptureScope(const Driver& d) noexcept
+      : d_(d), exchanged_(d_.cuThreadExchangeStreamCaptureMode(&mode_) == kSuccess) {}
+  ~RelaxedCaptureScope() {
+    if (exchanged_) d_.cuThreadExchangeStreamCaptureMode(&mode_);
   }
-  ~RelaxedCaptureScope() { d_.cuThreadExchangeStreamCaptureMode(&mode_); }
   RelaxedCaptureScope(const RelaxedCaptureScope&) = delete;
   RelaxedCaptureScope& operator=(const RelaxedCaptureScope&) = delete;
 
  private:
   const Driver& d_;
   int mode_ = kCaptureModeRelaxed;
+  bool exchanged_;
 };
 
 // Makes a context current for one call, restoring the caller's.

@@ -170,15 +170,22 @@ class CudaBackend final : public Backend {
     check(d_, d_.cuStreamSynchronize(internal_.get()), "cuStreamSynchronize");
     return reinterpret_cast<void*>(p.release());
   }
-  // The owners free in the backend's context and never throw (see cuda_owners.h).
-  void free_device(void* ptr) override { UniqueDeviceMemory(d_, ctx(), reinterpret_cast<CUdeviceptr>(ptr)).reset(); }
+  // The owners free in the backend's context and never throw (see cuda_owners.h);
+  // relaxed, so that a free never breaks a capture on another thread.
+  void free_device(void* ptr) override {
+    RelaxedCaptureScope relaxed(d_);
+    UniqueDeviceMemory(d_, ctx(), reinterpret_cast<CUdeviceptr>(ptr)).reset();
+  }
   void* alloc_host(size_t bytes) override {
     HostCallScope scope(d_, ctx());
     UniquePinnedMemory p = allocate_pinned(bytes == 0 ? 1 : bytes, "cuMemHostAlloc");
     std::memset(p.get(), 0, bytes);
     return p.release();
   }
-  void free_host(void* ptr) override { UniquePinnedMemory(d_, ctx(), ptr).reset(); }
+  void free_host(void* ptr) override {
+    RelaxedCaptureScope relaxed(d_);
+    UniquePinnedMemory(d_, ctx(), ptr).reset();
+  }
   void* device_address_of_host(void* host) override {
     HostCallScope scope(d_, ctx());
     return device_address(host);

@@ -14,41 +14,23 @@
 #include "tests/cuda_standin/engine.h"
 
 using namespace standin;
+using namespace moecap_scenarios;
 
 namespace {
-
-constexpr int64_t kRows = 8;  // device rows the scenarios use (the small config has at least this many)
-constexpr int64_t kNever = 31;  // a slot no scenario writes: what "nothing committed" reads as
 
 struct Setup {
   Setup() { setenv("MOECAP_LIBCUDA", MOECAP_STANDIN_DRIVER, 1); }
 };
 const Setup setup;
 
-// The rows of batch `batch`, tokens [0, n).
-std::vector<int64_t> batch_rows(int64_t batch, int64_t n) {
-  std::vector<int64_t> v;
-  for (int64_t t = 0; t < n; ++t) {
-    const auto r = expected_row(batch, t);
-    v.insert(v.end(), r.begin(), r.end());
-  }
-  return v;
-}
-
-std::vector<int64_t> row_of(const std::vector<int64_t>& rows, size_t i) {
-  const moecap_config c = cuda_config();
-  const size_t w = static_cast<size_t>(c.num_layers * c.top_k);
-  return std::vector<int64_t>(rows.begin() + static_cast<long>(i * w), rows.begin() + static_cast<long>((i + 1) * w));
-}
-
 }  // namespace
 
 TEST_CASE("defect 1: a pinned slot list the engine refills after the call still commits to the call's slots") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
-  Tensor ids = routing_buffer(kRows);
-  forward(ids, kRows, 1, 2);
-  capture_layers(h, ids, kRows, 2, s);
+  Tensor ids = routing_buffer();
+  forward(ids, 1, 2);
+  capture_layers(h, ids.get(), 2, s);
   struct Case {
     DLDeviceType where;
     int64_t first, refill;
@@ -56,7 +38,7 @@ TEST_CASE("defect 1: a pinned slot list the engine refills after the call still 
   for (Case k : {Case{kDLCPU, 3, 7}, Case{kDLCUDAHost, 5, 9}}) {
     CAPTURE(k.where);
     Tensor slots = index_tensor({k.first, k.first + 1}, k.where);  // pinned (cudaHostAlloc / pin_memory)
-    commit(h, slots.get(), 0, s);
+    commit(h, slots.get(), s);
     slots.as<int64_t>()[0] = k.refill;  // the engine prepares the next step while this one runs
     slots.as<int64_t>()[1] = k.refill + 1;
     REQUIRE(moecap_synchronize(h) == MOECAP_OK);
@@ -72,12 +54,12 @@ TEST_CASE("defect 1: a pinned slot list the engine refills after the call still 
 TEST_CASE("defect 2: read, synchronize and get_errors while the engine captures, on another thread or this one") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
-  Tensor ids = routing_buffer(kRows);
-  forward(ids, kRows, 2, 1);
-  capture_layers(h, ids, kRows, 1, s);
+  Tensor ids = routing_buffer();
+  forward(ids, 2, 1);
+  capture_layers(h, ids.get(), 1, s);
   moecap_test::HostTensor slot({1}, moecap_test::i64());
   slot.set(0, 3);
-  commit(h, slot.get(), 0, s);  // a commit in flight: read must wait for it
+  commit(h, slot.get(), s);  // a commit in flight: read must wait for it
 
   Stream engine = new_stream();
   auto host_calls = [&] {
@@ -106,7 +88,7 @@ TEST_CASE("defect 3: a read waits for graph replays on one stream after many eag
   moecap_capturer* h = make_capturer();
   Stream a = new_stream();
   Stream b = new_stream();
-  Tensor ids = routing_buffer(kRows);
+  Tensor ids = routing_buffer();
   constexpr int kGraphs = 20;
   std::vector<moecap_graph*> graphs;
   std::vector<Tensor> slots;
@@ -114,17 +96,17 @@ TEST_CASE("defect 3: a read waits for graph replays on one stream after many eag
   for (int i = 0; i < kGraphs; ++i) {
     slots.push_back(index_tensor({i}, kDLCUDA));
     REQUIRE(moecap_graph_begin(h, a) == MOECAP_OK);
-    capture_layers(h, ids, kRows, 1, a);
-    commit(h, slots.back().get(), 0, a);
+    capture_layers(h, ids.get(), 1, a);
+    commit(h, slots.back().get(), a);
     moecap_graph* g = nullptr;
     REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
     graphs.push_back(g);
   }
-  forward(ids, kRows, 3, 1);
+  forward(ids, 3, 1);
   for (moecap_graph* g : graphs) REQUIRE(moecap_graph_launch(g, a) == MOECAP_OK);  // behind a long forward on a
   moecap_test::HostTensor eager_slot({1}, moecap_test::i64());
   eager_slot.set(0, 25);
-  for (int i = 0; i < 16; ++i) commit(h, eager_slot.get(), 0, b);
+  for (int i = 0; i < 16; ++i) commit(h, eager_slot.get(), b);
   std::vector<int64_t> which;
   for (int i = 0; i < kGraphs; ++i) which.push_back(i);
   const auto got = read_rows(h, which);
@@ -136,12 +118,12 @@ TEST_CASE("defect 3: a read waits for graph replays on one stream after many eag
 TEST_CASE("defect 4: a read into GPU tensors is ordered before a later moecap_write to the same slots") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
-  Tensor ids = routing_buffer(kRows);
-  forward(ids, kRows, 4, 1);
-  capture_layers(h, ids, kRows, 1, s);
+  Tensor ids = routing_buffer();
+  forward(ids, 4, 1);
+  capture_layers(h, ids.get(), 1, s);
   moecap_test::HostTensor slot({1}, moecap_test::i64());
   slot.set(0, 2);
-  commit(h, slot.get(), 0, s);
+  commit(h, slot.get(), s);
   REQUIRE(moecap_synchronize(h) == MOECAP_OK);
 
   const moecap_config c = cuda_config();
@@ -159,12 +141,12 @@ TEST_CASE("defect 4: a read into GPU tensors is ordered before a later moecap_wr
 TEST_CASE("defect 5: moecap_graph_end on another thread than moecap_graph_begin") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
-  Tensor ids = routing_buffer(kRows);
+  Tensor ids = routing_buffer();
   Tensor slots = index_tensor({4}, kDLCUDA);
   std::thread([&] {
     REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
-    capture_layers(h, ids, kRows, 1, s);
-    commit(h, slots.get(), 0, s);
+    capture_layers(h, ids.get(), 1, s);
+    commit(h, slots.get(), s);
   }).join();
   moecap_graph* g = nullptr;
   CHECK_MESSAGE(moecap_graph_end(h, &g) == MOECAP_OK, std::string(moecap_last_error()));
@@ -172,7 +154,7 @@ TEST_CASE("defect 5: moecap_graph_end on another thread than moecap_graph_begin"
   REQUIRE(driver().is_capturing(s, &status) == 0);
   CHECK(status == 0);  // the engine's stream is not left capturing
   if (g != nullptr) {
-    forward(ids, kRows, 5, 1);
+    forward(ids, 5, 1);
     REQUIRE(moecap_graph_launch(g, s) == MOECAP_OK);
     CHECK(read_rows(h, {4}) == expected_row(5, 0));
     moecap_graph_destroy(g);
@@ -216,14 +198,14 @@ TEST_CASE("defect 6: a driver older than the toolkit that built the kernels: DRI
 TEST_CASE("defect 7: engine graphs holding moecap's nodes keep the capturer alive after moecap_destroy") {
   const int64_t violations = standin_violations();
   Stream s = new_stream();
-  Tensor ids = routing_buffer(kRows);
+  Tensor ids = routing_buffer();
   Tensor slots = index_tensor({6}, kDLCUDA);
 
   // The engine's own capture (torch.cuda.graph) with moecap's calls inside.
   moecap_capturer* h = make_capturer();
   REQUIRE(driver().begin_capture(s, kModeGlobal) == 0);
-  capture_layers(h, ids, kRows, 1, s);
-  commit(h, slots.get(), 0, s);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slots.get(), s);
   Graph engine_graph = nullptr;
   REQUIRE(driver().end_capture(s, &engine_graph) == 0);
   Exec engine_exec = nullptr;
@@ -231,8 +213,8 @@ TEST_CASE("defect 7: engine graphs holding moecap's nodes keep the capturer aliv
 
   // moecap's own graph, embedded as a child node of an engine graph.
   REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
-  capture_layers(h, ids, kRows, 1, s);
-  commit(h, slots.get(), 0, s);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slots.get(), s);
   moecap_graph* own = nullptr;
   REQUIRE(moecap_graph_end(h, &own) == MOECAP_OK);
   void* native = nullptr;
@@ -246,7 +228,7 @@ TEST_CASE("defect 7: engine graphs holding moecap's nodes keep the capturer aliv
 
   REQUIRE(moecap_graph_destroy(own) == MOECAP_OK);
   REQUIRE(moecap_destroy(h) == MOECAP_OK);
-  forward(ids, kRows, 7, 1);
+  forward(ids, 7, 1);
   REQUIRE(driver().launch(engine_exec, s) == 0);
   REQUIRE(driver().launch(parent_exec, s) == 0);
   REQUIRE(driver().stream_sync(s) == 0);
@@ -282,10 +264,10 @@ void replay_at_every_wait(void* arg) {
 TEST_CASE("defect 8: get_errors(CLEAR) loses no count to replays in between") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
-  Tensor ids = routing_buffer(kRows);
+  Tensor ids = routing_buffer();
   for (int64_t i = 0; i < 3 * kRows * 2; ++i) ids.as<int32_t>()[i] = 99;  // outside [0, num_experts)
   REQUIRE(driver().begin_capture(s, kModeGlobal) == 0);
-  capture_layers(h, ids, kRows, 1, s);  // 3 layers * top_k 2 = 6 invalid ids per replay
+  capture_layers(h, ids.get(), 1, s);  // 3 layers * top_k 2 = 6 invalid ids per replay
   Graph g = nullptr;
   REQUIRE(driver().end_capture(s, &g) == 0);
   Replays r{nullptr, s};
@@ -307,14 +289,14 @@ TEST_CASE("defect 8: get_errors(CLEAR) loses no count to replays in between") {
 TEST_CASE("defect 9: duplicate slots in one commit: the last entry wins, in any kernel schedule") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
-  Tensor ids = routing_buffer(kRows);
-  forward(ids, kRows, 9, 3);
-  capture_layers(h, ids, kRows, 3, s);
+  Tensor ids = routing_buffer();
+  forward(ids, 9, 3);
+  capture_layers(h, ids.get(), 3, s);
   moecap_test::HostTensor host_slots({3}, moecap_test::i64());
   host_slots.fill<int64_t>({5, 6, 5});
-  commit(h, host_slots.get(), 0, s);
+  commit(h, host_slots.get(), s);
   Tensor device_slots = index_tensor({6, 7, 7}, kDLCUDA);
-  commit(h, device_slots.get(), 0, s);
+  commit(h, device_slots.get(), s);
   const auto got = read_rows(h, {5, 6, 7});
   CHECK(row_of(got, 0) == expected_row(9, 2));
   CHECK(row_of(got, 1) == expected_row(9, 0));
@@ -325,10 +307,10 @@ TEST_CASE("defect 9: duplicate slots in one commit: the last entry wins, in any 
 TEST_CASE("defect 10: host waits block instead of spinning") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
-  Tensor ids = routing_buffer(kRows);
-  capture_layers(h, ids, kRows, 1, s);
+  Tensor ids = routing_buffer();
+  capture_layers(h, ids.get(), 1, s);
   moecap_test::HostTensor slot({1}, moecap_test::i64());
-  commit(h, slot.get(), 0, s);
+  commit(h, slot.get(), s);
   const int64_t spins = standin_spin_waits();
   REQUIRE(moecap_synchronize(h) == MOECAP_OK);
   CHECK(standin_spin_waits() == spins);
@@ -339,16 +321,16 @@ TEST_CASE("defect 10: a non-blocking read waits only for the commits that wrote 
   moecap_capturer* h = make_capturer();
   Stream a = new_stream();
   Stream b = new_stream();
-  Tensor ids = routing_buffer(kRows);
-  forward(ids, kRows, 10, 1);
-  capture_layers(h, ids, kRows, 1, a);
+  Tensor ids = routing_buffer();
+  forward(ids, 10, 1);
+  capture_layers(h, ids.get(), 1, a);
   moecap_test::HostTensor done_slot({1}, moecap_test::i64());
   done_slot.set(0, 1);
-  commit(h, done_slot.get(), 0, a);
+  commit(h, done_slot.get(), a);
   standin_run_stream(a);
   moecap_test::HostTensor busy_slot({1}, moecap_test::i64());
   busy_slot.set(0, 2);
-  commit(h, busy_slot.get(), 0, b);  // another request's commit, still in flight
+  commit(h, busy_slot.get(), b);  // another request's commit, still in flight
   CHECK(read_rows(h, {1}, MOECAP_OK, MOECAP_READ_NONBLOCKING) == expected_row(10, 0));
   read_rows(h, {2}, MOECAP_ERROR_NOT_READY, MOECAP_READ_NONBLOCKING);
   CHECK(moecap_destroy(h) == MOECAP_OK);
@@ -358,12 +340,12 @@ TEST_CASE("defect 10: a read into GPU tensors orders on the stream instead of bl
   moecap_capturer* h = make_capturer();
   Stream a = new_stream();
   Stream reader = new_stream();
-  Tensor ids = routing_buffer(kRows);
-  forward(ids, kRows, 11, 1);
-  capture_layers(h, ids, kRows, 1, a);
+  Tensor ids = routing_buffer();
+  forward(ids, 11, 1);
+  capture_layers(h, ids.get(), 1, a);
   moecap_test::HostTensor slot({1}, moecap_test::i64());
   slot.set(0, 3);
-  commit(h, slot.get(), 0, a);
+  commit(h, slot.get(), a);
   const moecap_config c = cuda_config();
   Tensor out({1, c.num_layers, c.top_k}, moecap_test::i64(), kDLCUDA);
   REQUIRE_MESSAGE(moecap_read(h, slot.get(), out.get(), nullptr, 0, reader) == MOECAP_OK, std::string(moecap_last_error()));
@@ -396,7 +378,7 @@ void capture_meanwhile(void* arg) {
     DLTensor view = *m->ids;
     view.ndim = 2;
     view.shape = shape;
-    moecap_capture(m->h, 0, &view, nullptr, m->stream);
+    moecap_capture(m->h, 0, &view, nullptr, m->stream);  // no doctest assertion off the test's thread
     m->done = true;
   });
   for (int i = 0; i < 200 && !m->done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -409,12 +391,12 @@ TEST_CASE("defect 10: a blocking read does not hold the capturer's lock while it
   moecap_capturer* h = make_capturer();
   Stream a = new_stream();
   Stream other = new_stream();
-  Tensor ids = routing_buffer(kRows);
-  forward(ids, kRows, 12, 1);
-  capture_layers(h, ids, kRows, 1, a);
+  Tensor ids = routing_buffer();
+  forward(ids, 12, 1);
+  capture_layers(h, ids.get(), 1, a);
   moecap_test::HostTensor slot({1}, moecap_test::i64());
   slot.set(0, 4);
-  commit(h, slot.get(), 0, a);  // read waits for it
+  commit(h, slot.get(), a);  // read waits for it
   EagerCallMeanwhile m{h, ids.get(), other};
   standin_set_wait_hook(capture_meanwhile, &m);
   CHECK(read_rows(h, {4}) == expected_row(12, 0));

@@ -17,30 +17,15 @@
 #include <vector>
 
 #include "moecap.h"
+#include "tests/support/scenarios.h"
 #include "tests/support/tensors.h"
 
 using namespace moecap_test;
+using namespace moecap_scenarios;
 
 namespace {
 
 #define CUDA_OK(call) REQUIRE_MESSAGE((call) == cudaSuccess, #call)
-
-constexpr int64_t kRows = 8;
-constexpr int64_t kNever = 31;
-
-moecap_config gpu_config() {
-  moecap_config c = small_config();
-  c.device_type = MOECAP_DEVICE_CUDA;
-  return c;
-}
-
-moecap_capturer* make_capturer() {
-  moecap_config c = gpu_config();
-  moecap_capturer* h = nullptr;
-  const moecap_status s = moecap_create(&c, &h);
-  REQUIRE_MESSAGE(s == MOECAP_OK, std::string(moecap_last_error()));
-  return h;
-}
 
 cudaStream_t new_stream() {
   cudaStream_t s = nullptr;
@@ -120,70 +105,15 @@ class Tensor {
   DLTensor t_{};
 };
 
-int32_t expert(int64_t batch, int64_t token, int64_t layer, int64_t k) {
-  return static_cast<int32_t>(route(batch * 1000 + token, layer, k, gpu_config().num_experts));
-}
-
-std::vector<int64_t> expected_row(int64_t batch, int64_t token) {
-  const moecap_config c = gpu_config();
-  std::vector<int64_t> v;
-  for (int32_t l = 0; l < c.num_layers; ++l)
-    for (int32_t k = 0; k < c.top_k; ++k) v.push_back(expert(batch, token, l, k));
-  return v;
-}
-
-// The engine's routing buffer [num_layers, kRows, top_k] int32, filled by the "forward" of `batch`.
-void forward(Tensor& ids, int64_t batch, int64_t n, int32_t value = -1) {
-  const moecap_config c = gpu_config();
-  std::vector<int32_t> v(static_cast<size_t>(c.num_layers * kRows * c.top_k), 0);
-  for (int32_t l = 0; l < c.num_layers; ++l)
-    for (int64_t t = 0; t < n; ++t)
-      for (int32_t k = 0; k < c.top_k; ++k)
-        v[static_cast<size_t>((l * kRows + t) * c.top_k + k)] = value >= 0 ? value : expert(batch, t, l, k);
-  ids.upload(v);
-}
+// The engine's routing buffer, filled by the "forward" of `batch` (every id `value` instead, when given).
+void forward(Tensor& ids, int64_t batch, int64_t n, int32_t value = -1) { ids.upload(forward_values(batch, n, value)); }
 
 Tensor routing_buffer() {
-  const moecap_config c = gpu_config();
+  const moecap_config c = cuda_config();
   return Tensor({c.num_layers, kRows, c.top_k}, i32(), kDLCUDA);
 }
 
-void capture_layers(moecap_capturer* h, Tensor& ids, int64_t n, cudaStream_t s) {
-  const moecap_config c = gpu_config();
-  for (int32_t l = 0; l < c.num_layers; ++l) {
-    int64_t shape[2] = {n, c.top_k};
-    DLTensor view = *ids.get();
-    view.ndim = 2;
-    view.shape = shape;
-    view.byte_offset = static_cast<uint64_t>(l * kRows * c.top_k) * sizeof(int32_t);
-    REQUIRE_MESSAGE(moecap_capture(h, l, &view, nullptr, s) == MOECAP_OK, std::string(moecap_last_error()));
-  }
-}
 
-void commit(moecap_capturer* h, DLTensor* slots, cudaStream_t s) {
-  moecap_commit_args a{};
-  a.struct_size = sizeof a;
-  a.dst_slots = slots;
-  REQUIRE_MESSAGE(moecap_commit(h, &a, s) == MOECAP_OK, std::string(moecap_last_error()));
-}
-
-std::vector<int64_t> read_rows(moecap_capturer* h, std::vector<int64_t> slots, moecap_status expect = MOECAP_OK,
-                               uint32_t flags = 0) {
-  const moecap_config c = gpu_config();
-  const int64_t n = static_cast<int64_t>(slots.size());
-  HostTensor s({n}, i64());
-  for (int64_t i = 0; i < n; ++i) s.set(i, slots[static_cast<size_t>(i)]);
-  HostTensor out({n, c.num_layers, c.top_k}, i64());
-  const moecap_status r = moecap_read(h, s.get(), out.get(), nullptr, flags, nullptr);
-  CHECK_MESSAGE(r == expect, std::string(moecap_last_error()));
-  return std::vector<int64_t>(out.as<int64_t>(), out.as<int64_t>() + out.numel());
-}
-
-std::vector<int64_t> row_of(const std::vector<int64_t>& rows, size_t i) {
-  const moecap_config c = gpu_config();
-  const size_t w = static_cast<size_t>(c.num_layers * c.top_k);
-  return std::vector<int64_t>(rows.begin() + static_cast<long>(i * w), rows.begin() + static_cast<long>((i + 1) * w));
-}
 
 }  // namespace
 
@@ -194,7 +124,7 @@ TEST_CASE("pinned slot lists refilled while a commit waits behind a long forward
   forward(ids, 1, 2);
   Gate gate;
   gate.close(s);
-  capture_layers(h, ids, 2, s);
+  capture_layers(h, ids.get(), 2, s);
   for (DLDeviceType where : {kDLCPU, kDLCUDAHost}) {
     const int64_t first = where == kDLCPU ? 3 : 5, refill = first + 4;
     Tensor slots({2}, i64(), where);
@@ -218,7 +148,7 @@ TEST_CASE("read, synchronize and get_errors while the engine captures on another
   cudaStream_t s = new_stream();
   Tensor ids = routing_buffer();
   forward(ids, 2, 1);
-  capture_layers(h, ids, 1, s);
+  capture_layers(h, ids.get(), 1, s);
   HostTensor slot({1}, i64());
   slot.set(0, 3);
   commit(h, slot.get(), s);
@@ -249,7 +179,7 @@ TEST_CASE("event ring: 20 graphs behind a long forward on one stream, 16 eager c
     slots.push_back(std::make_unique<Tensor>(std::vector<int64_t>{1}, i64(), kDLCUDA));
     slots.back()->upload(std::vector<int64_t>{i});
     REQUIRE(moecap_graph_begin(h, a) == MOECAP_OK);
-    capture_layers(h, ids, 1, a);
+    capture_layers(h, ids.get(), 1, a);
     commit(h, slots.back()->get(), a);
     moecap_graph* g = nullptr;
     REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
@@ -279,12 +209,12 @@ TEST_CASE("a read into GPU tensors, then moecap_write to the same slots") {
   cudaStream_t s = new_stream();
   Tensor ids = routing_buffer();
   forward(ids, 4, 1);
-  capture_layers(h, ids, 1, s);
+  capture_layers(h, ids.get(), 1, s);
   HostTensor slot({1}, i64());
   slot.set(0, 2);
   commit(h, slot.get(), s);
   REQUIRE(moecap_synchronize(h) == MOECAP_OK);
-  const moecap_config c = gpu_config();
+  const moecap_config c = cuda_config();
   Tensor out({1, c.num_layers, c.top_k}, i64(), kDLCUDA);
   Gate gate;
   gate.close(s);
@@ -308,7 +238,7 @@ TEST_CASE("moecap_graph_begin on one thread, moecap_graph_end on another") {
   slots.upload(std::vector<int64_t>{4});
   std::thread([&] {
     REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
-    capture_layers(h, ids, 1, s);
+    capture_layers(h, ids.get(), 1, s);
     commit(h, slots.get(), s);
   }).join();
   moecap_graph* g = nullptr;
@@ -331,14 +261,14 @@ TEST_CASE("an engine graph and a child-graph clone replay after moecap_destroy")
   slots.upload(std::vector<int64_t>{6});
   moecap_capturer* h = make_capturer();
   CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  capture_layers(h, ids, 1, s);
+  capture_layers(h, ids.get(), 1, s);
   commit(h, slots.get(), s);
   cudaGraph_t engine = nullptr;
   CUDA_OK(cudaStreamEndCapture(s, &engine));
   cudaGraphExec_t engine_exec = nullptr;
   CUDA_OK(cudaGraphInstantiate(&engine_exec, engine, 0));
   REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
-  capture_layers(h, ids, 1, s);
+  capture_layers(h, ids.get(), 1, s);
   commit(h, slots.get(), s);
   moecap_graph* own = nullptr;
   REQUIRE(moecap_graph_end(h, &own) == MOECAP_OK);
@@ -370,7 +300,7 @@ TEST_CASE("get_errors(CLEAR) while another thread replays: no count lost") {
   Tensor ids = routing_buffer();
   forward(ids, 0, kRows, 99);  // every id outside [0, num_experts)
   CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  capture_layers(h, ids, 1, s);  // 6 invalid ids per replay
+  capture_layers(h, ids.get(), 1, s);  // 6 invalid ids per replay
   cudaGraph_t g = nullptr;
   CUDA_OK(cudaStreamEndCapture(s, &g));
   cudaGraphExec_t exec = nullptr;
@@ -403,7 +333,7 @@ TEST_CASE("duplicate slots in one commit: the last entry wins") {
   cudaStream_t s = new_stream();
   Tensor ids = routing_buffer();
   forward(ids, 9, 3);
-  capture_layers(h, ids, 3, s);
+  capture_layers(h, ids.get(), 3, s);
   HostTensor host_slots({3}, i64());
   host_slots.fill<int64_t>({5, 6, 5});
   commit(h, host_slots.get(), s);
@@ -423,7 +353,7 @@ TEST_CASE("a non-blocking read waits only for the commits that wrote its slots")
   cudaStream_t a = new_stream(), b = new_stream();
   Tensor ids = routing_buffer();
   forward(ids, 10, 1);
-  capture_layers(h, ids, 1, a);
+  capture_layers(h, ids.get(), 1, a);
   HostTensor done_slot({1}, i64());
   done_slot.set(0, 1);
   commit(h, done_slot.get(), a);
