@@ -93,7 +93,13 @@ struct Kernel {
 };
 
 std::recursive_mutex g_mu;
-std::vector<Stream*> g_streams;  // every stream from cuStreamCreate
+// Every stream from cuStreamCreate; those never destroyed go at exit.
+struct Streams : std::vector<Stream*> {
+  ~Streams() {
+    for (Stream* s : *this) delete s;
+  }
+};
+Streams g_streams;
 std::map<uintptr_t, Alloc> g_allocs;
 std::vector<Capture*> g_captures;  // active captures, any thread
 Stream g_legacy;
