@@ -217,6 +217,19 @@ void commit_on_host(const CommitParams& p) {
   }
 }
 
+void claim_on_host(const CommitParams& p) {
+  for (int64_t j = 0; j < p.count; ++j) claim_slot(p, j);
+}
+
+void release_on_host(const CommitParams& p) {
+  for (int64_t j = 0; j < p.count; ++j) release_claim(p, j);
+}
+
+void take_errors_on_host(const TakeErrorsParams& p) {
+  take_error(&p.errors->skipped_rows, &p.out->skipped_rows);
+  take_error(&p.errors->invalid_ids, &p.out->invalid_ids);
+}
+
 void gather_on_host(const GatherParams& p) {
   const int64_t row = p.row_elements;
   const int64_t id_bytes = elem_bytes(p.stored_id_elem);
