@@ -19,7 +19,7 @@
 #include "graphs/kernel_ops.h"
 #include "graphs/kernel_params.h"
 
-namespace {
+namespace standin_impl {
 
 using CUresult = int;
 constexpr CUresult kOk = 0, kInvalidValue = 1, kOutOfMemory = 2, kInvalidHandle = 400, kIllegalState = 401,
@@ -704,7 +704,9 @@ const Entry kEntries[] = {
     ENTRY(cuUserObjectRelease), ENTRY(cuGraphRetainUserObject), ENTRY(cuGraphReleaseUserObject),
 };
 
-}  // namespace
+}  // namespace standin_impl
+
+using namespace standin_impl;
 
 extern "C" {
 
@@ -738,6 +740,20 @@ __attribute__((visibility("default"))) int cuGetProcAddress_v2(const char* name,
 __attribute__((visibility("default"))) int cuGetProcAddress(const char* name, void** pfn, int v, uint64_t f) {
   return cuGetProcAddress_v2(name, pfn, v, f, nullptr);
 }
+
+// What an engine that dlsym()s libcuda itself (examples/engine_sim) finds.
+#define STANDIN_EXPORT(name, impl, params, args) \
+  __attribute__((visibility("default"))) int name params { return standin_impl::impl args; }
+STANDIN_EXPORT(cuDeviceGet, cuDeviceGet, (int* d, int ordinal), (d, ordinal))
+STANDIN_EXPORT(cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain, (void** ctx, int d), (ctx, d))
+STANDIN_EXPORT(cuMemAlloc_v2, cuMemAlloc, (unsigned long long* p, size_t n), (p, n))
+STANDIN_EXPORT(cuMemFree_v2, cuMemFree, (unsigned long long p), (p))
+STANDIN_EXPORT(cuMemcpyHtoDAsync_v2, cuMemcpyHtoDAsync, (unsigned long long d, const void* s, size_t n, void* st),
+               (d, s, n, st))
+STANDIN_EXPORT(cuStreamCreate, cuStreamCreate, (void** s, unsigned f), (s, f))
+STANDIN_EXPORT(cuStreamSynchronize, cuStreamSynchronize, (void* s), (s))
+// One context: making it current changes nothing.
+__attribute__((visibility("default"))) int cuCtxSetCurrent(void*) { return 0; }
 
 // Tests reach the driver directly too, as an engine would (its own streams,
 // pinned buffers, captures and graphs).
