@@ -231,18 +231,24 @@ void run_gather(const void* p) { gather_on_host(*static_cast<const GatherParams*
 void run_claim(const void* p) { claim_on_host(*static_cast<const CommitParams*>(p)); }
 void run_release(const void* p) { release_on_host(*static_cast<const CommitParams*>(p)); }
 void run_take_errors(const void* p) { take_errors_on_host(*static_cast<const TakeErrorsParams*>(p)); }
-// One warp per row on the GPU, rows in any order: here the last row first.
+// One warp per row on the GPU, rows in any order: here the last row first,
+// each through the host twin as a one-row commit. A row whose slot another
+// entry claimed (CommitParams::claims) is the kernel's to skip.
 void run_commit(const void* v) {
   const CommitParams& p = *static_cast<const CommitParams*>(v);
   for (int64_t j = p.count - 1; j >= 0; --j) {
-    int64_t src = 0, slot = 0;
-    if (!commit_target(p, j, &src, &slot)) continue;
-    std::memcpy(p.dst_ids + slot * p.id_row_bytes, p.src_ids + src * p.id_row_bytes,
-                static_cast<size_t>(p.id_row_bytes));
-    if (p.weight_row_bytes > 0) {
-      std::memcpy(p.dst_weights + slot * p.weight_row_bytes, p.src_weights + src * p.weight_row_bytes,
-                  static_cast<size_t>(p.weight_row_bytes));
+    const int64_t slot = load_int(p.dst_slots, p.dst_slots_elem, j);
+    if (p.claims != nullptr && slot >= 0 && slot < p.host_slots && p.claims[slot] != j + 1) continue;
+    CommitParams row = p;
+    row.count = 1;
+    row.claims = nullptr;
+    row.dst_slots = static_cast<const uint8_t*>(p.dst_slots) + j * elem_bytes(p.dst_slots_elem);
+    if (p.src_rows != nullptr) {
+      row.src_rows = static_cast<const uint8_t*>(p.src_rows) + j * elem_bytes(p.src_rows_elem);
+    } else {
+      row.src_start = p.src_start + j;
     }
+    commit_on_host(row);
   }
 }
 
