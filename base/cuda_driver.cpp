@@ -120,7 +120,7 @@ void check_module_load(const Driver& d, CUresult r) {
   if (r == kErrorNoBinaryForGpu) {
     fail_with(d, r, MOECAP_ERROR_NO_DEVICE, what, "; moecap's kernels have no code for this GPU (built for "
 #if defined(MOECAP_CUDA_ARCHS)
-              "sm_" MOECAP_CUDA_ARCHS
+              MOECAP_CUDA_ARCHS
 #else
               "other architectures"
 #endif
