@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -92,31 +93,23 @@ struct Kernel {
   std::vector<const void*> (*pointers)(const void* params);
 };
 
-std::recursive_mutex g_mu;
-// Every stream from cuStreamCreate; those never destroyed go at exit.
-struct Streams : std::vector<Stream*> {
-  ~Streams() {
-    for (Stream* s : *this) delete s;
-  }
-};
-Streams g_streams;
-std::map<uintptr_t, Alloc> g_allocs;
-std::vector<Capture*> g_captures;  // active captures, any thread
-Stream g_legacy;
+// The driver's state lives as long as the process, as a real driver's does:
+// calls that come late (a capturer released on another thread while the
+// process exits) find it intact. Never freed; reachable, so not a leak.
+std::recursive_mutex& g_mu = *new std::recursive_mutex;
+std::vector<Stream*>& g_streams = *new std::vector<Stream*>;  // every stream from cuStreamCreate
+std::map<uintptr_t, Alloc>& g_allocs = *new std::map<uintptr_t, Alloc>;
+std::vector<Capture*>& g_captures = *new std::vector<Capture*>;  // active captures, any thread
+Stream& g_legacy = *new Stream;
 int64_t g_violations = 0;
-std::string g_first_violation;
+std::string& g_first_violation = *new std::string;
 int64_t g_spin_waits = 0;
 std::atomic<void (*)(void*)> g_wait_hook{nullptr};
 std::atomic<void*> g_wait_hook_arg{nullptr};
 int64_t g_live_user_objects = 0;
-// Destructor threads the driver started; joined by standin_drain_callbacks, or at exit.
-struct CallbackThreads : std::vector<std::thread> {
-  ~CallbackThreads() {
-    for (std::thread& t : *this)
-      if (t.joinable()) t.join();
-  }
-};
-CallbackThreads g_callback_threads;
+// User-object destructors running on their own (detached) threads.
+int64_t g_running_callbacks = 0;
+std::condition_variable_any& g_callbacks_done = *new std::condition_variable_any;
 thread_local int t_capture_mode = kModeGlobal;
 thread_local bool t_in_callback = false;
 thread_local std::vector<void*> t_contexts;
@@ -286,11 +279,15 @@ void release_user_object(UserObject* u, int64_t count) {
   if (u->refs > 0) return;
   --g_live_user_objects;
   // CUDA runs destructors on an internal thread, where no driver call is allowed.
-  g_callback_threads.emplace_back([u] {
+  ++g_running_callbacks;
+  std::thread([u] {
     t_in_callback = true;
     u->destroy(u->ptr);
     delete u;
-  });
+    std::lock_guard<std::recursive_mutex> lock(g_mu);
+    --g_running_callbacks;
+    g_callbacks_done.notify_all();
+  }).detach();
 }
 
 void retain_all(const std::map<UserObject*, int64_t>& refs) {
@@ -805,12 +802,8 @@ __attribute__((visibility("default"))) int64_t standin_spin_waits(void) {
   return g_spin_waits;
 }
 __attribute__((visibility("default"))) void standin_drain_callbacks(void) {
-  std::vector<std::thread> threads;
-  {
-    std::lock_guard<std::recursive_mutex> lock(g_mu);
-    threads.swap(g_callback_threads);
-  }
-  for (std::thread& t : threads) t.join();
+  std::unique_lock<std::recursive_mutex> lock(g_mu);
+  g_callbacks_done.wait(lock, [] { return g_running_callbacks == 0; });
 }
 __attribute__((visibility("default"))) int64_t standin_live_user_objects(void) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
