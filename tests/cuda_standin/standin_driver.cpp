@@ -230,8 +230,9 @@ void run_take_errors(const void* p) { take_errors_on_host(*static_cast<const Tak
 void run_commit(const void* v) {
   const CommitParams& p = *static_cast<const CommitParams*>(v);
   for (int64_t j = p.count - 1; j >= 0; --j) {
-    const int64_t slot = load_int(p.dst_slots, p.dst_slots_elem, j);
-    if (p.claims != nullptr && slot >= 0 && slot < p.host_slots && p.claims[slot] != j + 1) continue;
+    int64_t src = 0, slot = 0;
+    commit_source(p, j, &src, &slot);
+    if (p.claims != nullptr && commit_in_range(p, src, slot) && p.claims[slot] != j + 1) continue;
     CommitParams row = p;
     row.count = 1;
     row.claims = nullptr;
@@ -251,11 +252,11 @@ std::vector<const void*> capture_pointers(const void* v) {
 }
 std::vector<const void*> commit_pointers(const void* v) {
   const auto& p = *static_cast<const CommitParams*>(v);
-  return {p.src_ids, p.src_weights, p.dst_ids, p.dst_weights, p.src_rows, p.dst_slots, p.errors, p.claims};
+  return {p.src_ids, p.src_weights, p.dst_ids, p.dst_weights, p.dst_states, p.src_rows, p.dst_slots, p.errors, p.claims};
 }
 std::vector<const void*> gather_pointers(const void* v) {
   const auto& p = *static_cast<const GatherParams*>(v);
-  return {p.src_ids, p.src_weights, p.slots, p.dst_ids, p.dst_weights};
+  return {p.src_ids, p.src_weights, p.states, p.slots, p.dst_ids, p.dst_weights};
 }
 
 std::vector<const void*> take_errors_pointers(const void* v) {
