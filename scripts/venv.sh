@@ -19,6 +19,7 @@ requirements=$root/python/requirements-dev.txt
 
 base_path=$(command -v "$base") || { echo "venv: no $base on PATH (set MOECAP_VENV_PYTHON)" >&2; exit 1; }
 base_id=$("$base_path" -c 'import sys, sysconfig; print(sys.executable, sys.version.split()[0], sysconfig.get_paths()["include"])')
+base_exe=${base_id%% *}  # the interpreter itself, not a pyenv shim
 include=${base_id##* }
 if [ ! -f "$include/Python.h" ]; then
   echo "venv: $base_path has no C headers ($include/Python.h); install its -dev package or set MOECAP_VENV_PYTHON" >&2
@@ -29,10 +30,10 @@ if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.moecap-stamp" 2>/dev/null)" = "
   echo "$venv/bin/python"
   exit 0
 fi
-echo "venv: creating $venv from $base_path (first run downloads torch and its CUDA libraries, a few GB)" >&2
+echo "venv: creating $venv from $base_exe (first run downloads torch and its CUDA libraries, a few GB)" >&2
 rm -rf "$venv"
 mkdir -p "$(dirname "$venv")"
-"$base_path" -m venv "$venv"
+"$base_exe" -m venv "$venv"
 "$venv/bin/python" -m pip install -q -r "$requirements" >&2
 echo "$stamp" > "$venv/.moecap-stamp"
 echo "$venv/bin/python"

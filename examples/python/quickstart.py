@@ -2,7 +2,8 @@
 tokens to their KV slots, read a finished request back, and look at the host
 cache zero-copy through NumPy and PyTorch.
 
-    MOECAP_LIBRARY=build/libmoecap.so PYTHONPATH=abi/python python3 examples/python/quickstart.py
+    pip install .                      # once: the wheel (libmoecap.so.1 + the extension)
+    python examples/python/quickstart.py
 """
 import numpy as np
 import torch

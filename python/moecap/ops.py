@@ -34,13 +34,19 @@ def _capturer(capturer_id: int):
     return cap
 
 
+#: How often _mirror had to copy a buffer (0 under Inductor, which re-inplaces).
+mirror_copies = 0
+
+
 def _mirror(declared: Optional[torch.Tensor], actual: Optional[torch.Tensor]) -> None:
     # A backend that functionalizes without re-inplacing hands the op a clone
     # of the buffer it declared and copies that clone back afterwards. The C
     # call wrote the capturer's real memory, so the clone must carry the same
     # contents or the copy-back would undo it. Inductor re-inplaces: no copy.
+    global mirror_copies
     if declared is not None and actual is not None and declared.data_ptr() != actual.data_ptr():
         declared.copy_(actual)
+        mirror_copies += 1
 
 
 @torch.library.custom_op("moecap::capture", mutates_args=("device_ids", "device_weights"))

@@ -26,6 +26,14 @@ struct Borrowed {
   int64_t strides[kMaxDims]{};
   nb::object keep;
   nb::ndarray<nb::ro> array;  // the nanobind import holding the producer's capsule
+  Py_buffer buffer{};         // the buffer-protocol view, released with this
+  bool has_buffer = false;
+
+  Borrowed() = default;
+  Borrowed(const Borrowed&) = delete;
+  Borrowed& operator=(const Borrowed&) = delete;
+  ~Borrowed() { release_buffer(); }  // with the GIL held, as every caller destroys it
+  void release_buffer();
 
   const DLTensor* get() const { return &dl; }
   DLTensor* get_mut() { return &dl; }
@@ -45,6 +53,10 @@ const DLTensor* borrow_optional(nb::handle obj, const char* name, bool writable,
 // or None: NULL for the host backend, torch's current stream on the
 // capturer's GPU for the CUDA backend (never silently the legacy stream).
 void* resolve_stream(nb::handle stream, int32_t device_type, int32_t device_id);
+
+// Test hook: turn the DLPack C exchange API and PyTorch attribute paths off
+// to exercise the slower ones.
+void set_fast_paths(bool exchange_api, bool torch_attributes);
 
 // Wraps a DLManagedTensorVersioned from moecap_export (ownership moves in).
 nb::object make_dlpack_view(DLManagedTensorVersioned* managed);

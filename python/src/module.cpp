@@ -6,6 +6,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,18 @@ class Capturer {
     void* s = resolve_stream(stream, device_type_, device_id_);
     check(moecap_capture(live(), layer, ids.get(), w, s));
     keep_alive(recording(), ids, weights);
+  }
+
+  // The C call's own time, for bench/python_bench.py: borrow once, call
+  // moecap_capture `iterations` times; seconds per call.
+  double time_capture(int32_t layer, nb::handle topk_ids, int64_t iterations) {
+    Borrowed ids;
+    borrow(topk_ids, "topk_ids", false, ids);
+    moecap_capturer* h = live();
+    auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < iterations; ++i) check(moecap_capture(h, layer, ids.get(), nullptr, nullptr));
+    std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+    return elapsed.count() / static_cast<double>(iterations);
   }
 
   void commit(nb::handle dst_slots, int64_t src_start, nb::handle src_rows, nb::handle stream) {
@@ -280,6 +293,8 @@ NB_MODULE(_moecap, m) {
         return b.shape[0];
       },
       "Length of the first dimension of any tensor (DLPack producers need not have len()).");
+  m.def("_fast_paths", &set_fast_paths, nb::arg("exchange_api"), nb::arg("torch_attributes"),
+        "Test hook: which tensor-description fast paths borrow() tries.");
   bind_config(m);
   bind_dlpack_view(m);
 
@@ -293,6 +308,8 @@ NB_MODULE(_moecap, m) {
       .def("capture", &Capturer::capture, nb::arg("layer"), nb::arg("topk_ids"),
            nb::arg("topk_weights") = nb::none(), nb::arg("stream") = nb::none(),
            "One layer's [n, top_k(+extra)] ids (and weights) into device rows [0, n).")
+      .def("_time_capture", &Capturer::time_capture, nb::arg("layer"), nb::arg("topk_ids"), nb::arg("iterations"),
+           "Seconds per moecap_capture call with the borrowing done once (the C call's own cost).")
       .def("commit", &Capturer::commit, nb::arg("dst_slots"), nb::arg("src_start") = 0,
            nb::arg("src_rows") = nb::none(), nb::arg("stream") = nb::none(),
            "Device rows (src_start.. or src_rows) to host-cache slots; slot -1 drops the row.")
