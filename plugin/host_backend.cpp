@@ -5,9 +5,9 @@
 #include <cstring>
 #include <new>
 
-#include "backend.h"
-#include "host_graph.h"
-#include "status.h"
+#include "base/status.h"
+#include "graphs/host_graph.h"
+#include "plugin/backend.h"
 
 namespace moecap {
 namespace {
@@ -23,26 +23,26 @@ class HostBackend final : public Backend {
   void free_host(void* ptr) override { std::free(ptr); }
   void* device_address_of_host(void* host) override { return host; }
 
-  void capture(const CaptureParams& p, void*) override {
-    run([p] { capture_on_host(p); });
+  void capture(const CaptureParams& p, EngineStream) override {
+    graphs_.run([p] { capture_on_host(p); });
   }
-  void commit(const CommitParams& p, CommitPlacement, void*) override {
-    run([p] { commit_on_host(p); });
+  void commit(const CommitParams& p, CommitPlacement, EngineStream) override {
+    graphs_.run([p] { commit_on_host(p); });
   }
-  void gather(const GatherParams& p, void*) override { gather_on_host(p); }
-  void zero_device(void* ptr, size_t bytes, void*) override {
-    run([ptr, bytes] { std::memset(ptr, 0, bytes); });
+  void gather(const GatherParams& p, EngineStream) override { gather_on_host(p); }
+  void zero_device(void* ptr, size_t bytes, EngineStream) override {
+    graphs_.run([ptr, bytes] { std::memset(ptr, 0, bytes); });
   }
 
   bool commits_done(bool) override { return true; }
   void copy_device_to_host(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy_host_to_device(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
 
-  void wait_stream(void*) override {}
-  bool stream_capturing(void*) override { return false; }
+  void wait_stream(EngineStream) override {}
+  bool stream_capturing(EngineStream) override { return false; }
 
-  void begin_graph(void*) override { recording_ = std::make_unique<HostGraph>(); }
-  std::unique_ptr<BackendGraph> end_graph() override { return std::move(recording_); }
+  void begin_graph(EngineStream) override { graphs_.begin(); }
+  std::unique_ptr<BackendGraph> end_graph() override { return graphs_.end(); }
 
  private:
   // 64-byte aligned (a cache line; what JAX and XLA need to take a DLPack view
@@ -56,16 +56,7 @@ class HostBackend final : public Backend {
     return p;
   }
 
-  template <class Op>
-  void run(Op op) {
-    if (recording_) {
-      recording_->record(op);
-    } else {
-      op();
-    }
-  }
-
-  std::unique_ptr<HostGraph> recording_;
+  HostGraphRecorder graphs_;
 };
 
 }  // namespace

@@ -1,0 +1,46 @@
+#include "graphs/cuda_graph.h"
+
+#include <utility>
+
+#include "base/cuda_owners.h"
+#include "base/status.h"
+
+namespace moecap::cuda {
+namespace {
+
+class CudaGraph final : public BackendGraph {
+ public:
+  CudaGraph(const Driver& d, CUcontext ctx, UniqueGraph graph, UniqueGraphExec exec)
+      : d_(d), ctx_(ctx), graph_(std::move(graph)), exec_(std::move(exec)) {}
+  void launch(EngineStream stream) override {
+    if (stream.is_legacy_default()) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "stream is NULL (the legacy default stream)");
+    }
+    ContextScope scope(d_, ctx_);
+    check(d_, d_.cuGraphLaunch(exec_.get(), cu_stream(stream)), "cuGraphLaunch");
+  }
+  void* native() override { return graph_.get(); }
+
+ private:
+  const Driver& d_;
+  CUcontext ctx_;
+  UniqueGraph graph_;     // declared first: the exec made from it goes first
+  UniqueGraphExec exec_;
+};
+
+}  // namespace
+
+void begin_graph(const Driver& d, CUstream stream) {
+  check(d, d.cuStreamBeginCapture(stream, kCaptureModeThreadLocal), "cuStreamBeginCapture");
+}
+
+std::unique_ptr<BackendGraph> end_graph(const Driver& d, CUcontext ctx, CUstream stream) {
+  CUgraph captured = nullptr;
+  check(d, d.cuStreamEndCapture(stream, &captured), "cuStreamEndCapture");
+  UniqueGraph graph(d, ctx, captured);
+  CUgraphExec exec = nullptr;
+  check(d, d.cuGraphInstantiateWithFlags(&exec, graph.get(), 0), "cuGraphInstantiateWithFlags");
+  return std::make_unique<CudaGraph>(d, ctx, std::move(graph), UniqueGraphExec(d, ctx, exec));
+}
+
+}  // namespace moecap::cuda
