@@ -5,6 +5,8 @@ import enum
 class Status(enum.IntEnum):
     """moecap_status (abi/moecap.h)."""
 
+    __module__ = "moecap"
+
     OK = 0
     INVALID_ARGUMENT = 1
     OUT_OF_RANGE = 2
@@ -24,6 +26,8 @@ class Status(enum.IntEnum):
 
 class MoecapError(RuntimeError):
     """A moecap call failed: ``status`` is the Status, the message says which argument and what limit."""
+
+    __module__ = "moecap"
 
     def __init__(self, status: int, message: str):
         try:

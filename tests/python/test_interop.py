@@ -177,6 +177,8 @@ def test_errors_raise_with_the_message():
             ro = np.zeros((1, 3, 2), dtype=np.int32)
             ro.flags.writeable = False
             cap.read(np.array([0]), out=ro)
+        with pytest.raises(TypeError, match="argument 'stream' must be None, an int"):
+            cap.capture(0, np.zeros((1, 2), dtype=np.int32), stream="the default one")
     with pytest.raises(moecap.MoecapError) as e:
         moecap.Capturer(**dict(CONFIG, top_k=0))
     assert "top_k" in str(e.value)
