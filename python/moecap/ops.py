@@ -49,15 +49,20 @@ def _mirror(declared: Optional[torch.Tensor], actual: Optional[torch.Tensor]) ->
         mirror_copies += 1
 
 
+def _call(capturer: int, call, buffers: str, declared_ids: torch.Tensor, declared_weights: Optional[torch.Tensor]):
+    """call(the capturer), then mirror its `buffers` ("device" or "host") into the declared mutated arguments."""
+    cap = _capturer(capturer)
+    call(cap)
+    ops = cap.ops
+    _mirror(declared_ids, getattr(ops, buffers + "_ids"))
+    _mirror(declared_weights, getattr(ops, buffers + "_weights"))
+
+
 @torch.library.custom_op("moecap::capture", mutates_args=("device_ids", "device_weights"))
 def capture(device_ids: torch.Tensor, device_weights: Optional[torch.Tensor], capturer: int, layer: int,
             topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> None:
     """Capturer.capture on torch's current stream; device_ids/device_weights are the capturer's buffers."""
-    cap = _capturer(capturer)
-    cap.capture(layer, topk_ids, topk_weights)
-    ops = cap.ops
-    _mirror(device_ids, ops.device_ids)
-    _mirror(device_weights, ops.device_weights)
+    _call(capturer, lambda cap: cap.capture(layer, topk_ids, topk_weights), "device", device_ids, device_weights)
 
 
 @capture.register_fake
@@ -69,11 +74,7 @@ def _(device_ids, device_weights, capturer, layer, topk_ids, topk_weights):
 def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], device_ids: torch.Tensor, capturer: int,
            dst_slots: torch.Tensor, src_start: int, src_rows: Optional[torch.Tensor]) -> None:
     """Capturer.commit on torch's current stream; host_ids/host_weights are the capturer's host cache."""
-    cap = _capturer(capturer)
-    cap.commit(dst_slots, src_start, src_rows)
-    ops = cap.ops
-    _mirror(host_ids, ops.host_ids)
-    _mirror(host_weights, ops.host_weights)
+    _call(capturer, lambda cap: cap.commit(dst_slots, src_start, src_rows), "host", host_ids, host_weights)
 
 
 @commit.register_fake
