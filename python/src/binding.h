@@ -28,6 +28,7 @@ struct Borrowed {
   nb::ndarray<nb::ro> array;  // the nanobind import holding the producer's capsule
   Py_buffer buffer{};         // the buffer-protocol view, released with this
   bool has_buffer = false;
+  const void* producer_api = nullptr;  // the producer's DLPack exchange API, if it came through one
 
   Borrowed() = default;
   Borrowed(const Borrowed&) = delete;
@@ -50,9 +51,11 @@ void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out);
 const DLTensor* borrow_optional(nb::handle obj, const char* name, bool writable, Borrowed& out);
 
 // The CUstream for a call: an int, an object with .cuda_stream (torch, CuPy),
-// or None: NULL for the host backend, torch's current stream on the
-// capturer's GPU for the CUDA backend (never silently the legacy stream).
-void* resolve_stream(nb::handle stream, int32_t device_type, int32_t device_id);
+// or None: NULL for the host backend; for the CUDA backend the current stream
+// of the producer of `tensor` (through its DLPack exchange API), else
+// torch's current stream on the capturer's GPU; never silently the legacy
+// stream.
+void* resolve_stream(nb::handle stream, int32_t device_type, int32_t device_id, const Borrowed* tensor = nullptr);
 
 // Test hook: turn the DLPack C exchange API and PyTorch attribute paths off
 // to exercise the slower ones.

@@ -249,7 +249,10 @@ void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out) {
   PyTypeObject* type = Py_TYPE(obj.ptr());
   if (use_exchange_api) {
     const ExchangeApi* api = exchange_api(type);
-    if (api != nullptr && borrow_exchange(api, obj, name, out)) return;
+    if (api != nullptr && borrow_exchange(api, obj, name, out)) {
+      out.producer_api = api;
+      return;
+    }
   }
   if (use_torch_attributes && torch_ready() && PyObject_TypeCheck(obj.ptr(), torch_types.tensor)) {
     borrow_torch_attributes(obj, name, out);
@@ -277,12 +280,14 @@ const DLTensor* borrow_optional(nb::handle obj, const char* name, bool writable,
   return out.get();
 }
 
-void* resolve_stream(nb::handle stream, int32_t device_type, int32_t device_id) {
+void* resolve_stream(nb::handle stream, int32_t device_type, int32_t device_id, const Borrowed* tensor) {
   if (stream.is_none()) {
     if (device_type != MOECAP_DEVICE_CUDA) return nullptr;  // the host backend has no streams
-    if (torch_ready() && torch_types.api != nullptr && torch_types.api->current_work_stream != nullptr) {
+    const ExchangeApi* api = tensor != nullptr ? static_cast<const ExchangeApi*>(tensor->producer_api) : nullptr;
+    if (api == nullptr && torch_ready()) api = torch_types.api;
+    if (api != nullptr && api->current_work_stream != nullptr) {
       void* current = nullptr;
-      if (torch_types.api->current_work_stream(kDLCUDA, device_id, &current) != 0) throw nb::python_error();
+      if (api->current_work_stream(kDLCUDA, device_id, &current) != 0) throw nb::python_error();
       return current;
     }
     if (torch_ready() && torch_types.raw_stream != nullptr) {

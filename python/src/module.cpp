@@ -85,7 +85,7 @@ class Capturer {
     Borrowed ids, weights;
     borrow(topk_ids, "topk_ids", false, ids);
     const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights);
-    void* s = resolve_stream(stream, device_type_, device_id_);
+    void* s = resolve_stream(stream, device_type_, device_id_, &ids);
     check(moecap_capture(live(), layer, ids.get(), w, s));
     keep_alive(recording(), ids, weights);
   }
@@ -107,7 +107,7 @@ class Capturer {
     borrow(dst_slots, "dst_slots", false, slots);
     moecap_commit_args args{sizeof(moecap_commit_args), src_start,
                             borrow_optional(src_rows, "src_rows", false, rows), slots.get()};
-    void* s = resolve_stream(stream, device_type_, device_id_);
+    void* s = resolve_stream(stream, device_type_, device_id_, &slots);
     moecap_capturer* h = live();
     moecap_status status;
     {
@@ -123,7 +123,7 @@ class Capturer {
     borrow(slots, "slots", false, s);
     borrow(out, "out", true, ids);
     DLTensor* w = const_cast<DLTensor*>(borrow_optional(weights_out, "weights_out", true, weights));
-    void* st = resolve_stream(stream, device_type_, device_id_);
+    void* st = resolve_stream(stream, device_type_, device_id_, &ids);
     moecap_capturer* h = live();
     moecap_status status;
     {
@@ -138,7 +138,7 @@ class Capturer {
     borrow(slots, "slots", false, s);
     borrow(ids, "ids", false, i);
     const DLTensor* wp = borrow_optional(weights, "weights", false, w);
-    void* st = resolve_stream(stream, device_type_, device_id_);
+    void* st = resolve_stream(stream, device_type_, device_id_, &i);
     moecap_capturer* h = live();
     moecap_status status;
     {
