@@ -4,7 +4,8 @@
 # checkouts, at ${MOECAP_VENV:-$HOME/.cache/moecap/venv}, with
 # python/requirements-dev.txt from PyPI (torch >= 2.4, NumPy 2, JAX, ...).
 # Reused while the requirements and the base interpreter are what it was made
-# from (a stamp file); rebuilt from scratch otherwise. Prints the venv's
+# from (a stamp file); updated in place when only the requirements changed,
+# rebuilt from scratch when the interpreter did. Prints the venv's
 # python on stdout (everything else goes to stderr). Used by setup.sh.
 #
 # The base interpreter is ${MOECAP_VENV_PYTHON:-python3 on PATH} (pyenv's
@@ -26,14 +27,22 @@ if [ ! -f "$include/Python.h" ]; then
   exit 1
 fi
 stamp="$(sha256sum "$requirements" | cut -d' ' -f1) $base_id"
-if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.moecap-stamp" 2>/dev/null)" = "$stamp" ]; then
+# One creator at a time (several checkouts on one machine share the venv).
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
+current=$(cat "$venv/.moecap-stamp" 2>/dev/null || true)
+if [ -x "$venv/bin/python" ] && [ "$current" = "$stamp" ]; then
   echo "$venv/bin/python"
   exit 0
 fi
-echo "venv: creating $venv from $base_exe (first run downloads torch and its CUDA libraries, a few GB)" >&2
-rm -rf "$venv"
-mkdir -p "$(dirname "$venv")"
-"$base_exe" -m venv "$venv"
+if [ -x "$venv/bin/python" ] && [ "${current#* }" = "$base_id" ]; then
+  echo "venv: $requirements changed: updating $venv" >&2  # same interpreter: install what is new
+else
+  echo "venv: creating $venv from $base_exe (first run downloads torch and its CUDA libraries, a few GB)" >&2
+  rm -rf "$venv"
+  "$base_exe" -m venv "$venv"
+fi
 "$venv/bin/python" -m pip install -q -r "$requirements" >&2
 echo "$stamp" > "$venv/.moecap-stamp"
 echo "$venv/bin/python"
