@@ -5,7 +5,7 @@
 # Python package), and builds moecap into build/. Used by demo.sh and test.sh.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-packages=(cmake g++ make binutils doctest-dev libdlpack-dev libbenchmark-dev)
+packages=(cmake g++ make binutils pkg-config doctest-dev libdlpack-dev libbenchmark-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -17,7 +17,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 # The CUDA toolkit is optional: where nvcc exists the kernels are built and embedded.
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
-python=
-[ "${MOECAP_NO_VENV:-0}" = 1 ] || python=$("$root/scripts/venv.sh")
+python=${MOECAP_PYTHON:-}  # an interpreter of your own (with nanobind, torch >= 2.4, numpy 2, pytest)
+[ -n "$python" ] || [ "${MOECAP_NO_VENV:-0}" = 1 ] || python=$("$root/scripts/venv.sh")
 cmake -S "$root" -B "$root/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOECAP_PYTHON="$python" ${MOECAP_CMAKE_ARGS:-}
 cmake --build "$root/build" -j "${MOECAP_JOBS:-2}"
