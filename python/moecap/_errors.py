@@ -22,6 +22,7 @@ class Status(enum.IntEnum):
     STUB_DRIVER = 12
     DRIVER_TOO_OLD = 13
     CORRUPTION = 14
+    NO_ROUTING = 15
 
 
 class MoecapError(RuntimeError):

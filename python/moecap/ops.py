@@ -1,9 +1,10 @@
 """moecap's step-path calls as torch.library custom ops (torch >= 2.4).
 
-``torch.ops.moecap.capture`` and ``torch.ops.moecap.commit`` have fake
+``torch.ops.moecap.capture``, ``.commit`` and ``.invalidate`` have fake
 implementations (no output, nothing to infer) and declare what they write:
-capture mutates the capturer's device buffers, commit its host cache (and
-reads the device buffer, so the two are never reordered). Dynamo then traces
+capture mutates the capturer's device buffers, commit its host cache and slot
+states (and reads the device buffer, so the two are never reordered),
+invalidate the slot states. Dynamo then traces
 them as single nodes: a model that calls them compiles with
 ``torch.compile(fullgraph=True)`` and records into ``torch.cuda.graph``.
 
@@ -14,6 +15,7 @@ The buffers are the capturer's own memory, exported once as torch tensors
     ops = cap.ops                      # once, outside the compiled region
     ops.capture(layer, topk_ids, topk_weights)
     ops.commit(dst_slots)
+    ops.invalidate(freed_slots)
 """
 from __future__ import annotations
 
@@ -49,20 +51,21 @@ def _mirror(declared: Optional[torch.Tensor], actual: Optional[torch.Tensor]) ->
         mirror_copies += 1
 
 
-def _call(capturer: int, call, buffers: str, declared_ids: torch.Tensor, declared_weights: Optional[torch.Tensor]):
-    """call(the capturer), then mirror its `buffers` ("device" or "host") into the declared mutated arguments."""
+def _call(capturer: int, call, **declared: Optional[torch.Tensor]) -> None:
+    """call(the capturer), then mirror its buffers into the declared mutated arguments (by name)."""
     cap = _capturer(capturer)
     call(cap)
     ops = cap.ops
-    _mirror(declared_ids, getattr(ops, buffers + "_ids"))
-    _mirror(declared_weights, getattr(ops, buffers + "_weights"))
+    for name, tensor in declared.items():
+        _mirror(tensor, getattr(ops, name))
 
 
 @torch.library.custom_op("moecap::capture", mutates_args=("device_ids", "device_weights"))
 def capture(device_ids: torch.Tensor, device_weights: Optional[torch.Tensor], capturer: int, layer: int,
             topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> None:
     """Capturer.capture on torch's current stream; device_ids/device_weights are the capturer's buffers."""
-    _call(capturer, lambda cap: cap.capture(layer, topk_ids, topk_weights), "device", device_ids, device_weights)
+    _call(capturer, lambda cap: cap.capture(layer, topk_ids, topk_weights), device_ids=device_ids,
+          device_weights=device_weights)
 
 
 @capture.register_fake
@@ -70,15 +73,28 @@ def _(device_ids, device_weights, capturer, layer, topk_ids, topk_weights):
     return None
 
 
-@torch.library.custom_op("moecap::commit", mutates_args=("host_ids", "host_weights"))
-def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], device_ids: torch.Tensor, capturer: int,
-           dst_slots: torch.Tensor, src_start: int, src_rows: Optional[torch.Tensor]) -> None:
-    """Capturer.commit on torch's current stream; host_ids/host_weights are the capturer's host cache."""
-    _call(capturer, lambda cap: cap.commit(dst_slots, src_start, src_rows), "host", host_ids, host_weights)
+@torch.library.custom_op("moecap::commit", mutates_args=("host_ids", "host_weights", "host_states"))
+def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], host_states: torch.Tensor,
+           device_ids: torch.Tensor, capturer: int, dst_slots: torch.Tensor, src_start: int,
+           src_rows: Optional[torch.Tensor]) -> None:
+    """Capturer.commit on torch's current stream; host_* are the capturer's host cache and slot states."""
+    _call(capturer, lambda cap: cap.commit(dst_slots, src_start, src_rows), host_ids=host_ids,
+          host_weights=host_weights, host_states=host_states)
 
 
 @commit.register_fake
-def _(host_ids, host_weights, device_ids, capturer, dst_slots, src_start, src_rows):
+def _(host_ids, host_weights, host_states, device_ids, capturer, dst_slots, src_start, src_rows):
+    return None
+
+
+@torch.library.custom_op("moecap::invalidate", mutates_args=("host_states",))
+def invalidate(host_states: torch.Tensor, capturer: int, slots: torch.Tensor) -> None:
+    """Capturer.invalidate on torch's current stream: the slots read -1 until committed again."""
+    _call(capturer, lambda cap: cap.invalidate(slots), host_states=host_states)
+
+
+@invalidate.register_fake
+def _(host_states, capturer, slots):
     return None
 
 
@@ -91,6 +107,7 @@ class CapturerOps:
         self._capturer = cap  # the registry holds capturers weakly; these ops keep theirs alive
         self.device_ids = torch.from_dlpack(cap.export("device_ids"))
         self.host_ids = torch.from_dlpack(cap.export("host_ids"))
+        self.host_states = torch.from_dlpack(cap.export("host_states"))
         weights = cap.plan["weight_bytes"] > 0
         self.device_weights = torch.from_dlpack(cap.export("device_weights")) if weights else None
         self.host_weights = torch.from_dlpack(cap.export("host_weights")) if weights else None
@@ -99,8 +116,11 @@ class CapturerOps:
         torch.ops.moecap.capture(self.device_ids, self.device_weights, self.id, layer, topk_ids, topk_weights)
 
     def commit(self, dst_slots: torch.Tensor, src_start: int = 0, src_rows: Optional[torch.Tensor] = None) -> None:
-        torch.ops.moecap.commit(self.host_ids, self.host_weights, self.device_ids, self.id, dst_slots, src_start,
-                                src_rows)
+        torch.ops.moecap.commit(self.host_ids, self.host_weights, self.host_states, self.device_ids, self.id,
+                                dst_slots, src_start, src_rows)
+
+    def invalidate(self, slots: torch.Tensor) -> None:
+        torch.ops.moecap.invalidate(self.host_states, self.id, slots)
 
 
-__all__ = ["BUFFERS", "CapturerOps", "capture", "commit"]
+__all__ = ["BUFFERS", "CapturerOps", "capture", "commit", "invalidate"]

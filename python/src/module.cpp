@@ -29,6 +29,8 @@ nb::dict plan_dict(const moecap_plan_info& p) {
   d["weight_bytes"] = p.weight_bytes;
   d["device_bytes"] = p.device_bytes;
   d["host_bytes"] = p.host_bytes;
+  d["device_id_dtype"] = p.device_id_dtype;
+  d["device_id_bytes"] = p.device_id_bytes;
   return d;
 }
 
@@ -118,7 +120,8 @@ class Capturer {
     keep_alive(recording(), slots, rows);
   }
 
-  void read_into(nb::handle slots, nb::handle out, nb::handle weights_out, bool nonblocking, nb::handle stream) {
+  void read_into(nb::handle slots, nb::handle out, nb::handle weights_out, bool nonblocking, bool strict,
+                 nb::handle stream) {
     Borrowed s, ids, weights;
     borrow(slots, "slots", false, s);
     borrow(out, "out", true, ids);
@@ -128,7 +131,8 @@ class Capturer {
     moecap_status status;
     {
       nb::gil_scoped_release unlocked;
-      status = moecap_read(h, s.get(), ids.get_mut(), w, nonblocking ? MOECAP_READ_NONBLOCKING : 0u, st);
+      const uint32_t flags = (nonblocking ? MOECAP_READ_NONBLOCKING : 0u) | (strict ? MOECAP_READ_STRICT : 0u);
+      status = moecap_read(h, s.get(), ids.get_mut(), w, flags, st);
     }
     check(status);
   }
@@ -146,6 +150,14 @@ class Capturer {
       status = moecap_write(h, s.get(), i.get(), wp, st);
     }
     check(status);
+  }
+
+  void invalidate(nb::handle slots, nb::handle stream) {
+    Borrowed s;
+    borrow(slots, "slots", false, s);
+    void* st = resolve_stream(stream, device_type_, device_id_, &s);
+    check(moecap_invalidate(live(), s.get(), st));
+    keep_alive(recording(), s, Borrowed{});
   }
 
   void synchronize() {
@@ -242,10 +254,7 @@ void bind_config(nb::module_& m) {
            [](moecap_config* c) {
              new (c) moecap_config{};
              c->struct_size = sizeof(moecap_config);
-             c->abi_version = MOECAP_ABI_VERSION;
-             c->dp_size = 1;
-             c->verify_tokens = 1;
-             c->device_type = MOECAP_DEVICE_HOST;
+             check(moecap_config_init(c));  // the library's defaults (dp_size 1, AUTO ids, host, ...)
            })
       .def_rw("flags", &moecap_config::flags)
       .def_rw("num_layers", &moecap_config::num_layers)
@@ -262,7 +271,8 @@ void bind_config(nb::module_& m) {
       .def_rw("id_dtype", &moecap_config::id_dtype)
       .def_rw("weight_dtype", &moecap_config::weight_dtype)
       .def_rw("device_type", &moecap_config::device_type)
-      .def_rw("device_id", &moecap_config::device_id);
+      .def_rw("device_id", &moecap_config::device_id)
+      .def_rw("device_id_dtype", &moecap_config::device_id_dtype);
 }
 
 }  // namespace
@@ -314,7 +324,9 @@ NB_MODULE(_moecap, m) {
            nb::arg("src_rows") = nb::none(), nb::arg("stream") = nb::none(),
            "Device rows (src_start.. or src_rows) to host-cache slots; slot -1 drops the row.")
       .def("read_into", &Capturer::read_into, nb::arg("slots"), nb::arg("out"), nb::arg("weights_out") = nb::none(),
-           nb::arg("nonblocking") = false, nb::arg("stream") = nb::none())
+           nb::arg("nonblocking") = false, nb::arg("strict") = false, nb::arg("stream") = nb::none())
+      .def("invalidate", &Capturer::invalidate, nb::arg("slots"), nb::arg("stream") = nb::none(),
+           "Mark slots empty (their KV was freed): they read -1 until committed again; -1 entries are ignored.")
       .def("write", &Capturer::write, nb::arg("slots"), nb::arg("ids"), nb::arg("weights") = nb::none(),
            nb::arg("stream") = nb::none(), "Store rows captured elsewhere (the inverse of read).")
       .def("synchronize", &Capturer::synchronize, "Wait until every enqueued commit landed.")

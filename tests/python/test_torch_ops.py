@@ -71,6 +71,29 @@ def test_backends_that_do_not_reinplace_keep_the_buffers_right():
     assert torch.equal(compiled_w, eager_w)
 
 
+def test_invalidate_compiles_and_empties_the_slots():
+    from torch._dynamo.utils import counters
+
+    cap = make()
+    ops = cap.ops
+
+    def finish(freed):
+        ops.invalidate(freed)
+
+    ids = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    for layer in range(LAYERS):
+        cap.capture(layer, ids, torch.full((1, TOP_K), 0.25))
+    cap.commit(torch.tensor([5]))
+    cap.commit(torch.tensor([6]))
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(finish, fullgraph=True)(torch.tensor([6, -1]))
+    assert sum(counters["graph_break"].values()) == 0
+    got = cap.read(torch.tensor([5, 6]))
+    assert got[0, 0].tolist() == [1, 2, 3, 4]
+    assert (got[1] == -1).all()
+
+
 def test_opcheck_schema_fake_and_mutations():
     cap = make()
     ops = cap.ops
@@ -79,7 +102,9 @@ def test_opcheck_schema_fake_and_mutations():
     torch.library.opcheck(torch.ops.moecap.capture.default,
                           (ops.device_ids, ops.device_weights, cap.id, 1, ids, weights))
     torch.library.opcheck(torch.ops.moecap.commit.default,
-                          (ops.host_ids, ops.host_weights, ops.device_ids, cap.id, torch.tensor([3, 9]), 0, None))
+                          (ops.host_ids, ops.host_weights, ops.host_states, ops.device_ids, cap.id,
+                           torch.tensor([3, 9]), 0, None))
+    torch.library.opcheck(torch.ops.moecap.invalidate.default, (ops.host_states, cap.id, torch.tensor([3])))
     assert cap.read(np.array([9]))[0, 1].tolist() == [5, 6, 7, 8]
 
 
