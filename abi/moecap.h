@@ -112,9 +112,9 @@ typedef enum {
  * dtype must hold num_experts ids (extra columns are not stored): U8 serves
  * 256 routed experts plus a fused shared expert.
  * Device buffer: what a top-k kernel writes into a MOECAP_BUFFER_LAYER_IDS
- * view. AUTO picks I16 up to 32767 experts, else I32. An explicit dtype must
- * hold num_experts ids and a value that is none (U8 up to 255 experts, U16
- * up to 65535, I16 up to 32767), so an id out of range at capture stays
+ * view. AUTO picks I16 up to 32768 experts (ids 0..32767), else I32. An
+ * explicit dtype must hold num_experts ids and a value that is none (U8 up
+ * to 255 experts, U16 up to 65535, I16 up to 32768: -1), so an id out of range at capture stays
  * recognisable until commit narrows the rows into the host cache. */
 typedef enum {
   MOECAP_IDS_AUTO = 0,
@@ -276,7 +276,9 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
  * capture holds for every replay. With MOECAP_FLAG_HISTOGRAM the same kernel
  * adds each kept id to histogram[layer][id]. Enqueued on `stream`.
  * A top-k kernel may instead write a layer's ids (and weights) straight into
- * the MOECAP_BUFFER_LAYER_IDS (_WEIGHTS) view: commit checks every id. */
+ * the MOECAP_BUFFER_LAYER_IDS (_WEIGHTS) view: commit checks every id. Such
+ * a kernel must write, every step, every row it wants committed in every
+ * layer: commit consumes rows (see moecap_commit). */
 MOECAP_API moecap_status moecap_capture(moecap_capturer* capturer, int32_t layer,
                                         const DLTensor* topk_ids, const DLTensor* topk_weights,
                                         void* stream);
@@ -338,6 +340,15 @@ typedef struct moecap_commit_args {
  * [0, num_experts) there (no expert at capture, or a bad value a kernel
  * wrote into a layer view) is stored as "no expert" and marks the slot
  * MOECAP_SLOT_INVALID_IDS. Every slot written becomes MOECAP_SLOT_VALID.
+ * Rows are consumed by commit: every device row a commit names (whatever
+ * its slot) is reset, in every layer, to "no routing" (-1 in a signed
+ * device dtype, all ones in an unsigned one; weights 0), which is also what
+ * every row holds after create. So the device views show -1 after a
+ * commit, and a row not written in every layer since the last commit
+ * commits as VALID | INVALID_IDS (its unwritten layers read -1), never as
+ * expert 0 or as an earlier request's routing. A device id outside
+ * [0, num_experts) other than that code (a bad value a kernel wrote) is
+ * counted in invalid_ids. A row listed twice is read twice, then consumed.
  * A slot listed twice gets the row of its last entry (on every backend).
  * Slots whose values the host can see now (host tensors, outside a graph)
  * are checked here: one outside [-1, host_slots) fails with OUT_OF_RANGE and
@@ -360,7 +371,8 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
 
 /* What each host-cache slot holds (MOECAP_BUFFER_HOST_STATES, one byte per
  * slot). Every slot is EMPTY after create; commit and write set VALID (plus
- * INVALID_IDS when the row holds an id that was out of range at capture);
+ * INVALID_IDS when the row holds an id that is no real id: out of range at
+ * capture, or a layer not written since the row's previous commit);
  * moecap_invalidate sets EMPTY again. (1.1) */
 #define MOECAP_SLOT_EMPTY 0x0u
 #define MOECAP_SLOT_VALID 0x1u
@@ -373,14 +385,16 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
  * No value read can be mistaken for real routing:
  * - an EMPTY slot (never committed, or invalidated) reads -1 for every id
  *   and 0 for every weight;
- * - an id that was out of range at capture reads -1; where the host cache
+ * - an id that was out of range at capture, or a layer no kernel wrote
+ *   since the row's previous commit, reads -1 with weight 0; where the host cache
  *   dtype has no spare value (U8 with 256 experts, U16 with 65536), such a
  *   token reads like an EMPTY one (-1 ids, 0 weights), since which of its
  *   ids were bad is not stored;
  * - -1 in an unsigned output is all ones, so uint8 (uint16) outputs need
  *   num_experts < 256 (65536), unless MOECAP_READ_STRICT.
- * Tokens with no usable routing are the rows whose ids are all -1. With
- * MOECAP_READ_STRICT a slot that is EMPTY or INVALID_IDS fails the call with
+ * A token has no usable routing when its slot is EMPTY or INVALID_IDS,
+ * i.e. when any id it reads is -1 (every -1 comes with weight 0). With
+ * MOECAP_READ_STRICT such a slot fails the call with
  * MOECAP_ERROR_NO_ROUTING (naming the first such entry and the count) and
  * nothing is written; STRICT needs the slots' states on the host, so it
  * waits for the commits in flight as a host output does.
@@ -426,7 +440,9 @@ typedef struct moecap_error_counts {
   uint64_t skipped_rows;  /* committed rows (or invalidated slots) whose slot was outside
                              [-1, host_slots), or whose source row was outside
                              [0, device_rows) */
-  uint64_t invalid_ids;   /* captured ids outside [0, num_experts) */
+  uint64_t invalid_ids;   /* ids outside [0, num_experts) given to capture, or
+                             written so into a layer view (counted at commit;
+                             the "no routing" code -1 is not counted) */
 } moecap_error_counts;
 
 #define MOECAP_ERROR_COUNTS_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_error_counts, invalid_ids)

@@ -162,10 +162,9 @@ void commit_rows(const CommitParams& p) {
         }
       }
       if (narrow_ids(in, narrowed.data(), n * top_k, experts) != 0) {
-        for (int64_t i = 0; i < n; ++i) {  // rare: which rows had an id out of range
-          D probe[1];
-          uint32_t row_bad = 0;
-          for (int64_t k = 0; k < top_k; ++k) row_bad |= narrow_ids(in + i * top_k + k, probe, 1, experts);
+        for (int64_t i = 0; i < n; ++i) {  // rare: which rows had no real id, counting the bad ones
+          uint8_t row_bad = 0;
+          for (int64_t k = 0; k < top_k; ++k) if (committed_id_bad(p, in[i * top_k + k])) row_bad = 1;
           bad[static_cast<size_t>(i)] = static_cast<uint8_t>(bad[static_cast<size_t>(i)] | row_bad);
         }
       }
@@ -264,6 +263,10 @@ void gather_on_host(const GatherParams& p) {
       std::memcpy(wdst, wsrc, static_cast<size_t>(row * w_bytes));
     } else {
       for (int64_t e = 0; e < row; ++e) store_float(wdst, p.dst_weight_elem, e, load_float(wsrc, p.stored_weight_elem, e));
+    }
+    if ((p.states[slot] & kSlotInvalidIds) == 0) continue;
+    for (int64_t e = 0; e < row; ++e) {  // an id read as -1 carries no weight
+      if (load_int(src, p.stored_id_elem, e) == p.invalid_code) store_float(wdst, p.dst_weight_elem, e, 0.0f);
     }
   }
 }

@@ -15,7 +15,17 @@ extern "C" __global__ void moecap_capture_kernel(CaptureParams p) {
   }
 }
 
-// After the commit kernel: clears this commit's claims for the next one.
+// Before the commit kernel, when slots may repeat: each slot's last entry.
+// (Lost in 0ab1be0; the backend looks it up at create.)
+extern "C" __global__ void moecap_claim_kernel(CommitParams p) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < p.count;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    claim_slot(p, j);
+  }
+}
+
+// After the commit kernel, every commit of rows: clears this commit's claims
+// for the next one and consumes the rows read (consume_row).
 extern "C" __global__ void moecap_release_kernel(CommitParams p) {
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < p.count;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {

@@ -77,10 +77,31 @@ MOECAP_HD void claim_slot(const CommitParams& p, int64_t j) {
 #endif
 }
 
+// A commit consumes the device rows it names: source row `src` of every
+// layer goes back to "no routing" (the device dtype's all-ones code, -1 when
+// signed; what create fills the buffer with), its weights to 0. So a row
+// commits real routing only when every layer was written since the last
+// commit, never what an earlier request left behind.
+MOECAP_HD void consume_row(const CommitParams& p, int64_t src) {
+  const int64_t code = invalid_id_code(p.src_id_elem);
+  const int64_t w_bytes = p.weight_elem >= 0 ? elem_bytes(p.weight_elem) : 0;
+  for (int64_t l = 0; l < p.num_layers; ++l) {
+    const int64_t first = (l * p.device_rows + src) * p.top_k;
+    for (int64_t k = 0; k < p.top_k; ++k) {
+      store_int(p.src_ids, p.src_id_elem, first + k, code);
+      for (int64_t b = 0; p.src_weights != nullptr && b < w_bytes; ++b) p.src_weights[(first + k) * w_bytes + b] = 0;
+    }
+  }
+}
+
+// After every read of a commit (the release kernel, ordered after the commit
+// kernel, so a row listed twice is read twice before it is consumed): clears
+// entry j's claim and consumes its source row, whatever its slot.
 MOECAP_HD void release_claim(const CommitParams& p, int64_t j) {
   int64_t src = 0, slot = 0;
   commit_source(p, j, &src, &slot);
-  if (commit_in_range(p, src, slot)) p.claims[slot] = 0;
+  if (p.claims != nullptr && commit_in_range(p, src, slot)) p.claims[slot] = 0;
+  if (p.mode == kCommitRows && src >= 0 && src < p.device_rows) consume_row(p, src);
 }
 
 // Where entry j goes, counting it when out of range; false as well when a
@@ -141,6 +162,16 @@ MOECAP_HD void copy_row(uint8_t* dst, const uint8_t* src, int64_t bytes, int lan
   for (int64_t i = head + blocks * 16 + lane; i < bytes; i += lanes) dst[i] = src[i];
 }
 
+// Whether a device id read by commit is no real id. The no-routing code (a
+// row no kernel wrote, or an id capture already counted) is not counted
+// again; any other value outside [0, num_experts) was written by a kernel
+// straight into a layer view and bumps invalid_ids.
+MOECAP_HD bool committed_id_bad(const CommitParams& p, int64_t id) {
+  if (id >= 0 && id < p.num_experts) return false;
+  if (id != invalid_id_code(p.src_id_elem)) count_event(&p.errors->invalid_ids);
+  return true;
+}
+
 // Element e of a committed row (layer e / top_k): the device buffer's row
 // `src` of that layer, narrowed into element `at` of `out` in the host id
 // dtype. Returns whether the id was outside [0, num_experts).
@@ -148,9 +179,9 @@ MOECAP_HD bool narrow_element(const CommitParams& p, int64_t src, int64_t e, voi
   const int64_t layer = e / p.top_k;
   const int64_t from = (layer * p.device_rows + src) * p.top_k + (e - layer * p.top_k);
   const int64_t id = load_int(p.src_ids, p.src_id_elem, from);
-  const bool ok = id >= 0 && id < p.num_experts;
-  store_int(out, p.dst_id_elem, at, ok ? id : p.dst_no_expert);
-  return !ok;
+  const bool bad = committed_id_bad(p, id);
+  store_int(out, p.dst_id_elem, at, bad ? p.dst_no_expert : id);
+  return bad;
 }
 
 // Weight e of a committed row, bit for bit (the stored weight dtype is the same on both sides).
@@ -182,11 +213,11 @@ MOECAP_HD void gather_element(const GatherParams& p, int64_t i) {
   const int64_t slot = load_int(p.slots, p.slots_elem, t);
   const bool readable = slot_readable(p.states[slot], p.invalid_code);
   const int64_t at = slot * p.row_elements + e;
-  const int64_t id = readable ? load_int(p.src_ids, p.stored_id_elem, at) : -1;
-  store_int(p.dst_ids, p.dst_id_elem, i, id == p.invalid_code ? -1 : id);
-  if (p.dst_weights != nullptr) {
-    store_float(p.dst_weights, p.dst_weight_elem, i,
-                readable ? load_float(p.src_weights, p.stored_weight_elem, at) : 0.0f);
+  const int64_t stored = readable ? load_int(p.src_ids, p.stored_id_elem, at) : -1;
+  const int64_t id = stored == p.invalid_code ? -1 : stored;
+  store_int(p.dst_ids, p.dst_id_elem, i, id);
+  if (p.dst_weights != nullptr) {  // an id read as -1 carries no weight
+    store_float(p.dst_weights, p.dst_weight_elem, i, id != -1 ? load_float(p.src_weights, p.stored_weight_elem, at) : 0.0f);
   }
 }
 

@@ -16,7 +16,7 @@ namespace moecap {
 // Counters the kernels bump where they cannot return an error.
 struct ErrorWord {
   unsigned long long skipped_rows;  // commit rows whose slot or source row was out of range
-  unsigned long long invalid_ids;   // captured ids outside [0, num_experts)
+  unsigned long long invalid_ids;   // ids outside [0, num_experts) at capture, or written so into a layer view (counted at commit)
 };
 
 // What a host-cache slot holds; equal to the header's MOECAP_SLOT_* values
@@ -24,7 +24,7 @@ struct ErrorWord {
 enum SlotState : uint8_t {
   kSlotEmpty = 0,       // never committed, or invalidated
   kSlotValid = 1,       // committed or written routing
-  kSlotInvalidIds = 2,  // with kSlotValid: some id was out of range at capture
+  kSlotInvalidIds = 2,  // with kSlotValid: some id is no real id (out of range, or a layer not written)
 };
 
 // One layer's top-k ids (and weights) into rows [0, n) of that layer's block.
@@ -55,8 +55,8 @@ enum CommitMode : int32_t {
 // weights. Rows are handled in list order, so a slot listed twice keeps its
 // last row (the host twin; see capture_kernels.cu for the kernel).
 struct CommitParams {
-  const uint8_t* src_ids;   // device buffer base, [num_layers, device_rows, top_k]
-  const uint8_t* src_weights;
+  uint8_t* src_ids;         // device buffer base, [num_layers, device_rows, top_k]; rows consumed (release_claim)
+  uint8_t* src_weights;
   uint8_t* dst_ids;         // host cache base (device-mapped address on CUDA)
   uint8_t* dst_weights;
   uint8_t* dst_states;      // [host_slots] SlotState

@@ -15,6 +15,10 @@
 
 namespace moecap {
 
+// How many bytes a newer caller's struct may extend past this library's:
+// the trailing bytes read to check they are zero.
+constexpr size_t kStructGrowthLimit = 4096;
+
 // Refuses a NULL struct or a struct_size below the 1.0 size.
 inline void require_struct(const void* ptr, size_t struct_size, size_t size_1_0, const char* name) {
   if (ptr == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " is NULL");
@@ -30,6 +34,14 @@ template <class T>
 T read_struct(const T* in, size_t size_1_0, const char* name) {
   require_struct(in, in != nullptr ? in->struct_size : 0, size_1_0, name);
   const size_t size = in->struct_size;
+  // A caller's struct_size is a claim about its memory: past a bound no
+  // newer header can reach, refuse it rather than read that far.
+  constexpr size_t kLimit = sizeof(T) + kStructGrowthLimit;
+  if (size > kLimit) {
+    fail(MOECAP_ERROR_ABI_MISMATCH, name, "->struct_size is ", size, "; the largest this library (ABI ",
+         MOECAP_ABI_VERSION_MAJOR, ".", MOECAP_ABI_VERSION_MINOR, ") reads is ", kLimit, " (its ", sizeof(T),
+         "-byte struct + ", kStructGrowthLimit, ")");
+  }
   const auto* bytes = reinterpret_cast<const unsigned char*>(in);
   for (size_t i = sizeof(T); i < size; ++i) {
     if (bytes[i] != 0) {

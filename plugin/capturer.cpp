@@ -70,6 +70,11 @@ Capturer::Capturer(const Plan& plan) : plan_(plan) {
     host_block_ = static_cast<uint8_t*>(backend_->alloc_host(host_block_bytes));
     host_block_on_device_ = static_cast<uint8_t*>(backend_->device_address_of_host(host_block_));
     if (guards_) write_guards();
+    // Every device row starts as "no routing" (all ones: -1 in a signed
+    // dtype), as commit leaves the rows it consumes: a row no kernel wrote
+    // never commits as routing.
+    const std::vector<uint8_t> no_routing(static_cast<size_t>(device_ids_.bytes), 0xff);
+    backend_->copy_host_to_device(device_block_ + device_ids_.offset, no_routing.data(), no_routing.size());
   } catch (...) {
     if (host_block_ != nullptr) backend_->free_host(host_block_);
     backend_->free_device(device_block_);
@@ -247,7 +252,10 @@ void Capturer::commit(const moecap_commit_args* caller_args, EngineStream stream
   bool rows_on_host = false;
   const DLTensor* rows = args->src_rows;
   if (rows == nullptr) {
-    if (args->src_start < 0 || args->src_start > plan_.device_rows - count) {
+    if (args->src_start < 0) {
+      fail(MOECAP_ERROR_OUT_OF_RANGE, "args->src_start is ", args->src_start, "; it must be >= 0");
+    }
+    if (args->src_start > plan_.device_rows - count) {
       fail(MOECAP_ERROR_CAPACITY, "args->src_start + count is ", args->src_start, " + ", count,
            "; rows must lie in [0, device_rows = ", plan_.device_rows, ")");
     }

@@ -27,7 +27,10 @@ class HostBackend final : public Backend {
     graphs_.run([p] { capture_on_host(p); });
   }
   void commit(const CommitParams& p, CommitPlacement, EngineStream) override {
-    graphs_.run([p] { commit_on_host(p); });
+    graphs_.run([p] {  // the CUDA backend's commit and release kernels, in order
+      commit_on_host(p);
+      release_on_host(p);
+    });
   }
   void gather(const GatherParams& p, EngineStream) override { gather_on_host(p); }
   void zero_device(void* ptr, size_t bytes, EngineStream) override {

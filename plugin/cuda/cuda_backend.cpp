@@ -388,7 +388,7 @@ class CudaBackend final : public Backend {
   void launch_commit(const CommitParams& p, CUstream s) {
     if (p.claims != nullptr) launch(claim_, p, p.count, s);
     launch(commit_, p, p.count, s);
-    if (p.claims != nullptr) launch(release_, p, p.count, s);
+    if (p.claims != nullptr || p.mode == kCommitRows) launch(release_, p, p.count, s);
   }
 
   // Needs the context current.

@@ -30,13 +30,13 @@ TEST_CASE("defect 1: a pinned slot list the engine refills after the call still 
   Stream s = new_stream();
   Tensor ids = routing_buffer();
   forward(ids, 1, 2);
-  capture_layers(h, ids.get(), 2, s);
   struct Case {
     DLDeviceType where;
     int64_t first, refill;
   };
   for (Case k : {Case{kDLCPU, 3, 7}, Case{kDLCUDAHost, 5, 9}}) {
     CAPTURE(k.where);
+    capture_layers(h, ids.get(), 2, s);  // each commit consumes the rows it reads
     Tensor slots = index_tensor({k.first, k.first + 1}, k.where);  // pinned (cudaHostAlloc / pin_memory)
     commit(h, slots.get(), s);
     slots.as<int64_t>()[0] = k.refill;  // the engine prepares the next step while this one runs
@@ -298,6 +298,7 @@ TEST_CASE("defect 9: duplicate slots in one commit: the last entry wins, in any 
   moecap_test::HostTensor host_slots({3}, moecap_test::i64());
   host_slots.fill<int64_t>({5, 6, 5});
   commit(h, host_slots.get(), s);
+  capture_layers(h, ids.get(), 3, s);  // commit consumed the rows
   Tensor device_slots = index_tensor({6, 7, 7}, kDLCUDA);
   commit(h, device_slots.get(), s);
   const auto got = read_rows(h, {5, 6, 7});
@@ -493,5 +494,53 @@ TEST_CASE("a top-k kernel writing the CUDA backend's int16 layer views: commit n
   bad[static_cast<size_t>(c.top_k)] = -1;  // exactly the bad id (u8 has a spare value with 8 experts)
   CHECK(row_of(rows, 2) == bad);
   read_rows(h, {7}, MOECAP_ERROR_NO_ROUTING, MOECAP_READ_STRICT);
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  REQUIRE(moecap_get_errors(h, &e, 0) == MOECAP_OK);
+  CHECK(e.invalid_ids == 1);  // the kernel's 999, counted at commit
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
+TEST_CASE("commit consumes its rows on the CUDA backend, on the claim path too; no routing is never VALID") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  const moecap_config c = cuda_config();
+  // Never captured: every layer is no routing from create.
+  moecap_test::HostTensor fresh({2}, moecap_test::i64());
+  fresh.fill<int64_t>({10, 11});
+  commit(h, fresh.get(), s);
+  read_rows(h, {10, 11}, MOECAP_ERROR_NO_ROUTING, MOECAP_READ_STRICT);
+  CHECK(row_of(read_rows(h, {10}), 0) == std::vector<int64_t>(static_cast<size_t>(c.num_layers * c.top_k), -1));
+
+  Tensor ids = routing_buffer();
+  forward(ids, 12, 3);
+  capture_layers(h, ids.get(), 3, s);
+  Tensor device_slots = index_tensor({5, 6, 5}, kDLCUDA);  // slots the host cannot see: claims
+  commit(h, device_slots.get(), s);
+  const auto got = read_rows(h, {5, 6}, MOECAP_OK, MOECAP_READ_STRICT);
+  CHECK(row_of(got, 0) == expected_row(12, 2));
+  CHECK(row_of(got, 1) == expected_row(12, 1));
+  // Every row the commit named is consumed, the losing duplicate's too.
+  for (int32_t layer = 0; layer < c.num_layers; ++layer) {
+    DLManagedTensorVersioned* v = nullptr;
+    REQUIRE(moecap_export(h, MOECAP_BUFFER_LAYER_IDS, layer, &v) == MOECAP_OK);
+    for (int64_t i = 0; i < 3 * c.top_k; ++i) CHECK(static_cast<const int16_t*>(v->dl_tensor.data)[i] == -1);
+    v->deleter(v);
+  }
+  // A later step that captures one row but commits three: rows 1-2 are not the previous request's.
+  forward(ids, 13, 1);
+  capture_layers(h, ids.get(), 1, s);
+  moecap_test::HostTensor again({3}, moecap_test::i64());
+  again.fill<int64_t>({5, 6, 7});
+  commit(h, again.get(), s);
+  read_rows(h, {5, 6, 7}, MOECAP_ERROR_NO_ROUTING, MOECAP_READ_STRICT);
+  const auto after = read_rows(h, {5, 6, 7});
+  CHECK(row_of(after, 0) == expected_row(13, 0));
+  CHECK(row_of(after, 1) == std::vector<int64_t>(static_cast<size_t>(c.num_layers * c.top_k), -1));
+  CHECK(row_of(after, 2) == std::vector<int64_t>(static_cast<size_t>(c.num_layers * c.top_k), -1));
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  REQUIRE(moecap_get_errors(h, &e, 0) == MOECAP_OK);
+  CHECK(e.invalid_ids == 0);  // no routing is not a bad id
   CHECK(moecap_destroy(h) == MOECAP_OK);
 }

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -134,6 +135,20 @@ TEST_CASE("a longer config is accepted with a zero tail and refused with a non-z
   moecap_plan_info info{};
   info.struct_size = sizeof info;
   CHECK(moecap_plan(&newer.known, &info) == MOECAP_ERROR_ABI_MISMATCH);
+}
+
+TEST_CASE("a struct_size past any newer header is refused before a byte past the struct is read") {
+  // Only the struct itself is readable: reading the claimed size would run off it.
+  moecap_config c = small_config();
+  moecap_capturer* h = nullptr;
+  for (size_t size : {SIZE_MAX, sizeof c + 4097}) {
+    CAPTURE(size);
+    c.struct_size = size;
+    CHECK(moecap_create(&c, &h) == MOECAP_ERROR_ABI_MISMATCH);
+    CHECK(error_has("config->struct_size is "));
+    CHECK(error_has(("the largest this library (ABI 1.1) reads is " + std::to_string(sizeof c + 4096)).c_str()));
+    CHECK(h == nullptr);
+  }
 }
 
 TEST_CASE("config->next must be NULL, config->reserved 0") {

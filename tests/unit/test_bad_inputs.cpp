@@ -131,7 +131,8 @@ TEST_CASE("commit refuses bad input") {
   a.src_start = 7;  // rows 7 and 8 of 8
   f.refused(MOECAP_ERROR_CAPACITY, "device_rows = 8", [&] { return moecap_commit(f.h, &a, nullptr); });
   a.src_start = -1;
-  f.refused(MOECAP_ERROR_CAPACITY, "src_start", [&] { return moecap_commit(f.h, &a, nullptr); });
+  f.refused(MOECAP_ERROR_OUT_OF_RANGE, "args->src_start is -1; it must be >= 0",
+            [&] { return moecap_commit(f.h, &a, nullptr); });
   HostTensor many({9}, i64());
   a = good;
   a.dst_slots = many.get();

@@ -64,11 +64,14 @@ TEST_CASE("versioned and legacy views describe the buffers exactly") {
   REQUIRE(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
   CHECK(out.at(2 * c.top_k) == 5);
   CHECK(out.at(2 * c.top_k + 1) == 6);
-  CHECK(out.at(0) == 0);  // layers nobody wrote hold zeros: committed, so read as expert 0
+  CHECK(out.at(0) == -1);  // layers nobody wrote hold no routing: never read as expert 0
+  CHECK(moecap_read(h, slots.get(), out.get(), nullptr, MOECAP_READ_STRICT, nullptr) == MOECAP_ERROR_NO_ROUTING);
+  CHECK(l2[0] == -1);  // commit consumed the row
 
   // The views outlive the handle; their deleters free the memory.
   REQUIRE(moecap_destroy(h) == MOECAP_OK);
-  CHECK(static_cast<int16_t*>(dev->dl_tensor.data)[2 * info.device_rows * c.top_k] == 5);
+  l2[0] = 7;
+  CHECK(static_cast<int16_t*>(dev->dl_tensor.data)[2 * info.device_rows * c.top_k] == 7);
   dev->deleter(dev);
   layer->deleter(layer);
   w->deleter(w);

@@ -339,24 +339,149 @@ TEST_CASE("layer-major export end to end: a kernel writes each layer's view, com
   }
 }
 
-TEST_CASE("a bad id a kernel wrote into a layer view is caught at commit, not stored as routing") {
+// Writes route(row, layer, k) into rows [0, n) of every layer's view (weights 0.5), as a top-k kernel would.
+static void kernel_writes(moecap_capturer* h, const moecap_config& c, int64_t n, int32_t only_layer = -1) {
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    if (only_layer >= 0 && l != only_layer) continue;
+    DLManagedTensorVersioned* v = nullptr;
+    REQUIRE(moecap_export(h, MOECAP_BUFFER_LAYER_IDS, l, &v) == MOECAP_OK);
+    for (int64_t i = 0; i < n * c.top_k; ++i)
+      static_cast<int16_t*>(v->dl_tensor.data)[i] = static_cast<int16_t>(route(i / c.top_k, l, i % c.top_k, c.num_experts));
+    v->deleter(v);
+    if (c.weight_dtype == MOECAP_WEIGHTS_NONE) continue;
+    REQUIRE(moecap_export(h, MOECAP_BUFFER_LAYER_WEIGHTS, l, &v) == MOECAP_OK);
+    for (int64_t i = 0; i < n * c.top_k; ++i) static_cast<float*>(v->dl_tensor.data)[i] = 0.5f;
+    v->deleter(v);
+  }
+}
+
+static void commit_range(moecap_capturer* h, std::initializer_list<int64_t> slot_list) {
+  HostTensor slots({static_cast<int64_t>(slot_list.size())}, i64());
+  int64_t i = 0;
+  for (int64_t v : slot_list) slots.set(i++, v);
+  moecap_commit_args a{sizeof a, 0, nullptr, slots.get()};
+  REQUIRE(moecap_commit(h, &a, nullptr) == MOECAP_OK);
+}
+
+static unsigned long long invalid_ids_of(moecap_capturer* h) {
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  REQUIRE(moecap_get_errors(h, &e, MOECAP_ERRORS_CLEAR) == MOECAP_OK);
+  return e.invalid_ids;
+}
+
+TEST_CASE("a bad id a kernel wrote into a layer view is caught at commit, counted, and carries no weight") {
   moecap_config c = small_config();
+  c.weight_dtype = MOECAP_WEIGHTS_F32;
   Handle cap(c);
+  kernel_writes(cap.h, c, 2);
   DLManagedTensorVersioned* v = nullptr;
   REQUIRE(moecap_export(cap.h, MOECAP_BUFFER_LAYER_IDS, 1, &v) == MOECAP_OK);
-  static_cast<int16_t*>(v->dl_tensor.data)[1] = 999;  // row 0, column 1: no such expert
-  static_cast<int16_t*>(v->dl_tensor.data)[2] = 5;    // row 1 is fine
+  static_cast<int16_t*>(v->dl_tensor.data)[1] = -7;  // row 0, column 1: no such expert
+  static_cast<int16_t*>(v->dl_tensor.data)[2] = static_cast<int16_t>(c.num_experts + 4);  // row 1, column 0
   v->deleter(v);
+  commit_range(cap.h, {3, 4});
+  CHECK(invalid_ids_of(cap.h) == 2);
+  CHECK(state_of(cap.h, 3) == (MOECAP_SLOT_VALID | MOECAP_SLOT_INVALID_IDS));
+  CHECK(state_of(cap.h, 4) == (MOECAP_SLOT_VALID | MOECAP_SLOT_INVALID_IDS));
   HostTensor slots({2}, i32());
   slots.fill<int32_t>({3, 4});
-  moecap_commit_args a{sizeof a, 0, nullptr, slots.get()};
-  REQUIRE(moecap_commit(cap.h, &a, nullptr) == MOECAP_OK);
-  CHECK(state_of(cap.h, 3) == (MOECAP_SLOT_VALID | MOECAP_SLOT_INVALID_IDS));
-  CHECK(state_of(cap.h, 4) == MOECAP_SLOT_VALID);
   HostTensor out({2, c.num_layers, c.top_k}, i32());
-  REQUIRE(moecap_read(cap.h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
-  CHECK(out.at(c.top_k + 1) == -1);
-  CHECK(out.at(c.num_layers * c.top_k + c.top_k) == 5);
+  HostTensor w({2, c.num_layers, c.top_k}, f32());
+  REQUIRE(moecap_read(cap.h, slots.get(), out.get(), w.get(), 0, nullptr) == MOECAP_OK);
+  const int64_t row = c.num_layers * c.top_k;
+  for (int64_t e = 0; e < 2 * row; ++e) {
+    const bool bad = e == c.top_k + 1 || e == row + c.top_k;
+    CHECK(out.at(e) == (bad ? -1 : route(e / row, (e % row) / c.top_k, e % c.top_k, c.num_experts)));
+    CHECK(w.as<float>()[e] == (bad ? 0.0f : 0.5f));  // -1 never carries a weight
+  }
+  CHECK(moecap_read(cap.h, slots.get(), out.get(), w.get(), MOECAP_READ_STRICT, nullptr) == MOECAP_ERROR_NO_ROUTING);
+}
+
+TEST_CASE("rows are consumed by commit: rows never written since the last commit are no routing") {
+  moecap_config c = small_config();
+  c.weight_dtype = MOECAP_WEIGHTS_F32;
+  Handle cap(c);
+  HostTensor q({3}, i64());
+  q.fill<int64_t>({0, 1, 2});
+  HostTensor out({3, c.num_layers, c.top_k}, i32());
+  HostTensor w({3, c.num_layers, c.top_k}, f32());
+  const int64_t row = c.num_layers * c.top_k;
+
+  SUBCASE("rows never captured") {
+    commit_range(cap.h, {0, 1, 2});
+    CHECK(state_of(cap.h, 0) == (MOECAP_SLOT_VALID | MOECAP_SLOT_INVALID_IDS));
+    CHECK(moecap_read(cap.h, q.get(), out.get(), w.get(), MOECAP_READ_STRICT, nullptr) == MOECAP_ERROR_NO_ROUTING);
+    REQUIRE(moecap_read(cap.h, q.get(), out.get(), w.get(), 0, nullptr) == MOECAP_OK);
+    for (int64_t e = 0; e < 3 * row; ++e) {
+      CHECK(out.at(e) == -1);
+      CHECK(w.as<float>()[e] == 0.0f);
+    }
+    CHECK(invalid_ids_of(cap.h) == 0);  // no routing is not a bad id
+  }
+  SUBCASE("only layer 0 written") {
+    kernel_writes(cap.h, c, 3, 0);
+    commit_range(cap.h, {0, 1, 2});
+    CHECK(state_of(cap.h, 1) == (MOECAP_SLOT_VALID | MOECAP_SLOT_INVALID_IDS));
+    CHECK(moecap_read(cap.h, q.get(), out.get(), w.get(), MOECAP_READ_STRICT, nullptr) == MOECAP_ERROR_NO_ROUTING);
+    REQUIRE(moecap_read(cap.h, q.get(), out.get(), w.get(), 0, nullptr) == MOECAP_OK);
+    for (int64_t e = 0; e < 3 * row; ++e) {
+      const bool layer0 = (e % row) < c.top_k;
+      CHECK(out.at(e) == (layer0 ? route(e / row, 0, e % c.top_k, c.num_experts) : -1));
+    }
+  }
+  SUBCASE("a second request never reads the first one's rows") {
+    capture_and_commit(cap.h, c, 0, {0, 1, 2});
+    REQUIRE(moecap_read(cap.h, q.get(), out.get(), w.get(), MOECAP_READ_STRICT, nullptr) == MOECAP_OK);
+    REQUIRE(moecap_invalidate(cap.h, q.get(), nullptr) == MOECAP_OK);
+    // Step 2 captures one row and commits three to the same slots.
+    HostTensor ids({1, c.top_k}, i64());
+    HostTensor ws({1, c.top_k}, f32());
+    for (int32_t l = 0; l < c.num_layers; ++l) {
+      for (int32_t k = 0; k < c.top_k; ++k) ids.set(k, route(100, l, k, c.num_experts));
+      REQUIRE(moecap_capture(cap.h, l, ids.get(), ws.get(), nullptr) == MOECAP_OK);
+    }
+    commit_range(cap.h, {0, 1, 2});
+    CHECK(state_of(cap.h, 0) == MOECAP_SLOT_VALID);
+    CHECK(state_of(cap.h, 1) == (MOECAP_SLOT_VALID | MOECAP_SLOT_INVALID_IDS));
+    CHECK(state_of(cap.h, 2) == (MOECAP_SLOT_VALID | MOECAP_SLOT_INVALID_IDS));
+    CHECK(moecap_read(cap.h, q.get(), out.get(), w.get(), MOECAP_READ_STRICT, nullptr) == MOECAP_ERROR_NO_ROUTING);
+    REQUIRE(moecap_read(cap.h, q.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
+    for (int64_t e = row; e < 3 * row; ++e) CHECK(out.at(e) == -1);
+  }
+  SUBCASE("the device views show no routing after commit") {
+    kernel_writes(cap.h, c, 3);
+    commit_range(cap.h, {0, 1, 2});
+    for (int32_t l = 0; l < c.num_layers; ++l) {
+      DLManagedTensorVersioned* v = nullptr;
+      REQUIRE(moecap_export(cap.h, MOECAP_BUFFER_LAYER_IDS, l, &v) == MOECAP_OK);
+      for (int64_t i = 0; i < 3 * c.top_k; ++i) CHECK(static_cast<int16_t*>(v->dl_tensor.data)[i] == -1);
+      v->deleter(v);
+      REQUIRE(moecap_export(cap.h, MOECAP_BUFFER_LAYER_WEIGHTS, l, &v) == MOECAP_OK);
+      for (int64_t i = 0; i < 3 * c.top_k; ++i) CHECK(static_cast<float*>(v->dl_tensor.data)[i] == 0.0f);
+      v->deleter(v);
+    }
+    REQUIRE(moecap_read(cap.h, q.get(), out.get(), w.get(), MOECAP_READ_STRICT, nullptr) == MOECAP_OK);
+  }
+}
+
+TEST_CASE("a row listed twice in one commit is read twice before it is consumed") {
+  moecap_config c = small_config();
+  Handle cap(c);
+  kernel_writes(cap.h, c, 2);
+  HostTensor rows({3}, i64());
+  rows.fill<int64_t>({1, 1, 0});
+  HostTensor slots({3}, i64());
+  slots.fill<int64_t>({5, 6, 7});
+  moecap_commit_args a{sizeof a, 0, rows.get(), slots.get()};
+  REQUIRE(moecap_commit(cap.h, &a, nullptr) == MOECAP_OK);
+  HostTensor out({3, c.num_layers, c.top_k}, i32());
+  REQUIRE(moecap_read(cap.h, slots.get(), out.get(), nullptr, MOECAP_READ_STRICT, nullptr) == MOECAP_OK);
+  const int64_t row = c.num_layers * c.top_k;
+  for (int64_t e = 0; e < row; ++e) {
+    CHECK(out.at(e) == route(1, e / c.top_k, e % c.top_k, c.num_experts));
+    CHECK(out.at(row + e) == route(1, e / c.top_k, e % c.top_k, c.num_experts));
+  }
 }
 
 TEST_CASE("device_id_dtype: AUTO is signed; an explicit one needs a value beyond the ids") {
