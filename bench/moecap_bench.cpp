@@ -10,9 +10,9 @@
 #include <random>
 #include <vector>
 
-#include "capturer.h"
 #include "moecap.h"
-#include "plan.h"
+#include "plugin/capturer.h"
+#include "plugin/plan.h"
 
 namespace {
 

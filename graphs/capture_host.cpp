@@ -2,7 +2,7 @@
 // its graph emulation records them with their parameters baked.
 #include <cstring>
 
-#include "kernel_ops.h"
+#include "graphs/kernel_ops.h"
 
 namespace moecap {
 

@@ -3,7 +3,7 @@
 // twins are in capture_host.cpp; the shared logic is in kernel_ops.h.
 // Grid sizes come from the host call and are frozen in a graph; everything
 // a replay may change (ids, slots, row lists) is read from device memory.
-#include "kernel_ops.h"
+#include "graphs/kernel_ops.h"
 
 using namespace moecap;
 

@@ -5,10 +5,11 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
-#include "backend.h"
+#include "graphs/backend_graph.h"
 
 namespace moecap {
 
@@ -22,6 +23,26 @@ class HostGraph final : public BackendGraph {
 
  private:
   std::vector<std::function<void()>> ops_;
+};
+
+// Between begin and end, operations are recorded into a HostGraph; outside,
+// they run at once (what stream capture does on the CUDA backend).
+class HostGraphRecorder {
+ public:
+  void begin() { recording_ = std::make_unique<HostGraph>(); }
+  std::unique_ptr<BackendGraph> end() { return std::move(recording_); }
+
+  template <class Op>
+  void run(Op op) {
+    if (recording_) {
+      recording_->record(op);
+    } else {
+      op();
+    }
+  }
+
+ private:
+  std::unique_ptr<HostGraph> recording_;
 };
 
 }  // namespace moecap

@@ -2,8 +2,8 @@
 // compiled into both the CUDA kernels and their host twins.
 #pragma once
 
-#include "element.h"
-#include "kernel_params.h"
+#include "graphs/element.h"
+#include "graphs/kernel_params.h"
 
 namespace moecap {
 

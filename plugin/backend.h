@@ -5,19 +5,12 @@
 #include <cstddef>
 #include <memory>
 
-#include "kernel_params.h"
+#include "graphs/backend_graph.h"
+#include "graphs/kernel_params.h"
 #include "moecap.h"
-#include "plan.h"
+#include "plugin/plan.h"
 
 namespace moecap {
-
-// A recorded, replayable sequence of backend operations.
-class BackendGraph {
- public:
-  virtual ~BackendGraph() = default;
-  virtual void launch(void* stream) = 0;
-  virtual void* native() = 0;  // CUgraph, or nullptr on the host backend
-};
 
 class Backend {
  public:

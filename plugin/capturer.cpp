@@ -1,12 +1,12 @@
-#include "capturer.h"
+#include "plugin/capturer.h"
 
 #include <cstring>
 #include <vector>
 
-#include "element.h"
-#include "kernel_ops.h"
-#include "status.h"
-#include "tensor_args.h"
+#include "base/status.h"
+#include "graphs/element.h"
+#include "graphs/kernel_ops.h"
+#include "plugin/tensor_args.h"
 
 namespace moecap {
 namespace {

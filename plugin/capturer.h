@@ -6,9 +6,9 @@
 #include <memory>
 #include <mutex>
 
-#include "backend.h"
 #include "moecap.h"
-#include "plan.h"
+#include "plugin/backend.h"
+#include "plugin/plan.h"
 
 namespace moecap {
 

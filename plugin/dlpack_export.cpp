@@ -4,7 +4,7 @@
 #include <cstring>
 #include <memory>
 
-#include "handles.h"
+#include "plugin/handles.h"
 
 namespace moecap {
 namespace {

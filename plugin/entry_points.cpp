@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "guarded.h"
-#include "handles.h"
-#include "plan.h"
-#include "status.h"
+#include "base/status.h"
+#include "plugin/guarded.h"
+#include "plugin/handles.h"
+#include "plugin/plan.h"
 
 namespace moecap {
 namespace {

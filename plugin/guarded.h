@@ -6,7 +6,7 @@
 #include <exception>
 #include <new>
 
-#include "status.h"
+#include "base/status.h"
 
 namespace moecap {
 

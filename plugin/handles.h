@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <memory>
 
-#include "backend.h"
-#include "capturer.h"
 #include "moecap.h"
+#include "plugin/backend.h"
+#include "plugin/capturer.h"
 
 struct moecap_capturer {
   static constexpr uint64_t kLive = 0x6d6f656361702121ull;  // "moecap!!"

@@ -5,9 +5,9 @@
 #include <cstring>
 #include <new>
 
-#include "backend.h"
-#include "host_graph.h"
-#include "status.h"
+#include "base/status.h"
+#include "graphs/host_graph.h"
+#include "plugin/backend.h"
 
 namespace moecap {
 namespace {
@@ -24,14 +24,14 @@ class HostBackend final : public Backend {
   void* device_address_of_host(void* host) override { return host; }
 
   void capture(const CaptureParams& p, void*) override {
-    run([p] { capture_on_host(p); });
+    graphs_.run([p] { capture_on_host(p); });
   }
   void commit(const CommitParams& p, CommitPlacement, void*) override {
-    run([p] { commit_on_host(p); });
+    graphs_.run([p] { commit_on_host(p); });
   }
   void gather(const GatherParams& p, void*) override { gather_on_host(p); }
   void zero_device(void* ptr, size_t bytes, void*) override {
-    run([ptr, bytes] { std::memset(ptr, 0, bytes); });
+    graphs_.run([ptr, bytes] { std::memset(ptr, 0, bytes); });
   }
 
   bool commits_done(bool) override { return true; }
@@ -41,8 +41,8 @@ class HostBackend final : public Backend {
   void wait_stream(void*) override {}
   bool stream_capturing(void*) override { return false; }
 
-  void begin_graph(void*) override { recording_ = std::make_unique<HostGraph>(); }
-  std::unique_ptr<BackendGraph> end_graph() override { return std::move(recording_); }
+  void begin_graph(void*) override { graphs_.begin(); }
+  std::unique_ptr<BackendGraph> end_graph() override { return graphs_.end(); }
 
  private:
   static void* allocate(size_t bytes) {
@@ -51,16 +51,7 @@ class HostBackend final : public Backend {
     return p;
   }
 
-  template <class Op>
-  void run(Op op) {
-    if (recording_) {
-      recording_->record(op);
-    } else {
-      op();
-    }
-  }
-
-  std::unique_ptr<HostGraph> recording_;
+  HostGraphRecorder graphs_;
 };
 
 }  // namespace

@@ -1,10 +1,10 @@
-#include "plan.h"
+#include "plugin/plan.h"
 
 #include <algorithm>
 #include <limits>
 
-#include "element.h"
-#include "status.h"
+#include "base/status.h"
+#include "graphs/element.h"
 
 namespace moecap {
 namespace {

@@ -5,12 +5,12 @@
 #include <cstring>
 #include <vector>
 
-#include "backend.h"
-#include "element.h"
-#include "guarded.h"
+#include "base/status.h"
+#include "graphs/element.h"
 #include "moecap_record.h"
-#include "status.h"
-#include "tensor_args.h"
+#include "plugin/backend.h"
+#include "plugin/guarded.h"
+#include "plugin/tensor_args.h"
 
 namespace moecap {
 namespace {

@@ -1,7 +1,7 @@
-#include "tensor_args.h"
+#include "plugin/tensor_args.h"
 
-#include "element.h"
-#include "status.h"
+#include "base/status.h"
+#include "graphs/element.h"
 
 namespace moecap {
 

@@ -7,10 +7,11 @@
 #include <cstring>
 #include <memory>
 
-#include "backend.h"
-#include "driver.h"
-#include "element.h"
-#include "status.h"
+#include "base/cuda_driver.h"
+#include "base/status.h"
+#include "graphs/cuda_graph.h"
+#include "graphs/element.h"
+#include "plugin/backend.h"
 
 #if defined(MOECAP_HAVE_KERNELS)
 extern "C" const unsigned char moecap_kernels_fatbin[];
@@ -20,43 +21,6 @@ namespace moecap {
 namespace {
 
 using namespace cuda;
-
-// Makes the capturer's context current for one call, restoring the caller's.
-class ContextScope {
- public:
-  ContextScope(const Driver& d, CUcontext ctx) : d_(d) { check(d_, d_.cuCtxPushCurrent(ctx), "cuCtxPushCurrent"); }
-  ~ContextScope() {
-    CUcontext popped = nullptr;
-    d_.cuCtxPopCurrent(&popped);
-  }
-  ContextScope(const ContextScope&) = delete;
-  ContextScope& operator=(const ContextScope&) = delete;
-
- private:
-  const Driver& d_;
-};
-
-class CudaGraph final : public BackendGraph {
- public:
-  CudaGraph(const Driver& d, CUcontext ctx, CUgraph graph, CUgraphExec exec)
-      : d_(d), ctx_(ctx), graph_(graph), exec_(exec) {}
-  ~CudaGraph() override {
-    d_.cuGraphExecDestroy(exec_);
-    d_.cuGraphDestroy(graph_);
-  }
-  void launch(void* stream) override {
-    if (stream == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, "stream is NULL (the legacy default stream)");
-    ContextScope scope(d_, ctx_);
-    check(d_, d_.cuGraphLaunch(exec_, static_cast<CUstream>(stream)), "cuGraphLaunch");
-  }
-  void* native() override { return graph_; }
-
- private:
-  const Driver& d_;
-  CUcontext ctx_;
-  CUgraph graph_;
-  CUgraphExec exec_;
-};
 
 class CudaBackend final : public Backend {
  public:
@@ -249,23 +213,15 @@ class CudaBackend final : public Backend {
 
   void begin_graph(void* stream) override {
     ContextScope scope(d_, ctx_);
-    check(d_, d_.cuStreamBeginCapture(static_cast<CUstream>(stream), kCaptureModeThreadLocal), "cuStreamBeginCapture");
+    cuda::begin_graph(d_, static_cast<CUstream>(stream));
     recording_ = static_cast<CUstream>(stream);
   }
 
   std::unique_ptr<BackendGraph> end_graph() override {
     ContextScope scope(d_, ctx_);
-    CUgraph graph = nullptr;
     CUstream s = recording_;
     recording_ = nullptr;
-    check(d_, d_.cuStreamEndCapture(s, &graph), "cuStreamEndCapture");
-    CUgraphExec exec = nullptr;
-    const CUresult r = d_.cuGraphInstantiateWithFlags(&exec, graph, 0);
-    if (r != kSuccess) {
-      d_.cuGraphDestroy(graph);
-      check(d_, r, "cuGraphInstantiateWithFlags");
-    }
-    return std::make_unique<CudaGraph>(d_, ctx_, graph, exec);
+    return cuda::end_graph(d_, ctx_, s);
   }
 
  private:

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "moecap.h"
-#include "tensors.h"
+#include "tests/support/tensors.h"
 
 using namespace moecap_test;
 

@@ -12,9 +12,9 @@
 #include <cstring>
 #include <vector>
 
-#include "element.h"
+#include "graphs/element.h"
 #include "moecap.h"
-#include "tensors.h"
+#include "tests/support/tensors.h"
 
 namespace {
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "moecap.h"
-#include "tensors.h"
+#include "tests/support/tensors.h"
 
 using namespace moecap_test;
 

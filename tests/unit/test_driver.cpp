@@ -9,7 +9,7 @@
 #include <string>
 
 #include "moecap.h"
-#include "tensors.h"
+#include "tests/support/tensors.h"
 
 namespace {
 

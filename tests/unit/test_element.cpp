@@ -6,7 +6,7 @@
 #include <cstring>
 #include <limits>
 
-#include "element.h"
+#include "graphs/element.h"
 
 using namespace moecap;
 

@@ -4,7 +4,7 @@
 #include <doctest/doctest.h>
 
 #include "moecap.h"
-#include "tensors.h"
+#include "tests/support/tensors.h"
 
 using namespace moecap_test;
 

@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "moecap.h"
-#include "plan.h"
-#include "status.h"
-#include "tensors.h"
+#include "plugin/plan.h"
+#include "tests/support/tensors.h"
 
 using moecap_test::small_config;
 

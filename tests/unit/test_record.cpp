@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "moecap_record.h"
-#include "tensors.h"
+#include "tests/support/tensors.h"
 
 using moecap_test::HostTensor;
 

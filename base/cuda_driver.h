@@ -100,4 +100,19 @@ const Driver& driver();
 // for the stream-capture errors, DRIVER for the rest.
 void check(const Driver& d, CUresult r, const char* what);
 
+// Makes a context current for one call, restoring the caller's.
+class ContextScope {
+ public:
+  ContextScope(const Driver& d, CUcontext ctx) : d_(d) { check(d_, d_.cuCtxPushCurrent(ctx), "cuCtxPushCurrent"); }
+  ~ContextScope() {
+    CUcontext popped = nullptr;
+    d_.cuCtxPopCurrent(&popped);
+  }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+
+ private:
+  const Driver& d_;
+};
+
 }  // namespace moecap::cuda

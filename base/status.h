@@ -1,5 +1,5 @@
 // Errors inside the plugin are C++ exceptions of one type; the entry points
-// (entry_points.cpp) turn them into a status code and thread-local text, so
+// (plugin/entry_points.cpp) turn them into a status code and thread-local text, so
 // nothing ever crosses the C boundary.
 #pragma once
 

@@ -1,11 +1,11 @@
-#include "driver.h"
+#include "base/cuda_driver.h"
 
 #include <dlfcn.h>
 
 #include <cstdlib>
 #include <mutex>
 
-#include "status.h"
+#include "base/status.h"
 
 namespace moecap::cuda {
 namespace {
