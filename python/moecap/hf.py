@@ -113,17 +113,15 @@ def find_moe_layers(model, routers=None):
 class Attached:
     """What attach returns: the layers it hooks; detach() removes every hook."""
 
-    def __init__(self, layers, hooks, num_experts, top_k, shared_column, runner):
+    def __init__(self, layers, hooks, runner):
         self.layers = layers
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.shared_column = shared_column
         self._hooks = hooks
         self._runner = runner
 
-    @property
-    def num_layers(self):
-        return len(self.layers)
+    num_layers = property(lambda self: len(self.layers))
+    num_experts = property(lambda self: self._runner.num_experts)
+    top_k = property(lambda self: self._runner.top_k)
+    shared_column = property(lambda self: self._runner.shared_column, doc="1 if the shared expert rides as column top_k")
 
     def idle_step(self):
         """For an attention-DP rank with no tokens this step: joins each MoE
@@ -218,7 +216,7 @@ def attach(model, capturer, *, selector=None, routers=None, shared_expert=None, 
             hooks.append(layer.block.register_forward_hook(_block_hook(layer, runner)))
             if layer.shared_gate is not None:
                 hooks.append(layer.shared_gate.register_forward_hook(_gate_hook(layer, runner)))
-    return Attached(layers, hooks, num_experts, top_k, int(bool(shared_expert)), runner)
+    return Attached(layers, hooks, runner)
 
 
 def _router_hook(layer, runner, selector, shared_expert):

@@ -211,3 +211,38 @@ TEST_CASE("malformed records are refused before anything is decoded") {
   CHECK(back.at(4) == -1);
   CHECK(back.at(8) == 8);
 }
+
+TEST_CASE("every single-byte corruption and truncation is either refused untouched or decodes in range") {
+  HostTensor ids({5, 2, 3}, moecap_test::i32());
+  for (int64_t i = 0; i < ids.numel(); ++i) ids.set(i, (i * 7) % 11);
+  ids.set(4, -1);
+  HostTensor w({5, 2, 3}, moecap_test::f16());
+  HostTensor valid({5}, moecap_test::u8());
+  valid.fill<uint8_t>({1, 1, 0, 1, 1});
+  for (uint32_t flags : {0u, uint32_t{MOECAP_RECORD_PACKED}}) {
+    const auto good = encode(source_of(ids, 11, flags, w.get(), valid.get()));
+    for (size_t at = 0; at <= good.size(); ++at) {
+      for (int v : {0x00, 0x01, 0x80, 0xFF, -1}) {  // -1: truncate at `at`
+        std::vector<uint8_t> r = good;
+        if (v < 0) {
+          r.resize(at);
+        } else if (at < r.size()) {
+          r[at] = static_cast<uint8_t>(v);
+        } else {
+          r.push_back(static_cast<uint8_t>(v));
+        }
+        HostTensor out({5, 2, 3}, i16());
+        HostTensor wout({5, 2, 3}, moecap_test::f32());
+        for (int64_t i = 0; i < out.numel(); ++i) out.set(i, 77);
+        const moecap_status s = moecap_record_decode(r.data(), r.size(), out.get(), wout.get(), nullptr);
+        for (int64_t i = 0; i < out.numel(); ++i) {
+          if (s == MOECAP_OK) {
+            REQUIRE((out.at(i) >= -1 && out.at(i) < 11));
+          } else {
+            REQUIRE(out.at(i) == 77);
+          }
+        }
+      }
+    }
+  }
+}
