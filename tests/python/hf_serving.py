@@ -59,10 +59,10 @@ def tiny_config(model_type):
     return class_name, config
 
 
-def build(config, seed=0):
+def build(config, seed=0, dtype=torch.float32):
     global CACHE_ARG
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
     if "cache" in inspect.signature(model.model.forward).parameters:
         CACHE_ARG = "cache"
     if config.model_type == "deepseek_v3":  # a non-zero correction bias, so it matters
@@ -152,13 +152,13 @@ class Request:
 class Rank:
     """One attention-DP rank: a model replica, its capturer, its requests."""
 
-    def __init__(self, model, rank, dp_size, gather, host_slots, rows_per_rank, seed, shared_column):
+    def __init__(self, model, rank, dp_size, gather, host_slots, rows_per_rank, seed, shared_column, weight_dtype):
         self.model, self.rank, self.dp_size, self.gather = model, rank, dp_size, gather
         layers = hf.find_moe_layers(model)
         router = layers[0].router
         self.capturer = moecap.Capturer(
             num_layers=len(layers), top_k=router.top_k, num_experts=router.num_experts, host_slots=host_slots,
-            max_running_requests=8, chunked_prefill_size=rows_per_rank, dp_size=dp_size, weight_dtype="f32",
+            max_running_requests=8, chunked_prefill_size=rows_per_rank, dp_size=dp_size, weight_dtype=weight_dtype,
             extra_columns=1 if shared_column else 0)
         self.handle = hf.attach(model, self.capturer, gather=gather.rows(rank) if dp_size > 1 else None)
         self.table = RequestTable(self.capturer)
@@ -260,16 +260,18 @@ class Rank:
             self.finish(r)
 
 
-def serve(config, dp_size, waves_per_rank, active, chunk=3, host_slots=96, seed=0):
+def serve(config, dp_size, waves_per_rank, active, chunk=3, host_slots=96, seed=0, dtype=torch.float32):
     """Serves `waves_per_rank[r]` waves on each rank; active[r](step) says when
     rank r runs (False: idle that step). Returns the ranks."""
-    model = build(config)
+    model = build(config, dtype=dtype)
+    weight_dtype = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
     shared = any(layer.shared is not None for layer in hf.find_moe_layers(model))
     gather = AllGather(dp_size)
     batch = max(len(w) for waves in waves_per_rank for w in waves)
     # Replicas before any attach: deepcopy would copy the hooks too.
     models = [model] + [copy.deepcopy(model) for _ in range(dp_size - 1)]
-    ranks = [Rank(models[r], r, dp_size, gather, host_slots, batch * chunk, seed + r, shared) for r in range(dp_size)]
+    ranks = [Rank(models[r], r, dp_size, gather, host_slots, batch * chunk, seed + r, shared, weight_dtype)
+             for r in range(dp_size)]
     errors = []
 
     def run(rank):
