@@ -67,43 +67,9 @@ Driver load() {
   if (!r.usable()) {
     fail(MOECAP_ERROR_DRIVER_TOO_OLD, path, " has no cuGetProcAddress (needs CUDA 11.3 or newer)");
   }
-  r.get(d.cuGetErrorName, "cuGetErrorName");
-  r.get(d.cuGetErrorString, "cuGetErrorString");
-  r.get(d.cuDeviceGetCount, "cuDeviceGetCount");
-  r.get(d.cuDeviceGet, "cuDeviceGet");
-  r.get(d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
-  r.get(d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease");
-  r.get(d.cuCtxPushCurrent, "cuCtxPushCurrent");
-  r.get(d.cuCtxPopCurrent, "cuCtxPopCurrent");
-  r.get(d.cuMemAlloc, "cuMemAlloc");
-  r.get(d.cuMemFree, "cuMemFree");
-  r.get(d.cuMemHostAlloc, "cuMemHostAlloc");
-  r.get(d.cuMemFreeHost, "cuMemFreeHost");
-  r.get(d.cuMemHostGetDevicePointer, "cuMemHostGetDevicePointer");
-  r.get(d.cuMemsetD8Async, "cuMemsetD8Async");
-  r.get(d.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync");
-  r.get(d.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync");
-  r.get(d.cuModuleLoadData, "cuModuleLoadData");
-  r.get(d.cuModuleUnload, "cuModuleUnload");
-  r.get(d.cuModuleGetFunction, "cuModuleGetFunction");
-  r.get(d.cuLaunchKernel, "cuLaunchKernel");
-  r.get(d.cuStreamCreate, "cuStreamCreate");
-  r.get(d.cuStreamDestroy, "cuStreamDestroy");
-  r.get(d.cuStreamSynchronize, "cuStreamSynchronize");
-  r.get(d.cuStreamWaitEvent, "cuStreamWaitEvent");
-  r.get(d.cuStreamIsCapturing, "cuStreamIsCapturing");
-  r.get(d.cuStreamBeginCapture, "cuStreamBeginCapture");
-  r.get(d.cuStreamEndCapture, "cuStreamEndCapture");
-  r.get(d.cuEventCreate, "cuEventCreate");
-  r.get(d.cuEventDestroy, "cuEventDestroy");
-  r.get(d.cuEventRecord, "cuEventRecord");
-  r.get(d.cuEventRecordWithFlags, "cuEventRecordWithFlags");
-  r.get(d.cuEventQuery, "cuEventQuery");
-  r.get(d.cuEventSynchronize, "cuEventSynchronize");
-  r.get(d.cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags");
-  r.get(d.cuGraphLaunch, "cuGraphLaunch");
-  r.get(d.cuGraphExecDestroy, "cuGraphExecDestroy");
-  r.get(d.cuGraphDestroy, "cuGraphDestroy");
+#define MOECAP_CUDA_RESOLVE_ENTRY_POINT(name, params) r.get(d.name, #name);
+  MOECAP_CUDA_ENTRY_POINTS(MOECAP_CUDA_RESOLVE_ENTRY_POINT)
+#undef MOECAP_CUDA_RESOLVE_ENTRY_POINT
   return d;
 }
 

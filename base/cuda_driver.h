@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "base/stream.h"
+
 namespace moecap::cuda {
 
 using CUresult = int;
@@ -45,47 +47,56 @@ constexpr int kCaptureModeThreadLocal = 1;
 // (cuGraphInstantiateWithFlags is the newest of them).
 constexpr int kMinDriverVersion = 11040;
 
+// Every entry point resolved through cuGetProcAddress, written once as
+// X(name, parameter list): the Driver struct declares them and the loader
+// (cuda_driver.cpp) resolves them from this one list.
+#define MOECAP_CUDA_ENTRY_POINTS(X)                                                                           \
+  X(cuGetErrorName, (CUresult, const char**))                                                                 \
+  X(cuGetErrorString, (CUresult, const char**))                                                               \
+  X(cuDeviceGetCount, (int*))                                                                                 \
+  X(cuDeviceGet, (CUdevice*, int))                                                                            \
+  X(cuDevicePrimaryCtxRetain, (CUcontext*, CUdevice))                                                         \
+  X(cuDevicePrimaryCtxRelease, (CUdevice))                                                                    \
+  X(cuCtxPushCurrent, (CUcontext))                                                                            \
+  X(cuCtxPopCurrent, (CUcontext*))                                                                            \
+  X(cuMemAlloc, (CUdeviceptr*, size_t))                                                                       \
+  X(cuMemFree, (CUdeviceptr))                                                                                 \
+  X(cuMemHostAlloc, (void**, size_t, unsigned))                                                               \
+  X(cuMemFreeHost, (void*))                                                                                   \
+  X(cuMemHostGetDevicePointer, (CUdeviceptr*, void*, unsigned))                                               \
+  X(cuMemsetD8Async, (CUdeviceptr, unsigned char, size_t, CUstream))                                          \
+  X(cuMemcpyHtoDAsync, (CUdeviceptr, const void*, size_t, CUstream))                                         \
+  X(cuMemcpyDtoHAsync, (void*, CUdeviceptr, size_t, CUstream))                                               \
+  X(cuModuleLoadData, (CUmodule*, const void*))                                                               \
+  X(cuModuleUnload, (CUmodule))                                                                               \
+  X(cuModuleGetFunction, (CUfunction*, CUmodule, const char*))                                                \
+  X(cuLaunchKernel, (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, \
+                     void**, void**))                                                                         \
+  X(cuStreamCreate, (CUstream*, unsigned))                                                                    \
+  X(cuStreamDestroy, (CUstream))                                                                              \
+  X(cuStreamSynchronize, (CUstream))                                                                          \
+  X(cuStreamWaitEvent, (CUstream, CUevent, unsigned))                                                         \
+  X(cuStreamIsCapturing, (CUstream, int*))                                                                    \
+  X(cuStreamBeginCapture, (CUstream, int))                                                                    \
+  X(cuStreamEndCapture, (CUstream, CUgraph*))                                                                 \
+  X(cuEventCreate, (CUevent*, unsigned))                                                                      \
+  X(cuEventDestroy, (CUevent))                                                                                \
+  X(cuEventRecord, (CUevent, CUstream))                                                                       \
+  X(cuEventRecordWithFlags, (CUevent, CUstream, unsigned))                                                    \
+  X(cuEventQuery, (CUevent))                                                                                  \
+  X(cuEventSynchronize, (CUevent))                                                                            \
+  X(cuGraphInstantiateWithFlags, (CUgraphExec*, CUgraph, unsigned long long))                                 \
+  X(cuGraphLaunch, (CUgraphExec, CUstream))                                                                   \
+  X(cuGraphExecDestroy, (CUgraphExec))                                                                        \
+  X(cuGraphDestroy, (CUgraph))
+
 struct Driver {
-  CUresult (*cuInit)(unsigned);
-  CUresult (*cuDriverGetVersion)(int*);
-  CUresult (*cuGetErrorName)(CUresult, const char**);
-  CUresult (*cuGetErrorString)(CUresult, const char**);
-  CUresult (*cuDeviceGetCount)(int*);
-  CUresult (*cuDeviceGet)(CUdevice*, int);
-  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
-  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
-  CUresult (*cuCtxPushCurrent)(CUcontext);
-  CUresult (*cuCtxPopCurrent)(CUcontext*);
-  CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
-  CUresult (*cuMemFree)(CUdeviceptr);
-  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned);
-  CUresult (*cuMemFreeHost)(void*);
-  CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned);
-  CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
-  CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
-  CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
-  CUresult (*cuModuleLoadData)(CUmodule*, const void*);
-  CUresult (*cuModuleUnload)(CUmodule);
-  CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
-  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                             CUstream, void**, void**);
-  CUresult (*cuStreamCreate)(CUstream*, unsigned);
-  CUresult (*cuStreamDestroy)(CUstream);
-  CUresult (*cuStreamSynchronize)(CUstream);
-  CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
-  CUresult (*cuStreamIsCapturing)(CUstream, int*);
-  CUresult (*cuStreamBeginCapture)(CUstream, int);
-  CUresult (*cuStreamEndCapture)(CUstream, CUgraph*);
-  CUresult (*cuEventCreate)(CUevent*, unsigned);
-  CUresult (*cuEventDestroy)(CUevent);
-  CUresult (*cuEventRecord)(CUevent, CUstream);
-  CUresult (*cuEventRecordWithFlags)(CUevent, CUstream, unsigned);
-  CUresult (*cuEventQuery)(CUevent);
-  CUresult (*cuEventSynchronize)(CUevent);
-  CUresult (*cuGraphInstantiateWithFlags)(CUgraphExec*, CUgraph, unsigned long long);
-  CUresult (*cuGraphLaunch)(CUgraphExec, CUstream);
-  CUresult (*cuGraphExecDestroy)(CUgraphExec);
-  CUresult (*cuGraphDestroy)(CUgraph);
+  // Found with dlsym before anything else: they decide whether the rest can be.
+  CUresult (*cuInit)(unsigned) = nullptr;
+  CUresult (*cuDriverGetVersion)(int*) = nullptr;
+#define MOECAP_CUDA_DECLARE_ENTRY_POINT(name, params) CUresult(*name) params = nullptr;
+  MOECAP_CUDA_ENTRY_POINTS(MOECAP_CUDA_DECLARE_ENTRY_POINT)
+#undef MOECAP_CUDA_DECLARE_ENTRY_POINT
 
   int version = 0;  // cuDriverGetVersion
 };
@@ -99,6 +110,9 @@ const Driver& driver();
 // Throws moecap::Error naming `what` unless r == 0: OUT_OF_MEMORY, CAPTURE_ILLEGAL
 // for the stream-capture errors, DRIVER for the rest.
 void check(const Driver& d, CUresult r, const char* what);
+
+// The engine's stream as the driver takes it (NULL: the legacy default stream).
+inline CUstream cu_stream(EngineStream s) { return static_cast<CUstream>(s.handle()); }
 
 // Makes a context current for one call, restoring the caller's.
 class ContextScope {

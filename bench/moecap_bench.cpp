@@ -214,7 +214,7 @@ void BM_Abi_CaptureDirectCpp(benchmark::State& state) {
   int32_t ids[kTopK] = {1, 2, 3, 4, 5, 6, 7, 8};
   int64_t shape[2] = {1, kTopK};
   DLTensor t = tensor(ids, 2, shape, kI32);
-  for (auto _ : state) cap.capture(0, &t, nullptr, nullptr);
+  for (auto _ : state) cap.capture(0, &t, nullptr, moecap::EngineStream::legacy_default());
 }
 
 // --- memory -----------------------------------------------------------------------

@@ -3,12 +3,14 @@
 // backend a captured and instantiated CUgraph (cuda_graph.h).
 #pragma once
 
+#include "base/stream.h"
+
 namespace moecap {
 
 class BackendGraph {
  public:
   virtual ~BackendGraph() = default;
-  virtual void launch(void* stream) = 0;
+  virtual void launch(EngineStream stream) = 0;
   virtual void* native() = 0;  // CUgraph, or nullptr on the host backend
 };
 

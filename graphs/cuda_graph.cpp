@@ -1,5 +1,8 @@
 #include "graphs/cuda_graph.h"
 
+#include <utility>
+
+#include "base/cuda_owners.h"
 #include "base/status.h"
 
 namespace moecap::cuda {
@@ -7,24 +10,22 @@ namespace {
 
 class CudaGraph final : public BackendGraph {
  public:
-  CudaGraph(const Driver& d, CUcontext ctx, CUgraph graph, CUgraphExec exec)
-      : d_(d), ctx_(ctx), graph_(graph), exec_(exec) {}
-  ~CudaGraph() override {
-    d_.cuGraphExecDestroy(exec_);
-    d_.cuGraphDestroy(graph_);
-  }
-  void launch(void* stream) override {
-    if (stream == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, "stream is NULL (the legacy default stream)");
+  CudaGraph(const Driver& d, CUcontext ctx, UniqueGraph graph, UniqueGraphExec exec)
+      : d_(d), ctx_(ctx), graph_(std::move(graph)), exec_(std::move(exec)) {}
+  void launch(EngineStream stream) override {
+    if (stream.is_legacy_default()) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "stream is NULL (the legacy default stream)");
+    }
     ContextScope scope(d_, ctx_);
-    check(d_, d_.cuGraphLaunch(exec_, static_cast<CUstream>(stream)), "cuGraphLaunch");
+    check(d_, d_.cuGraphLaunch(exec_.get(), cu_stream(stream)), "cuGraphLaunch");
   }
-  void* native() override { return graph_; }
+  void* native() override { return graph_.get(); }
 
  private:
   const Driver& d_;
   CUcontext ctx_;
-  CUgraph graph_;
-  CUgraphExec exec_;
+  UniqueGraph graph_;     // declared first: the exec made from it goes first
+  UniqueGraphExec exec_;
 };
 
 }  // namespace
@@ -34,15 +35,12 @@ void begin_graph(const Driver& d, CUstream stream) {
 }
 
 std::unique_ptr<BackendGraph> end_graph(const Driver& d, CUcontext ctx, CUstream stream) {
-  CUgraph graph = nullptr;
-  check(d, d.cuStreamEndCapture(stream, &graph), "cuStreamEndCapture");
+  CUgraph captured = nullptr;
+  check(d, d.cuStreamEndCapture(stream, &captured), "cuStreamEndCapture");
+  UniqueGraph graph(d, ctx, captured);
   CUgraphExec exec = nullptr;
-  const CUresult r = d.cuGraphInstantiateWithFlags(&exec, graph, 0);
-  if (r != kSuccess) {
-    d.cuGraphDestroy(graph);
-    check(d, r, "cuGraphInstantiateWithFlags");
-  }
-  return std::make_unique<CudaGraph>(d, ctx, graph, exec);
+  check(d, d.cuGraphInstantiateWithFlags(&exec, graph.get(), 0), "cuGraphInstantiateWithFlags");
+  return std::make_unique<CudaGraph>(d, ctx, std::move(graph), UniqueGraphExec(d, ctx, exec));
 }
 
 }  // namespace moecap::cuda

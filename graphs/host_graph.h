@@ -16,7 +16,7 @@ namespace moecap {
 class HostGraph final : public BackendGraph {
  public:
   void record(std::function<void()> op) { ops_.push_back(std::move(op)); }
-  void launch(void*) override {
+  void launch(EngineStream) override {
     for (const auto& op : ops_) op();
   }
   void* native() override { return nullptr; }

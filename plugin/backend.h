@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <memory>
 
+#include "base/stream.h"
 #include "graphs/backend_graph.h"
 #include "graphs/kernel_params.h"
 #include "moecap.h"
@@ -33,18 +34,18 @@ class Backend {
   virtual void* device_address_of_host(void* host) = 0;
 
   // Stream-ordered work; legal in graphs.
-  virtual void capture(const CaptureParams& p, void* stream) = 0;
+  virtual void capture(const CaptureParams& p, EngineStream stream) = 0;
   // How a commit's index tensors reach the kernel, and where it is enqueued.
   struct CommitPlacement {
     bool slots_on_host;  // host memory the backend must stage (values already checked)
     bool rows_on_host;
     bool in_graph;       // `stream` is being captured (by the engine or by moecap)
   };
-  virtual void commit(const CommitParams& p, CommitPlacement where, void* stream) = 0;
-  virtual void zero_device(void* ptr, size_t bytes, void* stream) = 0;
+  virtual void commit(const CommitParams& p, CommitPlacement where, EngineStream stream) = 0;
+  virtual void zero_device(void* ptr, size_t bytes, EngineStream stream) = 0;
   // moecap_read into memory only kernels can write (device tensors); p.slots
   // is host memory the backend stages. Host outputs never come here.
-  virtual void gather(const GatherParams& p, void* stream) = 0;
+  virtual void gather(const GatherParams& p, EngineStream stream) = 0;
 
   // Host-side waits and copies (never legal in graphs).
   // Waits for (or, with block = false, polls) every commit enqueued so far.
@@ -52,13 +53,13 @@ class Backend {
   virtual void copy_device_to_host(void* dst, const void* src, size_t bytes) = 0;
   virtual void copy_host_to_device(void* dst, const void* src, size_t bytes) = 0;
   // Waits until the caller's stream finished what it enqueued so far.
-  virtual void wait_stream(void* stream) = 0;
+  virtual void wait_stream(EngineStream stream) = 0;
 
   // Whether `stream` is being captured into a graph (by anyone).
-  virtual bool stream_capturing(void* stream) = 0;
+  virtual bool stream_capturing(EngineStream stream) = 0;
 
   // Plugin-owned graphs: every operation until end_graph is recorded.
-  virtual void begin_graph(void* stream) = 0;
+  virtual void begin_graph(EngineStream stream) = 0;
   virtual std::unique_ptr<BackendGraph> end_graph() = 0;
 };
 

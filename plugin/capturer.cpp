@@ -17,18 +17,6 @@ constexpr uint8_t kGuardByte = 0xA5;
 
 size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-DLDataType dl_type(int32_t elem) {
-  switch (elem) {
-    case kU8: return DLDataType{kDLUInt, 8, 1};
-    case kU16: return DLDataType{kDLUInt, 16, 1};
-    case kI32: return DLDataType{kDLInt, 32, 1};
-    case kI64: return DLDataType{kDLInt, 64, 1};
-    case kF32: return DLDataType{kDLFloat, 32, 1};
-    case kBF16: return DLDataType{kDLBfloat, 16, 1};
-    default: return DLDataType{kDLFloat, 16, 1};
-  }
-}
-
 // The largest id an output dtype holds (-1 is always representable as "no expert").
 int64_t id_limit(int32_t elem) {
   switch (elem) {
@@ -90,15 +78,19 @@ Capturer::~Capturer() {
   backend_->free_device(device_block_);
 }
 
-void Capturer::require_stream(void* stream) {
+void Capturer::require_stream(EngineStream stream) {
   if (recording_ && stream != recording_stream_) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "stream differs from the one moecap_graph_begin records on");
   }
 }
 
-void Capturer::require_not_capturing(void* stream) {
+void Capturer::require_not_recording() const {
   if (recording_) fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "not allowed while moecap records a graph");
-  if (stream != nullptr && backend_->stream_capturing(stream)) {
+}
+
+void Capturer::require_not_capturing(EngineStream stream) {
+  require_not_recording();
+  if (!stream.is_legacy_default() && backend_->stream_capturing(stream)) {
     fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "not allowed while its stream is being captured into a graph");
   }
 }
@@ -175,7 +167,7 @@ void Capturer::check_host_slots(const DLTensor* slots, const char* name, bool al
   }
 }
 
-void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, void* stream) {
+void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, EngineStream stream) {
   const moecap_config& c = plan_.config;
   require_stream(stream);
   if (layer < 0 || layer >= c.num_layers) {
@@ -227,10 +219,10 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   backend_->capture(p, stream);
 }
 
-void Capturer::commit(const moecap_commit_args* args, void* stream) {
+void Capturer::commit(const moecap_commit_args* args, EngineStream stream) {
   check_struct(args, args ? args->struct_size : 0, sizeof(moecap_commit_args), "args");
   require_stream(stream);
-  const bool graph = recording_ || (stream != nullptr && backend_->stream_capturing(stream));
+  const bool graph = recording_ || (!stream.is_legacy_default() && backend_->stream_capturing(stream));
 
   const DLTensor* slots = args->dst_slots;
   const int32_t slots_elem = check_tensor(slots, {"args->dst_slots", {kI32, kI64}, 1});
@@ -282,7 +274,7 @@ void Capturer::commit(const moecap_commit_args* args, void* stream) {
   backend_->commit(p, Backend::CommitPlacement{slots_on_host, rows_on_host, graph}, stream);
 }
 
-void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, void* stream) {
+void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream) {
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   if ((flags & ~MOECAP_READ_NONBLOCKING) != 0) {
@@ -348,7 +340,7 @@ struct HostView {
   std::vector<uint8_t> copy;
 };
 
-HostView Capturer::host_view(const DLTensor* t, const char* name, void* stream) {
+HostView Capturer::host_view(const DLTensor* t, const char* name, EngineStream stream) {
   HostView v;
   v.tensor = *t;
   if (Backend::host_can_read(t->device)) return v;
@@ -365,7 +357,7 @@ HostView Capturer::host_view(const DLTensor* t, const char* name, void* stream) 
   return v;
 }
 
-void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, void* stream) {
+void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream) {
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   check_tensor(slots, {"slots", {kI32, kI64}, 1});
@@ -416,12 +408,12 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
 }
 
 void Capturer::synchronize() {
-  require_not_capturing(nullptr);
+  require_not_recording();
   settle(true);
 }
 
 moecap_error_counts Capturer::errors(bool clear) {
-  require_not_capturing(nullptr);
+  require_not_recording();
   backend_->commits_done(true);
   ErrorWord word{};
   void* dev = device_block_ + error_word_.offset;
@@ -437,7 +429,7 @@ moecap_error_counts Capturer::errors(bool clear) {
   return out;
 }
 
-void Capturer::histogram_reset(void* stream) {
+void Capturer::histogram_reset(EngineStream stream) {
   if (!plan_.has_histogram()) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "the capturer was created without ",
          "MOECAP_FLAG_HISTOGRAM");
@@ -453,7 +445,7 @@ BufferView Capturer::view(int32_t which, int32_t layer) const {
   auto rows_view = [&](uint8_t* base, const Region& r, int32_t elem, int64_t rows, DLDevice dev) {
     v.data = base + r.offset;
     v.device = dev;
-    v.dtype = dl_type(elem);
+    v.dtype = dtype_of(elem);
     v.ndim = 3;
     v.shape[0] = rows;
     v.shape[1] = c.num_layers;
@@ -486,7 +478,7 @@ BufferView Capturer::view(int32_t which, int32_t layer) const {
       }
       v.data = device_block_ + histogram_.offset;
       v.device = backend_->device();
-      v.dtype = dl_type(kI64);
+      v.dtype = dtype_of(kI64);
       v.ndim = 2;
       v.shape[0] = c.num_layers;
       v.shape[1] = c.num_experts;
@@ -503,7 +495,7 @@ BufferView Capturer::view(int32_t which, int32_t layer) const {
       const Region& r = ids ? device_ids_ : device_weights_;
       v.data = device_block_ + r.offset + static_cast<int64_t>(layer) * c.top_k * elem_bytes(elem);
       v.device = backend_->device();
-      v.dtype = dl_type(elem);
+      v.dtype = dtype_of(elem);
       v.ndim = 2;
       v.shape[0] = plan_.device_rows;
       v.shape[1] = c.top_k;
@@ -517,13 +509,13 @@ BufferView Capturer::view(int32_t which, int32_t layer) const {
   return v;
 }
 
-void Capturer::graph_begin(void* stream) {
+void Capturer::graph_begin(EngineStream stream) {
   if (recording_) fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "this capturer already records a graph");
-  if (plan_.config.device_type == MOECAP_DEVICE_CUDA && stream == nullptr) {
+  if (plan_.config.device_type == MOECAP_DEVICE_CUDA && stream.is_legacy_default()) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "stream is NULL; the legacy default stream cannot be ",
          "captured");
   }
-  if (stream != nullptr && backend_->stream_capturing(stream)) {
+  if (!stream.is_legacy_default() && backend_->stream_capturing(stream)) {
     fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "stream is already being captured; call moecap ",
          "directly inside the engine's own capture instead");
   }
@@ -535,7 +527,7 @@ void Capturer::graph_begin(void* stream) {
 std::unique_ptr<BackendGraph> Capturer::graph_end() {
   if (!recording_) fail(MOECAP_ERROR_INVALID_ARGUMENT, "no moecap_graph_begin on this capturer");
   recording_ = false;
-  recording_stream_ = nullptr;
+  recording_stream_ = EngineStream::legacy_default();
   return backend_->end_graph();
 }
 

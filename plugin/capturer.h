@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 
+#include "base/stream.h"
 #include "moecap.h"
 #include "plugin/backend.h"
 #include "plugin/plan.h"
@@ -34,16 +35,16 @@ class Capturer {
   const Plan& plan() const { return plan_; }
   std::mutex& mutex() { return mutex_; }
 
-  void capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, void* stream);
-  void commit(const moecap_commit_args* args, void* stream);
-  void read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, void* stream);
-  void write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, void* stream);
+  void capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, EngineStream stream);
+  void commit(const moecap_commit_args* args, EngineStream stream);
+  void read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream);
+  void write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream);
   void synchronize();
   moecap_error_counts errors(bool clear);
-  void histogram_reset(void* stream);
+  void histogram_reset(EngineStream stream);
   BufferView view(int32_t which, int32_t layer) const;
 
-  void graph_begin(void* stream);
+  void graph_begin(EngineStream stream);
   std::unique_ptr<BackendGraph> graph_end();
   bool recording() const { return recording_; }
 
@@ -58,7 +59,9 @@ class Capturer {
     size_t bytes;
   };
 
-  void require_not_capturing(void* stream);
+  // Host-side waits (synchronize, errors) take no stream: only moecap's own recording forbids them.
+  void require_not_recording() const;
+  void require_not_capturing(EngineStream stream);
   // Argument placement: refuses a tensor the kernels cannot read in place.
   void require_kernel_readable(const DLTensor* t, const char* name) const;
   // Refuses a tensor the host cannot read now.
@@ -68,14 +71,14 @@ class Capturer {
   bool staged_index(const DLTensor* t, const char* name, bool graph) const;
   // Requires [rows, num_layers, top_k]: the shape of a request's rows.
   void check_request_rows(const DLTensor* t, const char* name, int64_t rows, const char* rows_from) const;
-  void require_stream(void* stream);
+  void require_stream(EngineStream stream);
   // Waits for commits, then fails with ROWS_SKIPPED while the counter is set.
   void settle(bool block);
   // Fails with OUT_OF_RANGE naming the first index tensor entry outside [allow_drop ? -1 : 0, limit).
   void check_host_slots(const DLTensor* slots, const char* name, bool allow_drop, int64_t limit) const;
   void write_guards();
   void check_guards(bool device_regions);
-  HostView host_view(const DLTensor* t, const char* name, void* stream);
+  HostView host_view(const DLTensor* t, const char* name, EngineStream stream);
   bool on_host() const { return plan_.config.device_type == MOECAP_DEVICE_HOST; }
 
   Plan plan_;
@@ -88,7 +91,7 @@ class Capturer {
   Region device_ids_{}, device_weights_{}, histogram_{}, error_word_{};
   Region host_ids_{}, host_weights_{};
   bool recording_ = false;
-  void* recording_stream_ = nullptr;
+  EngineStream recording_stream_ = EngineStream::legacy_default();
 };
 
 }  // namespace moecap

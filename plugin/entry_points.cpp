@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "base/stream.h"
 #include "plugin/guarded.h"
 #include "plugin/handles.h"
 #include "plugin/plan.h"
@@ -63,6 +64,7 @@ const char* last_error() { return t_last_error.c_str(); }
 }  // namespace moecap
 
 using moecap::Capturer;
+using moecap::EngineStream;
 using moecap::fail;
 using moecap::guarded;
 using moecap::live;
@@ -138,7 +140,7 @@ moecap_status moecap_capture(moecap_capturer* capturer, int32_t layer, const DLT
   return guarded("moecap_capture", [&] {
     Capturer& c = live(capturer);
     std::lock_guard<std::mutex> lock(c.mutex());
-    c.capture(layer, topk_ids, topk_weights, stream);
+    c.capture(layer, topk_ids, topk_weights, EngineStream::from_abi(stream));
   });
 }
 
@@ -153,7 +155,7 @@ moecap_status moecap_commit(moecap_capturer* capturer, const moecap_commit_args*
   return guarded("moecap_commit", [&] {
     Capturer& c = live(capturer);
     std::lock_guard<std::mutex> lock(c.mutex());
-    c.commit(args, stream);
+    c.commit(args, EngineStream::from_abi(stream));
   });
 }
 
@@ -162,7 +164,7 @@ moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTe
   return guarded("moecap_read", [&] {
     Capturer& c = live(capturer);
     std::lock_guard<std::mutex> lock(c.mutex());
-    c.read(slots, ids_out, weights_out, flags, stream);
+    c.read(slots, ids_out, weights_out, flags, EngineStream::from_abi(stream));
   });
 }
 
@@ -171,7 +173,7 @@ moecap_status moecap_write(moecap_capturer* capturer, const DLTensor* slots, con
   return guarded("moecap_write", [&] {
     Capturer& c = live(capturer);
     std::lock_guard<std::mutex> lock(c.mutex());
-    c.write(slots, ids, weights, stream);
+    c.write(slots, ids, weights, EngineStream::from_abi(stream));
   });
 }
 
@@ -199,7 +201,7 @@ moecap_status moecap_histogram_reset(moecap_capturer* capturer, void* stream) {
   return guarded("moecap_histogram_reset", [&] {
     Capturer& c = live(capturer);
     std::lock_guard<std::mutex> lock(c.mutex());
-    c.histogram_reset(stream);
+    c.histogram_reset(EngineStream::from_abi(stream));
   });
 }
 
@@ -224,7 +226,7 @@ moecap_status moecap_graph_begin(moecap_capturer* capturer, void* stream) {
   return guarded("moecap_graph_begin", [&] {
     Capturer& c = live(capturer);
     std::lock_guard<std::mutex> lock(c.mutex());
-    c.graph_begin(stream);
+    c.graph_begin(EngineStream::from_abi(stream));
   });
 }
 
@@ -247,7 +249,7 @@ moecap_status moecap_graph_launch(moecap_graph* graph, void* stream) {
     if (g.owner->recording()) {
       fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "the capturer is recording a graph; replay after moecap_graph_end");
     }
-    g.graph->launch(stream);
+    g.graph->launch(EngineStream::from_abi(stream));
   });
 }
 

@@ -23,14 +23,14 @@ class HostBackend final : public Backend {
   void free_host(void* ptr) override { std::free(ptr); }
   void* device_address_of_host(void* host) override { return host; }
 
-  void capture(const CaptureParams& p, void*) override {
+  void capture(const CaptureParams& p, EngineStream) override {
     graphs_.run([p] { capture_on_host(p); });
   }
-  void commit(const CommitParams& p, CommitPlacement, void*) override {
+  void commit(const CommitParams& p, CommitPlacement, EngineStream) override {
     graphs_.run([p] { commit_on_host(p); });
   }
-  void gather(const GatherParams& p, void*) override { gather_on_host(p); }
-  void zero_device(void* ptr, size_t bytes, void*) override {
+  void gather(const GatherParams& p, EngineStream) override { gather_on_host(p); }
+  void zero_device(void* ptr, size_t bytes, EngineStream) override {
     graphs_.run([ptr, bytes] { std::memset(ptr, 0, bytes); });
   }
 
@@ -38,10 +38,10 @@ class HostBackend final : public Backend {
   void copy_device_to_host(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy_host_to_device(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
 
-  void wait_stream(void*) override {}
-  bool stream_capturing(void*) override { return false; }
+  void wait_stream(EngineStream) override {}
+  bool stream_capturing(EngineStream) override { return false; }
 
-  void begin_graph(void*) override { graphs_.begin(); }
+  void begin_graph(EngineStream) override { graphs_.begin(); }
   std::unique_ptr<BackendGraph> end_graph() override { return graphs_.end(); }
 
  private:

@@ -5,21 +5,45 @@
 
 namespace moecap {
 
+namespace {
+
+// Every Elem with its DLPack dtype and name, in Elem order: the one place the
+// two enumerations meet.
+struct ElemType {
+  Elem elem;
+  uint8_t code;  // DLDataTypeCode
+  uint8_t bits;
+  const char* name;
+};
+constexpr ElemType kElemTypes[] = {
+    {kU8, kDLUInt, 8, "uint8"},       {kI8, kDLInt, 8, "int8"},        {kU16, kDLUInt, 16, "uint16"},
+    {kI16, kDLInt, 16, "int16"},      {kI32, kDLInt, 32, "int32"},     {kI64, kDLInt, 64, "int64"},
+    {kF32, kDLFloat, 32, "float32"},  {kBF16, kDLBfloat, 16, "bfloat16"}, {kF16, kDLFloat, 16, "float16"},
+};
+constexpr int32_t kElemCount = static_cast<int32_t>(sizeof kElemTypes / sizeof kElemTypes[0]);
+
+constexpr bool in_elem_order() {
+  for (int32_t i = 0; i < kElemCount; ++i)
+    if (kElemTypes[i].elem != i) return false;
+  return true;
+}
+static_assert(in_elem_order(), "kElemTypes is indexed by Elem");
+
+}  // namespace
+
 int32_t elem_of(DLDataType d) {
   if (d.lanes != 1) return -1;
-  switch (d.code) {
-    case kDLUInt: return d.bits == 8 ? kU8 : d.bits == 16 ? kU16 : -1;
-    case kDLInt: return d.bits == 8 ? kI8 : d.bits == 16 ? kI16 : d.bits == 32 ? kI32 : d.bits == 64 ? kI64 : -1;
-    case kDLFloat: return d.bits == 32 ? kF32 : d.bits == 16 ? kF16 : -1;
-    case kDLBfloat: return d.bits == 16 ? kBF16 : -1;
-    default: return -1;
-  }
+  for (const ElemType& t : kElemTypes)
+    if (t.code == d.code && t.bits == d.bits) return t.elem;
+  return -1;
 }
 
-const char* elem_name(int32_t e) {
-  static const char* const names[] = {"uint8", "int8", "uint16", "int16", "int32", "int64", "float32", "bfloat16", "float16"};
-  return (e >= 0 && e <= kF16) ? names[e] : "unknown";
+DLDataType dtype_of(int32_t elem) {
+  if (elem < 0 || elem >= kElemCount) fail(MOECAP_ERROR_INTERNAL, "no DLPack dtype for Elem ", elem);
+  return DLDataType{kElemTypes[elem].code, kElemTypes[elem].bits, 1};
 }
+
+const char* elem_name(int32_t e) { return (e >= 0 && e < kElemCount) ? kElemTypes[e].name : "unknown"; }
 
 std::string dtype_name(DLDataType d) {
   const int32_t e = elem_of(d);

@@ -10,8 +10,10 @@
 
 namespace moecap {
 
-// The Elem of a DLPack dtype, or -1 if moecap does not handle it.
+// The Elem of a DLPack dtype, or -1 if moecap does not handle it; dtype_of
+// is the inverse (Elem values only).
 int32_t elem_of(DLDataType dtype);
+DLDataType dtype_of(int32_t elem);
 std::string dtype_name(DLDataType dtype);
 const char* elem_name(int32_t elem);
 std::string device_name(DLDevice device);

@@ -8,7 +8,9 @@
 #include <memory>
 
 #include "base/cuda_driver.h"
+#include "base/cuda_owners.h"
 #include "base/status.h"
+#include "base/stream.h"
 #include "graphs/cuda_graph.h"
 #include "graphs/element.h"
 #include "plugin/backend.h"
@@ -21,6 +23,16 @@ namespace moecap {
 namespace {
 
 using namespace cuda;
+
+// A kernel of the embedded fatbin and how its grid is sized: one unit of work
+// (an element, or a committed row for the commit kernel's warp per row) per
+// `units_per_block`, 256 threads a block.
+struct Kernel {
+  const char* name;
+  int64_t units_per_block;
+  const char* launch_what;  // names the launch in errors
+  CUfunction fn = nullptr;
+};
 
 class CudaBackend final : public Backend {
  public:
@@ -35,29 +47,28 @@ class CudaBackend final : public Backend {
     if (ordinal_ >= count) {
       fail(MOECAP_ERROR_NO_DEVICE, "config->device_id is ", ordinal_, "; the driver reports ", count, " GPU(s)");
     }
-    check(d_, d_.cuDeviceGet(&device_, ordinal_), "cuDeviceGet");
-    check(d_, d_.cuDevicePrimaryCtxRetain(&ctx_, device_), "cuDevicePrimaryCtxRetain");
-    try {
-      ContextScope scope(d_, ctx_);
-      check(d_, d_.cuModuleLoadData(&module_, moecap_kernels_fatbin), "cuModuleLoadData (embedded kernels)");
-      check(d_, d_.cuModuleGetFunction(&capture_fn_, module_, "moecap_capture_kernel"), "cuModuleGetFunction");
-      check(d_, d_.cuModuleGetFunction(&commit_fn_, module_, "moecap_commit_kernel"), "cuModuleGetFunction");
-      check(d_, d_.cuModuleGetFunction(&gather_fn_, module_, "moecap_gather_kernel"), "cuModuleGetFunction");
-      check(d_, d_.cuStreamCreate(&internal_, kStreamNonBlocking), "cuStreamCreate");
-      for (CUevent& e : events_) check(d_, d_.cuEventCreate(&e, kEventDisableTiming), "cuEventCreate");
-      check(d_, d_.cuEventCreate(&staging_free_, kEventDisableTiming), "cuEventCreate");
-      staging_rows_ = plan.device_rows;
-      const size_t staging = static_cast<size_t>(staging_rows_) * sizeof(int64_t);
-      check(d_, d_.cuMemAlloc(&slot_staging_, staging), "cuMemAlloc (slot staging)");
-      check(d_, d_.cuMemAlloc(&row_staging_, staging), "cuMemAlloc (row staging)");
-    } catch (...) {
-      release();
-      throw;
+    CUdevice device = 0;
+    check(d_, d_.cuDeviceGet(&device, ordinal_), "cuDeviceGet");
+    // Every owner below frees its object if a later step throws.
+    ctx_ = PrimaryContext(d_, device);
+    ContextScope scope(d_, ctx());
+    CUmodule module = nullptr;
+    check(d_, d_.cuModuleLoadData(&module, moecap_kernels_fatbin), "cuModuleLoadData (embedded kernels)");
+    module_ = UniqueModule(d_, ctx(), module);
+    for (Kernel* k : {&capture_, &commit_, &gather_}) {
+      check(d_, d_.cuModuleGetFunction(&k->fn, module_.get(), k->name), "cuModuleGetFunction");
     }
+    CUstream internal = nullptr;
+    check(d_, d_.cuStreamCreate(&internal, kStreamNonBlocking), "cuStreamCreate");
+    internal_ = UniqueStream(d_, ctx(), internal);
+    for (UniqueEvent& e : events_) e = create_event();
+    staging_free_ = create_event();
+    staging_rows_ = plan.device_rows;
+    const size_t staging = static_cast<size_t>(staging_rows_) * sizeof(int64_t);
+    slot_staging_ = allocate_device(staging, "cuMemAlloc (slot staging)");
+    row_staging_ = allocate_device(staging, "cuMemAlloc (row staging)");
 #endif
   }
-
-  ~CudaBackend() override { release(); }
 
   DLDevice device() const override { return DLDevice{kDLCUDA, ordinal_}; }
   bool kernel_can_read(DLDevice d) const override {
@@ -66,75 +77,52 @@ class CudaBackend final : public Backend {
   }
 
   void* alloc_device(size_t bytes) override {
-    ContextScope scope(d_, ctx_);
-    CUdeviceptr p = 0;
-    check(d_, d_.cuMemAlloc(&p, bytes == 0 ? 1 : bytes), "cuMemAlloc");
-    CUresult r = d_.cuMemsetD8Async(p, 0, bytes, internal_);
-    if (r == kSuccess) r = d_.cuStreamSynchronize(internal_);
-    if (r != kSuccess) {
-      d_.cuMemFree(p);
-      check(d_, r, "cuMemsetD8Async");
-    }
-    return reinterpret_cast<void*>(p);
+    ContextScope scope(d_, ctx());
+    UniqueDeviceMemory p = allocate_device(bytes == 0 ? 1 : bytes, "cuMemAlloc");
+    check(d_, d_.cuMemsetD8Async(p.get(), 0, bytes, internal_.get()), "cuMemsetD8Async");
+    check(d_, d_.cuStreamSynchronize(internal_.get()), "cuStreamSynchronize");
+    return reinterpret_cast<void*>(p.release());
   }
-  // Frees run from destructors, also at process exit when the driver may be
-  // gone: they never throw, and a driver that cannot free anymore keeps it.
-  void free_device(void* ptr) override {
-    if (d_.cuCtxPushCurrent(ctx_) != kSuccess) return;
-    d_.cuMemFree(reinterpret_cast<CUdeviceptr>(ptr));
-    CUcontext popped = nullptr;
-    d_.cuCtxPopCurrent(&popped);
-  }
+  // The owners free in the backend's context and never throw (see cuda_owners.h).
+  void free_device(void* ptr) override { UniqueDeviceMemory(d_, ctx(), reinterpret_cast<CUdeviceptr>(ptr)).reset(); }
   void* alloc_host(size_t bytes) override {
-    ContextScope scope(d_, ctx_);
+    ContextScope scope(d_, ctx());
     void* p = nullptr;
     check(d_, d_.cuMemHostAlloc(&p, bytes == 0 ? 1 : bytes, kMemHostAllocPortable | kMemHostAllocDeviceMap),
           "cuMemHostAlloc");
     std::memset(p, 0, bytes);
     return p;
   }
-  void free_host(void* ptr) override {
-    if (d_.cuCtxPushCurrent(ctx_) != kSuccess) return;
-    d_.cuMemFreeHost(ptr);
-    CUcontext popped = nullptr;
-    d_.cuCtxPopCurrent(&popped);
-  }
+  void free_host(void* ptr) override { UniquePinnedMemory(d_, ctx(), ptr).reset(); }
   void* device_address_of_host(void* host) override {
-    ContextScope scope(d_, ctx_);
+    ContextScope scope(d_, ctx());
     CUdeviceptr p = 0;
     check(d_, d_.cuMemHostGetDevicePointer(&p, host, 0), "cuMemHostGetDevicePointer");
     return reinterpret_cast<void*>(p);
   }
 
-  void capture(const CaptureParams& p, void* stream) override {
-    ContextScope scope(d_, ctx_);
-    const int64_t elements = p.n * p.top_k;
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((elements + 255) / 256, 4096));
-    CaptureParams params = p;
-    void* args[] = {&params};
-    check(d_, d_.cuLaunchKernel(capture_fn_, blocks, 1, 1, 256, 1, 1, 0, static_cast<CUstream>(stream), args, nullptr),
-          "cuLaunchKernel (capture)");
+  void capture(const CaptureParams& p, EngineStream stream) override {
+    ContextScope scope(d_, ctx());
+    launch(capture_, p, p.n * p.top_k, cu_stream(stream));
   }
 
-  void commit(const CommitParams& p, CommitPlacement where, void* stream) override {
-    ContextScope scope(d_, ctx_);
-    CUstream s = static_cast<CUstream>(stream);
+  void commit(const CommitParams& p, CommitPlacement where, EngineStream stream) override {
+    ContextScope scope(d_, ctx());
+    const CUstream s = cu_stream(stream);
     CommitParams params = p;
     const bool staged = where.slots_on_host || where.rows_on_host;
     if (staged) {
       // One staging area per capturer: the previous user must be done with it.
-      check(d_, d_.cuStreamWaitEvent(s, staging_free_, 0), "cuStreamWaitEvent");
+      check(d_, d_.cuStreamWaitEvent(s, staging_free_.get(), 0), "cuStreamWaitEvent");
       if (where.slots_on_host) params.dst_slots = stage(slot_staging_, p.dst_slots, p.count, p.dst_slots_elem, s);
       if (where.rows_on_host) params.src_rows = stage(row_staging_, p.src_rows, p.count, p.src_rows_elem, s);
     }
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((p.count + 7) / 8, 4096));
-    void* args[] = {&params};
-    check(d_, d_.cuLaunchKernel(commit_fn_, blocks, 1, 1, 256, 1, 1, 0, s, args, nullptr), "cuLaunchKernel (commit)");
-    if (staged) check(d_, d_.cuEventRecord(staging_free_, s), "cuEventRecord");
+    launch(commit_, params, p.count, s);
+    if (staged) check(d_, d_.cuEventRecord(staging_free_.get(), s), "cuEventRecord");
     // Inside a capture a plain record only expresses a dependency inside the
     // graph, and the host may not wait on it; an external record becomes an
     // event-record node that every replay performs, so read can wait for it.
-    CUevent e = events_[next_event_];
+    const CUevent e = events_[next_event_].get();
     if (where.in_graph) {
       check(d_, d_.cuEventRecordWithFlags(e, s, kEventRecordExternal), "cuEventRecordWithFlags (commit)");
     } else {
@@ -144,10 +132,10 @@ class CudaBackend final : public Backend {
     if (recorded_ < events_.size()) ++recorded_;
   }
 
-  void gather(const GatherParams& p, void* stream) override {
-    ContextScope scope(d_, ctx_);
-    CUstream s = static_cast<CUstream>(stream);
-    check(d_, d_.cuStreamWaitEvent(s, staging_free_, 0), "cuStreamWaitEvent");
+  void gather(const GatherParams& p, EngineStream stream) override {
+    ContextScope scope(d_, ctx());
+    const CUstream s = cu_stream(stream);
+    check(d_, d_.cuStreamWaitEvent(s, staging_free_.get(), 0), "cuStreamWaitEvent");
     // The staging area holds device_rows slots; longer requests go in pieces,
     // each ordered on `s` after the previous piece's kernel read the staging.
     const int64_t slot_bytes = elem_bytes(p.slots_elem);
@@ -160,27 +148,24 @@ class CudaBackend final : public Backend {
                           p.slots_elem, s);
       piece.dst_ids = static_cast<uint8_t*>(p.dst_ids) + first * id_row;
       if (p.dst_weights) piece.dst_weights = static_cast<uint8_t*>(p.dst_weights) + first * w_row;
-      const int64_t elements = piece.count * p.row_elements;
-      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((elements + 255) / 256, 4096));
-      void* args[] = {&piece};
-      check(d_, d_.cuLaunchKernel(gather_fn_, blocks, 1, 1, 256, 1, 1, 0, s, args, nullptr), "cuLaunchKernel (gather)");
+      launch(gather_, piece, piece.count * p.row_elements, s);
     }
-    check(d_, d_.cuEventRecord(staging_free_, s), "cuEventRecord");
+    check(d_, d_.cuEventRecord(staging_free_.get(), s), "cuEventRecord");
   }
 
-  void zero_device(void* ptr, size_t bytes, void* stream) override {
-    ContextScope scope(d_, ctx_);
-    check(d_, d_.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(ptr), 0, bytes, static_cast<CUstream>(stream)),
+  void zero_device(void* ptr, size_t bytes, EngineStream stream) override {
+    ContextScope scope(d_, ctx());
+    check(d_, d_.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(ptr), 0, bytes, cu_stream(stream)),
           "cuMemsetD8Async");
   }
 
   bool commits_done(bool block) override {
-    ContextScope scope(d_, ctx_);
+    ContextScope scope(d_, ctx());
     for (size_t i = 0; i < recorded_; ++i) {
       if (block) {
-        check(d_, d_.cuEventSynchronize(events_[i]), "cuEventSynchronize");
+        check(d_, d_.cuEventSynchronize(events_[i].get()), "cuEventSynchronize");
       } else {
-        const CUresult r = d_.cuEventQuery(events_[i]);
+        const CUresult r = d_.cuEventQuery(events_[i].get());
         if (r == kErrorNotReady) return false;
         check(d_, r, "cuEventQuery");
       }
@@ -189,84 +174,93 @@ class CudaBackend final : public Backend {
   }
 
   void copy_device_to_host(void* dst, const void* src, size_t bytes) override {
-    ContextScope scope(d_, ctx_);
-    check(d_, d_.cuMemcpyDtoHAsync(dst, reinterpret_cast<CUdeviceptr>(src), bytes, internal_), "cuMemcpyDtoHAsync");
-    check(d_, d_.cuStreamSynchronize(internal_), "cuStreamSynchronize");
+    ContextScope scope(d_, ctx());
+    check(d_, d_.cuMemcpyDtoHAsync(dst, reinterpret_cast<CUdeviceptr>(src), bytes, internal_.get()),
+          "cuMemcpyDtoHAsync");
+    check(d_, d_.cuStreamSynchronize(internal_.get()), "cuStreamSynchronize");
   }
   void copy_host_to_device(void* dst, const void* src, size_t bytes) override {
-    ContextScope scope(d_, ctx_);
-    check(d_, d_.cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, internal_), "cuMemcpyHtoDAsync");
-    check(d_, d_.cuStreamSynchronize(internal_), "cuStreamSynchronize");
+    ContextScope scope(d_, ctx());
+    check(d_, d_.cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, internal_.get()),
+          "cuMemcpyHtoDAsync");
+    check(d_, d_.cuStreamSynchronize(internal_.get()), "cuStreamSynchronize");
   }
 
-  void wait_stream(void* stream) override {
-    ContextScope scope(d_, ctx_);
-    check(d_, d_.cuStreamSynchronize(static_cast<CUstream>(stream)), "cuStreamSynchronize");
+  void wait_stream(EngineStream stream) override {
+    ContextScope scope(d_, ctx());
+    check(d_, d_.cuStreamSynchronize(cu_stream(stream)), "cuStreamSynchronize");
   }
 
-  bool stream_capturing(void* stream) override {
-    ContextScope scope(d_, ctx_);
+  bool stream_capturing(EngineStream stream) override {
+    ContextScope scope(d_, ctx());
     int status = kCaptureStatusNone;
-    check(d_, d_.cuStreamIsCapturing(static_cast<CUstream>(stream), &status), "cuStreamIsCapturing");
+    check(d_, d_.cuStreamIsCapturing(cu_stream(stream), &status), "cuStreamIsCapturing");
     return status != kCaptureStatusNone;
   }
 
-  void begin_graph(void* stream) override {
-    ContextScope scope(d_, ctx_);
-    cuda::begin_graph(d_, static_cast<CUstream>(stream));
-    recording_ = static_cast<CUstream>(stream);
+  void begin_graph(EngineStream stream) override {
+    ContextScope scope(d_, ctx());
+    cuda::begin_graph(d_, cu_stream(stream));
+    recording_ = cu_stream(stream);
   }
 
   std::unique_ptr<BackendGraph> end_graph() override {
-    ContextScope scope(d_, ctx_);
-    CUstream s = recording_;
+    ContextScope scope(d_, ctx());
+    const CUstream s = recording_;
     recording_ = nullptr;
-    return cuda::end_graph(d_, ctx_, s);
+    return cuda::end_graph(d_, ctx(), s);
   }
 
  private:
-  // Copies `count` host indices into a staging buffer on `s`; returns it.
-  const void* stage(CUdeviceptr staging, const void* host, int64_t count, int32_t elem, CUstream s) {
-    check(d_, d_.cuMemcpyHtoDAsync(staging, host, static_cast<size_t>(count * elem_bytes(elem)), s),
-          "cuMemcpyHtoDAsync (staging)");
-    return reinterpret_cast<const void*>(staging);
+  CUcontext ctx() const { return ctx_.get(); }
+
+  // Every kernel launch: the parameter struct is the kernel's one argument;
+  // the grid is capped at 4096 blocks, the kernels loop over what it does not
+  // cover. The grid is frozen in a graph, so it follows the call's sizes.
+  template <class Params>
+  void launch(const Kernel& k, Params params, int64_t units, CUstream s) {
+    constexpr unsigned kThreads = 256;
+    constexpr int64_t kMaxBlocks = 4096;
+    const auto blocks = static_cast<unsigned>(std::min((units + k.units_per_block - 1) / k.units_per_block, kMaxBlocks));
+    void* args[] = {&params};
+    check(d_, d_.cuLaunchKernel(k.fn, blocks, 1, 1, kThreads, 1, 1, 0, s, args, nullptr), k.launch_what);
   }
 
-  // Frees what the constructor made; errors are ignored because this also
-  // runs at process exit, when the driver may already be shutting down.
-  void release() {
-    if (ctx_ == nullptr) return;
-    if (d_.cuCtxPushCurrent(ctx_) == kSuccess) {
-      if (slot_staging_) d_.cuMemFree(slot_staging_);
-      if (row_staging_) d_.cuMemFree(row_staging_);
-      for (CUevent e : events_)
-        if (e) d_.cuEventDestroy(e);
-      if (staging_free_) d_.cuEventDestroy(staging_free_);
-      if (internal_) d_.cuStreamDestroy(internal_);
-      if (module_) d_.cuModuleUnload(module_);
-      CUcontext popped = nullptr;
-      d_.cuCtxPopCurrent(&popped);
-    }
-    d_.cuDevicePrimaryCtxRelease(device_);
-    ctx_ = nullptr;
+  // Needs the context current.
+  UniqueDeviceMemory allocate_device(size_t bytes, const char* what) {
+    CUdeviceptr p = 0;
+    check(d_, d_.cuMemAlloc(&p, bytes), what);
+    return UniqueDeviceMemory(d_, ctx(), p);
+  }
+  UniqueEvent create_event() {
+    CUevent e = nullptr;
+    check(d_, d_.cuEventCreate(&e, kEventDisableTiming), "cuEventCreate");
+    return UniqueEvent(d_, ctx(), e);
+  }
+
+  // Copies `count` host indices into a staging buffer on `s`; returns it.
+  const void* stage(const UniqueDeviceMemory& staging, const void* host, int64_t count, int32_t elem, CUstream s) {
+    check(d_, d_.cuMemcpyHtoDAsync(staging.get(), host, static_cast<size_t>(count * elem_bytes(elem)), s),
+          "cuMemcpyHtoDAsync (staging)");
+    return reinterpret_cast<const void*>(staging.get());
   }
 
   const Driver& d_;
   int ordinal_;
-  CUdevice device_ = 0;
-  CUcontext ctx_ = nullptr;
-  CUmodule module_ = nullptr;
-  CUfunction capture_fn_ = nullptr;
-  CUfunction commit_fn_ = nullptr;
-  CUfunction gather_fn_ = nullptr;
-  CUstream internal_ = nullptr;
-  std::array<CUevent, 16> events_{};
+  // Owners are destroyed in reverse order: the primary context goes last.
+  PrimaryContext ctx_;
+  UniqueModule module_;
+  Kernel capture_{"moecap_capture_kernel", 256, "cuLaunchKernel (capture)"};
+  Kernel commit_{"moecap_commit_kernel", 8, "cuLaunchKernel (commit)"};  // a warp per row, 8 warps a block
+  Kernel gather_{"moecap_gather_kernel", 256, "cuLaunchKernel (gather)"};
+  UniqueStream internal_;
+  std::array<UniqueEvent, 16> events_;
   size_t next_event_ = 0;
   size_t recorded_ = 0;
-  CUevent staging_free_ = nullptr;
-  CUdeviceptr slot_staging_ = 0;
+  UniqueEvent staging_free_;
+  UniqueDeviceMemory slot_staging_;
+  UniqueDeviceMemory row_staging_;
   int64_t staging_rows_ = 0;
-  CUdeviceptr row_staging_ = 0;
   CUstream recording_ = nullptr;
 };
 

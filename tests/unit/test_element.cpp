@@ -6,7 +6,9 @@
 #include <cstring>
 #include <limits>
 
+#include "base/status.h"
 #include "graphs/element.h"
+#include "plugin/tensor_args.h"
 
 using namespace moecap;
 
@@ -63,4 +65,20 @@ TEST_CASE("integer loads and truncating stores per element type") {
   CHECK(load_int(buf, kU16, 2) == 0xfffb);
   CHECK(elem_bytes(kBF16) == 2);
   CHECK(elem_bytes(kI64) == 8);
+}
+
+TEST_CASE("every Elem maps to one DLPack dtype of its width and back") {
+  for (int32_t e = kU8; e <= kF16; ++e) {
+    CAPTURE(e);
+    const DLDataType d = dtype_of(e);
+    CHECK(d.lanes == 1);
+    CHECK(d.bits == 8 * elem_bytes(e));
+    CHECK(elem_of(d) == e);
+    CHECK(std::strcmp(elem_name(e), "unknown") != 0);
+  }
+  CHECK(dtype_of(kBF16).code == kDLBfloat);
+  CHECK(dtype_of(kU16).code == kDLUInt);
+  CHECK(elem_of(DLDataType{kDLInt, 32, 2}) == -1);  // vector lanes are refused
+  CHECK(elem_of(DLDataType{kDLUInt, 32, 1}) == -1);
+  CHECK_THROWS_AS(dtype_of(kF16 + 1), Error);
 }
