@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import moecap
+import moecap.record
 from moecap.record import RecordError, RoutedExperts, id_bits, signed_dtype
 
 
@@ -57,20 +58,26 @@ LIB = _library()
 _CODES = {"i": 0, "u": 1, "f": 2}
 
 
-def _dl(arr, keep):
+KDL_BFLOAT = 4
+
+
+def _dl(arr, keep, code=None):
     shape = (ctypes.c_int64 * arr.ndim)(*arr.shape)
     keep.extend([arr, shape])
+    code = _CODES[arr.dtype.kind] if code is None else code
     t = DLTensor(arr.ctypes.data if arr.size else None, DLDevice(1, 0), arr.ndim,
-                 DLDataType(_CODES[arr.dtype.kind], arr.dtype.itemsize * 8, 1), shape, None, 0)
+                 DLDataType(code, arr.dtype.itemsize * 8, 1), shape, None, 0)
     keep.append(t)
     return ctypes.pointer(t)
 
 
-def c_encode(ids, num_experts, weights=None, valid=None, start=0, packed=True):
+def c_encode(ids, num_experts, weights=None, valid=None, start=0, packed=True, bf16_bits=False):
+    """bf16_bits: weights is a uint16 array of bfloat16 bit patterns."""
     keep = []
     src = Source(ctypes.sizeof(Source), 1 if packed else 0, num_experts, start,
                  _dl(np.ascontiguousarray(ids), keep),
-                 None if weights is None else _dl(np.ascontiguousarray(weights), keep),
+                 None if weights is None else _dl(np.ascontiguousarray(weights), keep,
+                                                  KDL_BFLOAT if bf16_bits else None),
                  None if valid is None else _dl(np.ascontiguousarray(valid, dtype=np.uint8), keep))
     size = ctypes.c_uint64()
     status = LIB.moecap_record_size(ctypes.byref(src), ctypes.byref(size))
@@ -115,6 +122,10 @@ def test_python_and_c_write_identical_bytes(experts, packed):
     # f16 weights kept as f16 on both sides
     r16 = RoutedExperts(ids, experts, weights=weights.astype(np.float16), valid=valid)
     assert r16.to_bytes(packed=packed) == c_encode(ids, experts, weights.astype(np.float16), valid, packed=packed)
+    # bf16: Python rounds float32 as the C code and PyTorch do
+    bits = moecap.record._f32_to_bf16_bits(weights)
+    assert r.to_bytes(packed=packed, weights="bf16") == c_encode(ids, experts, bits, valid, start=5, packed=packed,
+                                                                 bf16_bits=True)
     # and each side reads the other's
     back = RoutedExperts.from_bytes(c_encode(ids, experts, weights, valid, start=5, packed=packed))
     assert back == r and back.start == 5
@@ -209,3 +220,11 @@ def test_from_read_marks_empty_slots_invalid():
     r = RoutedExperts.from_read(ids, 4)
     assert r.valid.tolist() == [True, False, True]
     assert r.ids[2].tolist() == [[3, -1]]
+
+
+def test_bf16_rounding_matches_torch():
+    torch = pytest.importorskip("torch")
+    w = np.random.default_rng(5).standard_normal(10000).astype(np.float32)
+    w[:4] = [1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, np.inf, -0.0]  # ties to even, infinity, signed zero
+    want = torch.from_numpy(w).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(moecap.record._f32_to_bf16_bits(w), want)
