@@ -157,9 +157,10 @@ class _Runner:
 
     def deliver(self, layer, ids, weights):
         import torch
-        if ids is None:  # an idle rank
-            ids = torch.empty((0, self.top_k + self.shared_column), dtype=torch.int64)
-            weights = torch.empty(ids.shape, dtype=torch.float32) if self.keep_weights else None
+        if ids is None:  # an idle rank: zero rows, on the device the layer's routing lives on
+            device = next(layer.router.parameters(), torch.empty(0)).device
+            ids = torch.empty((0, self.top_k + self.shared_column), dtype=torch.int64, device=device)
+            weights = torch.empty(ids.shape, dtype=torch.float32, device=device) if self.keep_weights else None
         if self.gather is not None:
             ids, weights = self.gather(layer.index, ids, weights)
         ids = ids.contiguous()
