@@ -16,6 +16,8 @@ namespace moecap {
 namespace {
 
 constexpr uint8_t kMagic[4] = {'M', 'C', 'R', 'T'};
+// Weights are copied as their in-memory bytes, which are the record's little-endian ones.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the routing record's weights assume a little-endian host");
 constexpr uint32_t kKnownFlags = MOECAP_RECORD_PACKED | MOECAP_RECORD_HAS_WEIGHTS | MOECAP_RECORD_HAS_VALIDITY;
 
 // The narrowest width whose all-ones code is no valid id.
