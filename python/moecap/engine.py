@@ -3,7 +3,10 @@
 ``commit_batch`` commits this rank's rows of a gathered (eager or padded)
 batch in one call; ``RequestTable`` keeps each running request's KV slots and,
 when the request finishes, reads its routing and frees the slots' routing so
-a reused slot can never hand the next request stale experts.
+a reused slot can never hand the next request stale experts;
+``write_routed`` stores routing that arrived as a record (prefill/decode
+disaggregation: the prefill instance sends the prompt's record along with
+its KV).
 """
 import numpy as np
 
@@ -120,3 +123,20 @@ class RequestTable:
         if invalidate is not None and slots.shape[0]:
             invalidate(slots)
         del self._slots[rid], self._start[rid]
+
+
+def write_routed(capturer, slots, routed):
+    """Stores a RoutedExperts (e.g. RoutedExperts.from_bytes of a prefill
+    instance's record) at `slots`, one per token; its invalid tokens leave
+    their slots empty. Weights go along iff the capturer keeps them."""
+    slots = _index_array(slots)
+    if _length(slots) != routed.shape[0]:
+        raise ValueError(f"slots has {_length(slots)} entries; the routing has {routed.shape[0]} tokens")
+    ids = np.where(routed.valid[:, None, None], routed.ids, -1).astype(np.int32)
+    config = getattr(capturer, "config", {})
+    weights = None
+    if config.get("weight_dtype") is not None:
+        if routed.weights is None:
+            raise ValueError("the capturer keeps weights but the routing has none")
+        weights = np.ascontiguousarray(routed.weights, dtype=np.float32)
+    capturer.write(slots, ids, weights)

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import moecap
-from moecap.engine import RequestTable, batch_slots, commit_batch
+from moecap.engine import RequestTable, batch_slots, commit_batch, write_routed
+from moecap.record import RoutedExperts
 
 LAYERS, TOP_K, EXPERTS = 2, 3, 16
 
@@ -96,3 +97,20 @@ def test_finished_slots_are_invalidated():
     table.start(2)
     table.append(2, [9])
     assert table.finish(2).valid.tolist() == [False]
+
+
+def test_a_record_from_a_prefill_instance_lands_in_the_decode_instances_slots():
+    prefill, decode = capturer(weight_dtype="f32"), capturer(weight_dtype="f32")
+    table = RequestTable(prefill)
+    table.start("r", position=0)
+    for layer in range(LAYERS):
+        cap_ids = (np.arange(4)[:, None] + layer + np.arange(TOP_K)) % EXPERTS
+        prefill.capture(layer, cap_ids.astype(np.int32), np.full((4, TOP_K), 0.25, dtype=np.float32))
+    commit_batch(prefill, [3, 1, 4, 15])
+    table.append("r", [3, 1, 4, 15])
+    wire = table.finish("r").to_bytes()
+    write_routed(decode, [50, 51, 52, 53], RoutedExperts.from_bytes(wire))
+    ids, weights = decode.read([50, 51, 52, 53], weights_out=np.empty((4, LAYERS, TOP_K), dtype=np.float32))
+    assert np.array_equal(ids, expected([0, 1, 2, 3])) and (weights == 0.25).all()
+    with pytest.raises(ValueError, match="slots has 3 entries; the routing has 4 tokens"):
+        write_routed(decode, [1, 2, 3], RoutedExperts.from_bytes(wire))
