@@ -7,7 +7,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 jobs=${MOECAP_JOBS:-2}
-common=(-DMOECAP_CUDA=OFF -DMOECAP_BUILD_BENCH=OFF -DMOECAP_PYTHON=/usr/bin/python3)
+common=(-DMOECAP_CUDA=OFF -DMOECAP_BUILD_BENCH=OFF -DMOECAP_PYTHON="${MOECAP_PYTHON:-/usr/bin/python3}")
 
 echo "=== ASan+UBSan: every test"
 cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=Debug -DMOECAP_SANITIZE=address "${common[@]}" >/dev/null

@@ -1,7 +1,7 @@
 // The CUDA Driver API, loaded at run time: dlopen("libcuda.so.1") and every
 // entry point through cuGetProcAddress, so libmoecap.so has no link-time
 // dependency on libcuda or cudart and loads on machines without a GPU. The
-// few driver types are declared here (their ABI is fixed), so the plugin
+// few driver types are declared here (their ABI is fixed), so the library
 // builds without the CUDA toolkit too.
 #pragma once
 

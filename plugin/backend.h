@@ -1,4 +1,4 @@
-// The small device interface both backends implement (DESIGN.md §5). The
+// The small device interface both backends implement (docs/DESIGN.md §5). The
 // capturer validates every argument first; a backend only executes.
 #pragma once
 
@@ -64,7 +64,7 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_host_backend(const Plan& plan);
-// Throws NO_DEVICE / STUB_DRIVER / DRIVER_TOO_OLD / DRIVER as DESIGN.md §5 says.
+// Throws NO_DEVICE / STUB_DRIVER / DRIVER_TOO_OLD / DRIVER as docs/DESIGN.md §5 says.
 std::unique_ptr<Backend> make_cuda_backend(const Plan& plan);
 
 }  // namespace moecap

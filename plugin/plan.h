@@ -1,5 +1,5 @@
 // The layout plan: sizes every buffer from the engine's configuration, once,
-// and places each batch's rows. A pure function of its inputs (DESIGN.md §2).
+// and places each batch's rows. A pure function of its inputs (docs/DESIGN.md §2).
 #pragma once
 
 #include <cstdint>

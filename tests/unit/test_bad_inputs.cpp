@@ -1,5 +1,5 @@
 // Every entry point's bad input: the right status, a message that names the
-// argument and the limit, and nothing changed (DESIGN.md §4).
+// argument and the limit, and nothing changed (docs/DESIGN.md §4).
 #include <doctest/doctest.h>
 
 #include <functional>

@@ -1,4 +1,4 @@
-// Plugin-owned graphs on the host backend (DESIGN.md §6): operations are
+// Plugin-owned graphs on the host backend (docs/DESIGN.md §6): operations are
 // recorded with every argument baked and replayed against what memory holds
 // at replay time, which is exactly what a CUDA graph does.
 #include <doctest/doctest.h>

@@ -1,4 +1,4 @@
-// The layout plan (DESIGN.md §2): exhaustive properties over small ranges of
+// The layout plan (docs/DESIGN.md §2): exhaustive properties over small ranges of
 // every input, and the two overflows that shipped as named regressions.
 #include <doctest/doctest.h>
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# `cmake --install` into a temporary prefix, then both ways a C/C++ engine
+# finds moecap there: a C program built with `pkg-config --cflags --libs
+# moecap`, and a CMake project with find_package(moecap). Both must build and
+# run. Usage: check_install.sh <build dir> <cmake> <C compiler> [C flags...]
+set -euo pipefail
+build=$1 cmake=$2 cc=$3
+shift 3
+here=$(cd "$(dirname "$0")" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+prefix="$work/prefix"
+
+"$cmake" --install "$build" --prefix "$prefix" >/dev/null
+pc=$(find "$prefix" -name moecap.pc)
+export PKG_CONFIG_PATH=$(dirname "$pc")
+
+echo "pkg-config: $(pkg-config --cflags --libs moecap)"
+# shellcheck disable=SC2046  # pkg-config's output is meant to be split
+"$cc" "$@" -o "$work/consumer_pc" "$here/consumer.c" $(pkg-config --cflags --libs moecap)
+LD_LIBRARY_PATH=$(pkg-config --variable=libdir moecap) "$work/consumer_pc"
+
+echo "find_package:"
+"$cmake" -S "$here/find_package" -B "$work/find_package" -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCMAKE_C_COMPILER="$cc" -DCMAKE_C_FLAGS="$*" -DCMAKE_BUILD_TYPE=Release >/dev/null
+"$cmake" --build "$work/find_package" >/dev/null
+"$work/find_package/consumer"
