@@ -2,7 +2,8 @@
 # Reliability checks (issue: sanitizers, fuzzing): the whole ctest suite
 # under ASan+UBSan (halt on the first error, leaks checked), the concurrency
 # test under TSan, and the ABI fuzzer for FUZZ_SECONDS (default 60) from the
-# seed corpus. Host backend only; the Python tests are left out here
+# seed corpus, and the CUDA backend's stand-in scenarios under both
+# sanitizers. Otherwise host backend only; the Python tests are left out here
 # because an instrumented .so cannot be loaded into a plain python3.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,6 +23,24 @@ cmake -S "$root" -B "$root/build-tsan" -DCMAKE_BUILD_TYPE=Debug -DMOECAP_SANITIZ
 cmake --build "$root/build-tsan" -j "$jobs" --target moecap_unit_tests >/dev/null
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   "$root/build-tsan/tests/moecap_unit_tests" --test-case='*thread*'
+
+# The CUDA backend on the stand-in driver (tests/cuda_standin): its threads
+# (captures on one thread, reads on another, waits without the lock) under
+# TSan, its memory under ASan. Needs nvcc for the kernels the backend loads.
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  for sanitizer in address thread; do
+    echo "=== ${sanitizer}: the CUDA backend scenarios on the stand-in driver"
+    dir="$root/build-standin-$sanitizer"
+    cmake -S "$root" -B "$dir" -DCMAKE_BUILD_TYPE=Debug -DMOECAP_SANITIZE=$sanitizer -DMOECAP_CUDA=ON \
+      -DMOECAP_BUILD_BENCH=OFF -DMOECAP_BUILD_EXAMPLES=OFF -DMOECAP_PYTHON=/usr/bin/python3 >/dev/null
+    cmake --build "$dir" -j "$jobs" --target moecap_standin_tests >/dev/null
+    ASAN_OPTIONS=halt_on_error=1:detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+      ctest --test-dir "$dir" -L standin --output-on-failure
+  done
+else
+  echo "=== no nvcc: the stand-in scenarios need the CUDA backend; skipped"
+fi
 
 echo "=== libFuzzer: ABI call sequences for ${FUZZ_SECONDS:-60} s"
 missing=()

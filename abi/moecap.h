@@ -200,8 +200,12 @@ MOECAP_API moecap_status moecap_plan(const moecap_config* config, moecap_plan_in
 MOECAP_API moecap_status moecap_create(const moecap_config* config, moecap_capturer** out);
 
 /* Releases the handle. NULL is a no-op returning MOECAP_OK. Memory stays
- * alive while exported DLPack views of it exist; their deleters free it.
- * Waits for in-flight commits. Illegal while the capturer records a graph. */
+ * alive while exported DLPack views of it exist (their deleters free it),
+ * and, on CUDA, while any CUgraph or CUgraphExec holding moecap's nodes
+ * exists (the engine's captures, moecap graphs, their child-graph clones):
+ * each holds a CUDA user object, and the memory is freed, on a thread of
+ * moecap's, once the driver releases the last of them. Waits for in-flight
+ * commits. Illegal while the capturer records a graph. */
 MOECAP_API moecap_status moecap_destroy(moecap_capturer* capturer);
 
 /* The plan the capturer was created with. */
@@ -269,7 +273,8 @@ typedef struct moecap_commit_args {
                                 speculative tokens, in any order) */
   const DLTensor* dst_slots; /* [count] int32/int64 host-cache slots; count is its
                                 length. Slot -1 drops the row (padding, rejected
-                                drafts). Host memory, or device memory on CUDA. */
+                                drafts). A slot listed twice gets the row of its
+                                last entry. Host memory, or device memory on CUDA. */
 } moecap_commit_args;
 
 /* Copies rows of the device buffer (all layers, ids and weights) to the host
@@ -279,7 +284,10 @@ typedef struct moecap_commit_args {
  * nothing is written. Slots read at run time (device tensors, graph replays)
  * outside that range are skipped and counted; the next moecap_read /
  * moecap_write / moecap_synchronize then returns MOECAP_ERROR_ROWS_SKIPPED
- * until moecap_get_errors clears the count. */
+ * until moecap_get_errors clears the count. Outside a graph, host slots and
+ * rows (pageable or pinned) are copied at the call: the caller may refill
+ * them at once. In a graph, pinned (kDLCUDAHost) and device tensors are read
+ * at each replay. */
 MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_commit_args* args,
                                        void* stream);
 
@@ -293,10 +301,13 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
  * every value in [0, host_slots)) into ids_out ([T, num_layers, top_k],
  * compact, dtype uint8/int8/uint16/int16/int32/int64: stored "no expert"
  * values read as -1 in signed outputs) and, if non-NULL, weights_out (same
- * shape, float32/bfloat16/float16). Waits for commits in flight first, unless
- * MOECAP_READ_NONBLOCKING. Outputs in host memory are filled before the call
- * returns; outputs on the capturer's GPU (both, or neither) are filled by a
- * kernel enqueued on `stream` (ready in stream order). */
+ * shape, float32/bfloat16/float16). Host outputs: waits first for the commits
+ * in flight that may write `slots` (eager commits to those slots, every
+ * commit recorded in a graph), or with MOECAP_READ_NONBLOCKING returns
+ * NOT_READY while one is; filled before the call returns. Outputs on the
+ * capturer's GPU (both, or neither): a kernel enqueued on `stream`, ordered
+ * there after those commits (the host does not wait; ready in stream order).
+ * The wait releases the capturer's lock: other calls proceed meanwhile. */
 MOECAP_API moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTensor* ids_out,
                                      DLTensor* weights_out, uint32_t flags, void* stream);
 
@@ -306,8 +317,8 @@ MOECAP_API moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* 
  * [0, num_experts) or -1; weights required iff the capturer keeps weights.
  * ids and weights may be host memory or on the capturer's GPU; device inputs
  * are read after `stream` finished writing them (the call synchronizes it).
- * Every value is checked before anything is stored. Waits for commits in
- * flight first. */
+ * Every value is checked before anything is stored. Waits first for the
+ * commits in flight to `slots` and for earlier reads of them into GPU tensors. */
 MOECAP_API moecap_status moecap_write(moecap_capturer* capturer, const DLTensor* slots, const DLTensor* ids,
                                       const DLTensor* weights, void* stream);
 
@@ -325,7 +336,9 @@ typedef struct moecap_error_counts {
 
 #define MOECAP_ERRORS_CLEAR 0x1u /* reset both counters after reading them */
 
-/* Waits for in-flight commits, then reports (and optionally clears) the counters. */
+/* Waits for in-flight commits, then reports (and optionally clears) the
+ * counters; clearing reads and zeroes each counter in one atomic step, so
+ * replays running meanwhile lose no count. */
 MOECAP_API moecap_status moecap_get_errors(moecap_capturer* capturer, moecap_error_counts* out,
                                            uint32_t flags);
 
@@ -366,7 +379,8 @@ MOECAP_API moecap_status moecap_export_legacy(moecap_capturer* capturer, int32_t
 /* ------------------------------------------------------------------------ */
 
 /* Starts recording moecap operations issued on this capturer. CUDA: begins a
- * stream capture on `stream` (thread-local mode; NULL refused); the capture, commit, export,
+ * stream capture on `stream` (relaxed mode: moecap_graph_end may come from
+ * another thread, and other threads' calls never break it; NULL refused); the capture, commit, export,
  * local_rows and histogram_reset calls that follow are recorded there. Host:
  * the same calls are recorded with every argument baked (pointers, shapes,
  * row offsets, slot-tensor addresses) and not run. While recording, create,

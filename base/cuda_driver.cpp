@@ -21,13 +21,14 @@ class Resolver {
   }
   bool usable() const { return v1_ != nullptr || v2_ != nullptr; }
 
+  // `name` in the ABI of CUDA `version` (the minimum unless an entry point says otherwise).
   template <class Fn>
-  void get(Fn*& out, const char* name) {
+  void get(Fn*& out, const char* name, int version = kMinDriverVersion) {
     void* p = nullptr;
-    CUresult r = v2_ ? v2_(name, &p, kMinDriverVersion, 0, nullptr) : v1_(name, &p, kMinDriverVersion, 0);
+    CUresult r = v2_ ? v2_(name, &p, version, 0, nullptr) : v1_(name, &p, version, 0);
     if (r != kSuccess || p == nullptr) {
-      fail(MOECAP_ERROR_DRIVER_TOO_OLD, "the CUDA driver has no ", name, " for CUDA ", kMinDriverVersion / 1000, ".",
-           (kMinDriverVersion % 1000) / 10, " (cuGetProcAddress returned ", r, ")");
+      fail(MOECAP_ERROR_DRIVER_TOO_OLD, "the CUDA driver has no ", name, " for CUDA ", version / 1000, ".",
+           (version % 1000) / 10, " (cuGetProcAddress returned ", r, ")");
     }
     out = reinterpret_cast<Fn*>(p);
   }
@@ -61,7 +62,12 @@ Driver load() {
   if (init != kSuccess) fail(MOECAP_ERROR_DRIVER, "cuInit failed with CUresult ", init);
   if (d.cuDriverGetVersion(&d.version) != kSuccess || d.version < kMinDriverVersion) {
     fail(MOECAP_ERROR_DRIVER_TOO_OLD, "the CUDA driver supports CUDA ", d.version / 1000, ".",
-         (d.version % 1000) / 10, "; moecap needs ", kMinDriverVersion / 1000, ".", (kMinDriverVersion % 1000) / 10);
+         (d.version % 1000) / 10, "; moecap needs ", kMinDriverVersion / 1000, ".", (kMinDriverVersion % 1000) / 10,
+#if defined(MOECAP_KERNELS_CUDA_VERSION)
+         " (its kernels were built with CUDA ", MOECAP_KERNELS_CUDA_VERSION / 1000, ".",
+         (MOECAP_KERNELS_CUDA_VERSION % 1000) / 10, ")",
+#endif
+         "");
   }
   Resolver r(lib);
   if (!r.usable()) {
@@ -70,6 +76,7 @@ Driver load() {
 #define MOECAP_CUDA_RESOLVE_ENTRY_POINT(name, params) r.get(d.name, #name);
   MOECAP_CUDA_ENTRY_POINTS(MOECAP_CUDA_RESOLVE_ENTRY_POINT)
 #undef MOECAP_CUDA_RESOLVE_ENTRY_POINT
+  r.get(d.cuStreamGetCaptureInfo, "cuStreamGetCaptureInfo", kCaptureInfoVersion);
   return d;
 }
 
@@ -87,17 +94,43 @@ const Driver& driver() {
   return loaded;
 }
 
-void check(const Driver& d, CUresult r, const char* what) {
-  if (r == kSuccess) return;
+namespace {
+
+[[noreturn]] void fail_with(const Driver& d, CUresult r, moecap_status code, const char* what, const char* hint) {
   const char* name = nullptr;
   const char* text = nullptr;
   if (d.cuGetErrorName != nullptr) d.cuGetErrorName(r, &name);
   if (d.cuGetErrorString != nullptr) d.cuGetErrorString(r, &text);
+  fail(code, what, " failed: ", name ? name : "CUresult", " (", r, ")", text ? ": " : "", text ? text : "", hint);
+}
+
+}  // namespace
+
+void check(const Driver& d, CUresult r, const char* what) {
+  if (r == kSuccess) return;
   const moecap_status code = r == kErrorOutOfMemory                                ? MOECAP_ERROR_OUT_OF_MEMORY
                              : (r >= kErrorCaptureFirst && r <= kErrorCaptureLast) ? MOECAP_ERROR_CAPTURE_ILLEGAL
                                                                                    : MOECAP_ERROR_DRIVER;
-  fail(code, what, " failed: ",
-       name ? name : "CUresult", " (", r, ")", text ? ": " : "", text ? text : "");
+  fail_with(d, r, code, what, "");
+}
+
+void check_module_load(const Driver& d, CUresult r) {
+  if (r == kSuccess) return;
+  const char* what = "cuModuleLoadData (embedded kernels)";
+  if (r == kErrorNoBinaryForGpu) {
+    fail_with(d, r, MOECAP_ERROR_NO_DEVICE, what, "; moecap's kernels have no code for this GPU (built for "
+#if defined(MOECAP_CUDA_ARCHS)
+              MOECAP_CUDA_ARCHS
+#else
+              "other architectures"
+#endif
+              ")");
+  }
+  if (r == kErrorUnsupportedPtxVersion || r == kErrorInvalidPtx) {
+    fail_with(d, r, MOECAP_ERROR_DRIVER_TOO_OLD, what, "; the driver cannot compile the kernels' PTX: it needs the driver "
+              "of the CUDA toolkit that built libmoecap.so or newer");
+  }
+  check(d, r, what);
 }
 
 }  // namespace moecap::cuda

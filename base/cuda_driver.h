@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "base/status.h"
 #include "base/stream.h"
 
 namespace moecap::cuda {
@@ -22,12 +23,19 @@ using CUstream = struct CUstream_st*;
 using CUevent = struct CUevent_st*;
 using CUgraph = struct CUgraph_st*;
 using CUgraphExec = struct CUgraphExec_st*;
+using CUgraphNode = struct CUgraphNode_st*;
+using CUuserObject = struct CUuserObject_st*;
 
 constexpr CUresult kSuccess = 0;
 constexpr CUresult kErrorOutOfMemory = 2;
 constexpr CUresult kErrorDeinitialized = 4;
 constexpr CUresult kErrorStubLibrary = 34;
 constexpr CUresult kErrorNoDevice = 100;
+// cuModuleLoadData: no SASS for this GPU and no PTX it can JIT / PTX newer
+// than the driver's JIT compiler.
+constexpr CUresult kErrorInvalidPtx = 218;
+constexpr CUresult kErrorNoBinaryForGpu = 209;
+constexpr CUresult kErrorUnsupportedPtxVersion = 222;
 constexpr CUresult kErrorNotFound = 500;
 constexpr CUresult kErrorNotReady = 600;
 // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED .. CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD:
@@ -36,16 +44,29 @@ constexpr CUresult kErrorCaptureFirst = 900;
 constexpr CUresult kErrorCaptureLast = 908;
 
 constexpr unsigned kStreamNonBlocking = 0x1;
+constexpr unsigned kEventBlockingSync = 0x1;
 constexpr unsigned kEventDisableTiming = 0x2;
 constexpr unsigned kMemHostAllocPortable = 0x1;
 constexpr unsigned kMemHostAllocDeviceMap = 0x2;
 constexpr unsigned kEventRecordExternal = 0x1;
 constexpr int kCaptureStatusNone = 0;
-constexpr int kCaptureModeThreadLocal = 1;
+constexpr int kCaptureStatusActive = 1;
+constexpr int kCaptureModeRelaxed = 2;
+constexpr unsigned kUserObjectNoDestructorSync = 0x1;
+constexpr unsigned kGraphUserObjectMove = 0x1;
 
-// The oldest driver moecap needs: 11.4, the first with every entry point below
-// (cuGraphInstantiateWithFlags is the newest of them).
+// The oldest driver moecap needs: the one of the toolkit that built the
+// kernels (SASS from CUDA N.x needs a driver for CUDA N.0; PTX JIT failures
+// are reported at module load). Without kernels, 11.4: the first with every
+// entry point below.
+#if defined(MOECAP_KERNELS_CUDA_VERSION)
+constexpr int kMinDriverVersion = MOECAP_KERNELS_CUDA_VERSION / 1000 * 1000;
+#else
 constexpr int kMinDriverVersion = 11040;
+#endif
+// cuStreamGetCaptureInfo is resolved in CUDA 11.3's ABI (with the capture's
+// graph, without 12.3's edge data), whatever the minimum above.
+constexpr int kCaptureInfoVersion = 11030;
 
 // Every entry point resolved through cuGetProcAddress, written once as
 // X(name, parameter list): the Driver struct declares them and the loader
@@ -88,7 +109,11 @@ constexpr int kMinDriverVersion = 11040;
   X(cuGraphInstantiateWithFlags, (CUgraphExec*, CUgraph, unsigned long long))                                 \
   X(cuGraphLaunch, (CUgraphExec, CUstream))                                                                   \
   X(cuGraphExecDestroy, (CUgraphExec))                                                                        \
-  X(cuGraphDestroy, (CUgraph))
+  X(cuGraphDestroy, (CUgraph))                                                                                \
+  X(cuThreadExchangeStreamCaptureMode, (int*))                                                                \
+  X(cuUserObjectCreate, (CUuserObject*, void*, void (*)(void*), unsigned, unsigned))                          \
+  X(cuUserObjectRelease, (CUuserObject, unsigned))                                                            \
+  X(cuGraphRetainUserObject, (CUgraph, CUuserObject, unsigned, unsigned))
 
 struct Driver {
   // Found with dlsym before anything else: they decide whether the rest can be.
@@ -97,6 +122,8 @@ struct Driver {
 #define MOECAP_CUDA_DECLARE_ENTRY_POINT(name, params) CUresult(*name) params = nullptr;
   MOECAP_CUDA_ENTRY_POINTS(MOECAP_CUDA_DECLARE_ENTRY_POINT)
 #undef MOECAP_CUDA_DECLARE_ENTRY_POINT
+  // In kCaptureInfoVersion's ABI: status, capture id, the graph being captured.
+  CUresult (*cuStreamGetCaptureInfo)(CUstream, int*, uint64_t*, CUgraph*, const CUgraphNode**, size_t*) = nullptr;
 
   int version = 0;  // cuDriverGetVersion
 };
@@ -113,6 +140,32 @@ void check(const Driver& d, CUresult r, const char* what);
 
 // The engine's stream as the driver takes it (NULL: the legacy default stream).
 inline CUstream cu_stream(EngineStream s) { return static_cast<CUstream>(s.handle()); }
+
+// check() for cuModuleLoadData of moecap's kernels: NO_DEVICE when nothing in
+// the fatbin runs on this GPU, DRIVER_TOO_OLD when the driver cannot JIT its
+// PTX, DRIVER otherwise.
+void check_module_load(const Driver& d, CUresult r);
+
+// Puts this thread in relaxed stream-capture mode for one host-side call
+// (a wait, copy or allocation), restoring its mode after: in the default
+// global mode such calls fail, and invalidate the capture, while any thread
+// captures a graph (torch.cuda.graph on another thread, or this one).
+// Never throws (frees use it too): if the exchange fails, the mode stays.
+class RelaxedCaptureScope {
+ public:
+  explicit RelaxedCaptureScope(const Driver& d) noexcept
+      : d_(d), exchanged_(d_.cuThreadExchangeStreamCaptureMode(&mode_) == kSuccess) {}
+  ~RelaxedCaptureScope() {
+    if (exchanged_) d_.cuThreadExchangeStreamCaptureMode(&mode_);
+  }
+  RelaxedCaptureScope(const RelaxedCaptureScope&) = delete;
+  RelaxedCaptureScope& operator=(const RelaxedCaptureScope&) = delete;
+
+ private:
+  const Driver& d_;
+  int mode_ = kCaptureModeRelaxed;
+  bool exchanged_;
+};
 
 // Makes a context current for one call, restoring the caller's.
 class ContextScope {

@@ -3,7 +3,9 @@
 # The fatbin as one nvcc command, for CMake versions without
 # CUDA_FATBIN_COMPILATION (before 3.27). It takes what the CUDA language
 # support would: CMAKE_CUDA_ARCHITECTURES, CMAKE_CUDA_FLAGS and the host
-# compiler, and the repository as the include root.
+# compiler, and the repository as the include root. No -O: nvcc's -O is for
+# host code (a fatbin has none, ptxas optimizes device code by default), and a
+# second -O from CMAKE_CUDA_FLAGS would be an nvcc error.
 function(moecap_nvcc_fatbin output source)
   cmake_parse_arguments(F "" "" "DEPENDS" ${ARGN})
   set(gencode)
@@ -29,7 +31,7 @@ function(moecap_nvcc_fatbin output source)
   endif()
   add_custom_command(
     OUTPUT ${output}
-    COMMAND ${CMAKE_CUDA_COMPILER} -fatbin -O3 -std=c++17 ${host_compiler} ${user_flags} ${gencode}
+    COMMAND ${CMAKE_CUDA_COMPILER} -fatbin -std=c++17 ${host_compiler} ${user_flags} ${gencode}
             -I${CMAKE_SOURCE_DIR} -o ${output} ${CMAKE_CURRENT_SOURCE_DIR}/${source}
     DEPENDS ${source} ${F_DEPENDS}
     COMMENT "nvcc: building the moecap kernels fatbin (${CMAKE_CUDA_ARCHITECTURES})"

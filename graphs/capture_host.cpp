@@ -112,6 +112,7 @@ void commit_rows(const CommitParams& p) {
     const int64_t slot = static_cast<int64_t>(slots[j]);
     const int64_t src = rows != nullptr ? static_cast<int64_t>(rows[j]) : p.src_start + j;
     if (!commit_goes_to(p, src, slot)) continue;
+    if (p.claims != nullptr && p.claims[slot] != static_cast<int32_t>(j + 1)) continue;
     if (run_len > 0 && src == run_src + run_len && slot == run_slot + run_len) {
       ++run_len;
       continue;
@@ -141,6 +142,19 @@ void commit_on_host(const CommitParams& p) {
   } else {
     commit_with_slots<int32_t>(p);
   }
+}
+
+void claim_on_host(const CommitParams& p) {
+  for (int64_t j = 0; j < p.count; ++j) claim_slot(p, j);
+}
+
+void release_on_host(const CommitParams& p) {
+  for (int64_t j = 0; j < p.count; ++j) release_claim(p, j);
+}
+
+void take_errors_on_host(const TakeErrorsParams& p) {
+  take_error(&p.errors->skipped_rows, &p.out->skipped_rows);
+  take_error(&p.errors->invalid_ids, &p.out->invalid_ids);
 }
 
 void gather_on_host(const GatherParams& p) {

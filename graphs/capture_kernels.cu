@@ -15,20 +15,11 @@ extern "C" __global__ void moecap_capture_kernel(CaptureParams p) {
   }
 }
 
-// Copies `bytes` with the widest access both addresses and the size allow:
-// the destination is usually pinned host memory over the bus, where wide
-// writes matter most.
-__device__ void copy_row(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane, int lanes) {
-  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                          static_cast<uintptr_t>(bytes);
-  if ((align & 15u) == 0) {
-    for (int64_t i = lane; i < bytes / 16; i += lanes)
-      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-  } else if ((align & 3u) == 0) {
-    for (int64_t i = lane; i < bytes / 4; i += lanes)
-      reinterpret_cast<uint32_t*>(dst)[i] = reinterpret_cast<const uint32_t*>(src)[i];
-  } else {
-    for (int64_t i = lane; i < bytes; i += lanes) dst[i] = src[i];
+// After the commit kernel: clears this commit's claims for the next one.
+extern "C" __global__ void moecap_release_kernel(CommitParams p) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < p.count;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    release_claim(p, j);
   }
 }
 
@@ -51,6 +42,13 @@ extern "C" __global__ void moecap_commit_kernel(CommitParams p) {
       copy_row(p.dst_weights + slot * p.weight_row_bytes, p.src_weights + src * p.weight_row_bytes,
                p.weight_row_bytes, lane, 32);
     }
+  }
+}
+
+extern "C" __global__ void moecap_take_errors_kernel(TakeErrorsParams p) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    take_error(&p.errors->skipped_rows, &p.out->skipped_rows);
+    take_error(&p.errors->invalid_ids, &p.out->invalid_ids);
   }
 }
 

@@ -30,8 +30,10 @@ class CudaGraph final : public BackendGraph {
 
 }  // namespace
 
+// Relaxed: moecap_graph_end may come from another thread, and the capture
+// never makes another thread's host calls fail (nor do they invalidate it).
 void begin_graph(const Driver& d, CUstream stream) {
-  check(d, d.cuStreamBeginCapture(stream, kCaptureModeThreadLocal), "cuStreamBeginCapture");
+  check(d, d.cuStreamBeginCapture(stream, kCaptureModeRelaxed), "cuStreamBeginCapture");
 }
 
 std::unique_ptr<BackendGraph> end_graph(const Driver& d, CUcontext ctx, CUstream stream) {

@@ -11,7 +11,7 @@
 
 namespace moecap::cuda {
 
-// Records every operation enqueued on `stream` from this thread until end_graph.
+// Records every operation enqueued on `stream`, from any thread, until end_graph.
 void begin_graph(const Driver& d, CUstream stream);
 // Ends the capture on `stream` and instantiates it; launches run in `ctx`.
 std::unique_ptr<BackendGraph> end_graph(const Driver& d, CUcontext ctx, CUstream stream);

@@ -50,10 +50,90 @@ MOECAP_HD bool commit_goes_to(const CommitParams& p, int64_t src_row, int64_t sl
   return true;
 }
 
-MOECAP_HD bool commit_target(const CommitParams& p, int64_t j, int64_t* src_row, int64_t* slot) {
+MOECAP_HD void commit_source(const CommitParams& p, int64_t j, int64_t* src_row, int64_t* slot) {
   *slot = load_int(p.dst_slots, p.dst_slots_elem, j);
   *src_row = p.src_rows != nullptr ? load_int(p.src_rows, p.src_rows_elem, j) : p.src_start + j;
-  return commit_goes_to(p, *src_row, *slot);
+}
+
+MOECAP_HD bool commit_in_range(const CommitParams& p, int64_t src_row, int64_t slot) {
+  return slot >= 0 && slot < p.host_slots && src_row >= 0 && src_row < p.device_rows;
+}
+
+// Entry j of a commit claims its slot: the largest entry wins (see CommitParams::claims).
+MOECAP_HD void claim_slot(const CommitParams& p, int64_t j) {
+  int64_t src = 0, slot = 0;
+  commit_source(p, j, &src, &slot);
+  if (!commit_in_range(p, src, slot)) return;
+  const int32_t mine = static_cast<int32_t>(j + 1);
+#if defined(__CUDA_ARCH__)
+  atomicMax(&p.claims[slot], mine);
+#else
+  if (p.claims[slot] < mine) p.claims[slot] = mine;  // host twins run one entry at a time
+#endif
+}
+
+MOECAP_HD void release_claim(const CommitParams& p, int64_t j) {
+  int64_t src = 0, slot = 0;
+  commit_source(p, j, &src, &slot);
+  if (commit_in_range(p, src, slot)) p.claims[slot] = 0;
+}
+
+// Where entry j goes, counting it when out of range; false as well when a
+// later entry of the commit targets the same slot.
+MOECAP_HD bool commit_target(const CommitParams& p, int64_t j, int64_t* src_row, int64_t* slot) {
+  commit_source(p, j, src_row, slot);
+  if (!commit_goes_to(p, *src_row, *slot)) return false;
+  return p.claims == nullptr || p.claims[*slot] == static_cast<int32_t>(j + 1);
+}
+
+MOECAP_HD void take_error(unsigned long long* counter, unsigned long long* out) {
+#if defined(__CUDA_ARCH__)
+  *out = atomicExch(counter, 0ull);
+#else
+  *out = __atomic_exchange_n(counter, 0ull, __ATOMIC_RELAXED);
+#endif
+}
+
+#if defined(__CUDACC__)
+using Vec16 = uint4;
+#else
+struct alignas(16) Vec16 {
+  uint32_t x, y, z, w;
+};
+#endif
+
+// Lane `lane` of `lanes` copies its share of a row of `bytes`, with the
+// widest stores both addresses and the size allow. The destination is
+// usually pinned host memory over the bus, where each store is a bus
+// transaction: rows whose size is not a multiple of 4 (byte ids, odd layer
+// counts) are stored 16 bytes at a time at the destination's alignment,
+// assembled from byte loads of the source, with bytes only at the ends.
+MOECAP_HD void copy_row(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane, int lanes) {
+  const uintptr_t both = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         static_cast<uintptr_t>(bytes);
+  if ((both & 15u) == 0) {
+    for (int64_t i = lane; i < bytes / 16; i += lanes) reinterpret_cast<Vec16*>(dst)[i] = reinterpret_cast<const Vec16*>(src)[i];
+    return;
+  }
+  if ((both & 3u) == 0) {
+    for (int64_t i = lane; i < bytes / 4; i += lanes)
+      reinterpret_cast<uint32_t*>(dst)[i] = reinterpret_cast<const uint32_t*>(src)[i];
+    return;
+  }
+  const int64_t misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) & 15u);
+  const int64_t head = misalign == 0 ? 0 : (16 - misalign < bytes ? 16 - misalign : bytes);
+  const int64_t blocks = (bytes - head) / 16;
+  for (int64_t i = lane; i < head; i += lanes) dst[i] = src[i];
+  for (int64_t b = lane; b < blocks; b += lanes) {
+    union {
+      Vec16 v;
+      uint8_t u[16];
+    } pack;
+    const uint8_t* from = src + head + b * 16;
+    for (int k = 0; k < 16; ++k) pack.u[k] = from[k];
+    reinterpret_cast<Vec16*>(dst + head)[b] = pack.v;
+  }
+  for (int64_t i = head + blocks * 16 + lane; i < bytes; i += lanes) dst[i] = src[i];
 }
 
 // Element i of a gather's [count, row_elements] output.

@@ -43,6 +43,12 @@ struct CommitParams {
   const void* src_rows;     // [count] row list, or nullptr for the range below
   const void* dst_slots;    // [count]
   ErrorWord* errors;
+  // Duplicate slots: the last entry wins. On CUDA, where rows run in any
+  // order, claims[slot] holds 1 + the last entry targeting the slot: set by
+  // the claim kernel before the commit kernel, cleared by the release kernel
+  // after it (0 between commits). nullptr where rows run in order (host
+  // twins) or the slots are known to be distinct (deduplicated at the call).
+  int32_t* claims;          // [host_slots]
   int64_t src_start;        // first row when src_rows is nullptr
   int64_t count;
   int64_t device_rows;
@@ -72,9 +78,19 @@ struct GatherParams {
   int32_t pad_;
 };
 
+// Reads the error counters and zeroes them in one atomic step per counter,
+// so increments by replays running meanwhile are either read or kept.
+struct TakeErrorsParams {
+  ErrorWord* errors;
+  ErrorWord* out;
+};
+
 // Host twins of the kernels in capture_kernels.cu: same parameters, same effect.
 void capture_on_host(const CaptureParams& p);
 void commit_on_host(const CommitParams& p);
 void gather_on_host(const GatherParams& p);
+void claim_on_host(const CommitParams& p);
+void release_on_host(const CommitParams& p);
+void take_errors_on_host(const TakeErrorsParams& p);
 
 }  // namespace moecap

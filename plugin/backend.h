@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <mutex>
 
 #include "base/stream.h"
 #include "graphs/backend_graph.h"
@@ -33,23 +34,46 @@ class Backend {
   // The address kernels use for host memory from alloc_host.
   virtual void* device_address_of_host(void* host) = 0;
 
+  // What a graph holding moecap's nodes keeps alive (the capturer): set once,
+  // right after the capturer is made shared. Without it graphs keep nothing.
+  virtual void set_owner(std::weak_ptr<void> owner) { (void)owner; }
+
   // Stream-ordered work; legal in graphs.
   virtual void capture(const CaptureParams& p, EngineStream stream) = 0;
   // How a commit's index tensors reach the kernel, and where it is enqueued.
   struct CommitPlacement {
-    bool slots_on_host;  // host memory the backend must stage (values already checked)
+    bool slots_on_host;  // host memory whose values the backend copies at the call (already checked)
     bool rows_on_host;
     bool in_graph;       // `stream` is being captured (by the engine or by moecap)
   };
   virtual void commit(const CommitParams& p, CommitPlacement where, EngineStream stream) = 0;
   virtual void zero_device(void* ptr, size_t bytes, EngineStream stream) = 0;
-  // moecap_read into memory only kernels can write (device tensors); p.slots
-  // is host memory the backend stages. Host outputs never come here.
+  // moecap_read into memory only kernels can write (device tensors), ordered
+  // on `stream` after the commits that may write p.slots; p.slots is host
+  // memory the backend copies at the call. Host outputs never come here.
   virtual void gather(const GatherParams& p, EngineStream stream) = 0;
 
+  // Host indices (a read's or write's slots), to wait for only the work on them.
+  struct SlotList {
+    const void* data;
+    int32_t elem;  // kI32 / kI64
+    int64_t count;
+  };
+
   // Host-side waits and copies (never legal in graphs).
-  // Waits for (or, with block = false, polls) every commit enqueued so far.
-  virtual bool commits_done(bool block) = 0;
+  // Waits for (or, with block = false, polls) the commits enqueued so far
+  // that may write `slots` (every commit when nullptr): eager commits to
+  // other slots are not waited for; commits in graphs always are. A blocking
+  // wait releases `unlock_while_waiting` (the capturer's lock, held by the
+  // caller) while it sleeps, so the engine's other calls go on meanwhile.
+  virtual bool commits_done(bool block, const SlotList* slots = nullptr,
+                            std::unique_lock<std::mutex>* unlock_while_waiting = nullptr) = 0;
+  // Waits until reads into device tensors enqueued so far no longer read
+  // the host cache rows of `slots` (before the host writes them).
+  virtual void reads_done(const SlotList& slots) = 0;
+  // The error counters; with clear, zeroed in the same atomic step, so
+  // that increments by replays running meanwhile are read or kept.
+  virtual ErrorWord take_errors(ErrorWord* counters, bool clear) = 0;
   virtual void copy_device_to_host(void* dst, const void* src, size_t bytes) = 0;
   virtual void copy_host_to_device(void* dst, const void* src, size_t bytes) = 0;
   // Waits until the caller's stream finished what it enqueued so far.

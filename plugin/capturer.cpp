@@ -109,13 +109,11 @@ void Capturer::require_host_memory(const DLTensor* t, const char* name) {
 }
 
 bool Capturer::staged_index(const DLTensor* t, const char* name, bool graph) const {
+  if (!graph && Backend::host_can_read(t->device)) return true;
   if (backend_->kernel_can_read(t->device)) return false;
   if (!Backend::host_can_read(t->device)) require_kernel_readable(t, name);
-  if (graph) {
-    fail(MOECAP_ERROR_CAPTURE_ILLEGAL, name, " is in pageable host memory, which a graph replay cannot read; ",
-         "pass a device tensor");
-  }
-  return true;
+  fail(MOECAP_ERROR_CAPTURE_ILLEGAL, name, " is in pageable host memory, which a graph replay cannot read; ",
+       "pass a device tensor");
 }
 
 void Capturer::check_request_rows(const DLTensor* t, const char* name, int64_t rows, const char* rows_from) const {
@@ -124,10 +122,14 @@ void Capturer::check_request_rows(const DLTensor* t, const char* name, int64_t r
   check_dim(t, name, 2, plan_.config.top_k, "top_k");
 }
 
-void Capturer::settle(bool block) {
-  if (!backend_->commits_done(block)) {
-    fail(MOECAP_ERROR_NOT_READY, "commits are still in flight (MOECAP_READ_NONBLOCKING)");
+void Capturer::settle(bool block, const Backend::SlotList* slots, std::unique_lock<std::mutex>* lock) {
+  if (!backend_->commits_done(block, slots, lock)) {
+    fail(MOECAP_ERROR_NOT_READY, "commits to these slots are still in flight (MOECAP_READ_NONBLOCKING)");
   }
+  check_counters();
+}
+
+void Capturer::check_counters() {
   ErrorWord word{};
   backend_->copy_device_to_host(&word, device_block_ + error_word_.offset, sizeof word);
   if (word.skipped_rows > 0) {
@@ -274,7 +276,8 @@ void Capturer::commit(const moecap_commit_args* args, EngineStream stream) {
   backend_->commit(p, Backend::CommitPlacement{slots_on_host, rows_on_host, graph}, stream);
 }
 
-void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream) {
+void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,
+                    std::unique_lock<std::mutex>* lock) {
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   if ((flags & ~MOECAP_READ_NONBLOCKING) != 0) {
@@ -307,7 +310,13 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
     check_same_shape(weights_out, "weights_out", ids_out, "ids_out");
   }
   check_host_slots(slots, "slots", false, c.host_slots);
-  settle((flags & MOECAP_READ_NONBLOCKING) == 0);
+  const Backend::SlotList slot_list{tensor_data(slots), elem_of(slots->dtype), t};
+  // Device outputs: the gather waits for the commits on `stream`, not the host.
+  if (on_device) {
+    check_counters();
+  } else {
+    settle((flags & MOECAP_READ_NONBLOCKING) == 0, &slot_list, lock);
+  }
   if (t == 0) return;
 
   const uint8_t* cache = on_device ? host_block_on_device_ : host_block_;
@@ -357,7 +366,8 @@ HostView Capturer::host_view(const DLTensor* t, const char* name, EngineStream s
   return v;
 }
 
-void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream) {
+void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream,
+                     std::unique_lock<std::mutex>* lock) {
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   check_tensor(slots, {"slots", {kI32, kI64}, 1});
@@ -385,7 +395,11 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
            "; ids must be in [0, num_experts = ", c.num_experts, ") or -1");
     }
   }
-  settle(true);
+  // The host writes these rows now: after every queued read of them into
+  // device tensors, and every commit that may write them.
+  const Backend::SlotList slot_list{tensor_data(slots), elem_of(slots->dtype), t};
+  backend_->reads_done(slot_list);
+  settle(true, &slot_list, lock);
 
   uint8_t* host_ids = host_block_ + host_ids_.offset;
   uint8_t* host_w = host_block_ + host_weights_.offset;
@@ -407,21 +421,15 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
   }
 }
 
-void Capturer::synchronize() {
+void Capturer::synchronize(std::unique_lock<std::mutex>* lock) {
   require_not_recording();
-  settle(true);
+  settle(true, nullptr, lock);
 }
 
 moecap_error_counts Capturer::errors(bool clear) {
   require_not_recording();
   backend_->commits_done(true);
-  ErrorWord word{};
-  void* dev = device_block_ + error_word_.offset;
-  backend_->copy_device_to_host(&word, dev, sizeof word);
-  if (clear) {
-    const ErrorWord zero{};
-    backend_->copy_host_to_device(dev, &zero, sizeof zero);
-  }
+  const ErrorWord word = backend_->take_errors(reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset), clear);
   moecap_error_counts out{};
   out.struct_size = sizeof out;
   out.skipped_rows = word.skipped_rows;
@@ -526,9 +534,20 @@ void Capturer::graph_begin(EngineStream stream) {
 
 std::unique_ptr<BackendGraph> Capturer::graph_end() {
   if (!recording_) fail(MOECAP_ERROR_INVALID_ARGUMENT, "no moecap_graph_begin on this capturer");
-  recording_ = false;
-  recording_stream_ = EngineStream::legacy_default();
-  return backend_->end_graph();
+  // Recording ends with the capture: if ending it fails and the stream still
+  // captures, the capturer still records (graph_end may be retried).
+  try {
+    std::unique_ptr<BackendGraph> graph = backend_->end_graph();
+    recording_ = false;
+    recording_stream_ = EngineStream::legacy_default();
+    return graph;
+  } catch (...) {
+    if (!backend_->stream_capturing(recording_stream_)) {
+      recording_ = false;
+      recording_stream_ = EngineStream::legacy_default();
+    }
+    throw;
+  }
 }
 
 void Capturer::write_guards() {

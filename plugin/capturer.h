@@ -33,13 +33,20 @@ class Capturer {
   Capturer& operator=(const Capturer&) = delete;
 
   const Plan& plan() const { return plan_; }
+  // Graphs that bake this capturer's memory (the engine's captures, moecap's
+  // own graphs and their clones) keep `self`, its owner, alive.
+  void set_owner(const std::shared_ptr<Capturer>& self) { backend_->set_owner(self); }
   std::mutex& mutex() { return mutex_; }
 
   void capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, EngineStream stream);
   void commit(const moecap_commit_args* args, EngineStream stream);
-  void read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream);
-  void write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream);
-  void synchronize();
+  // Host calls that wait for commits: `lock`, when given, is the caller's
+  // hold on mutex(), released while they sleep.
+  void read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,
+            std::unique_lock<std::mutex>* lock = nullptr);
+  void write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream,
+             std::unique_lock<std::mutex>* lock = nullptr);
+  void synchronize(std::unique_lock<std::mutex>* lock = nullptr);
   moecap_error_counts errors(bool clear);
   void histogram_reset(EngineStream stream);
   BufferView view(int32_t which, int32_t layer) const;
@@ -66,14 +73,20 @@ class Capturer {
   void require_kernel_readable(const DLTensor* t, const char* name) const;
   // Refuses a tensor the host cannot read now.
   static void require_host_memory(const DLTensor* t, const char* name);
-  // A commit's index tensor: false when kernels read it in place, true when it
-  // is host memory the backend stages (illegal in a graph); else refused.
+  // A commit's index tensor: true when it is host memory whose values the
+  // backend copies at the call (eager commits, pinned memory too: the engine
+  // may refill it before the stream runs the commit), false when kernels read
+  // it in place (device memory, or pinned memory in a graph, read at each
+  // replay); pageable memory in a graph and foreign devices are refused.
   bool staged_index(const DLTensor* t, const char* name, bool graph) const;
   // Requires [rows, num_layers, top_k]: the shape of a request's rows.
   void check_request_rows(const DLTensor* t, const char* name, int64_t rows, const char* rows_from) const;
   void require_stream(EngineStream stream);
-  // Waits for commits, then fails with ROWS_SKIPPED while the counter is set.
-  void settle(bool block);
+  // Waits for the commits that may write `slots` (all when nullptr), then
+  // fails with ROWS_SKIPPED while the counter is set.
+  void settle(bool block, const Backend::SlotList* slots, std::unique_lock<std::mutex>* lock);
+  // ROWS_SKIPPED while the counter is set; CORRUPTION for a damaged guard.
+  void check_counters();
   // Fails with OUT_OF_RANGE naming the first index tensor entry outside [allow_drop ? -1 : 0, limit).
   void check_host_slots(const DLTensor* slots, const char* name, bool allow_drop, int64_t limit) const;
   void write_guards();

@@ -111,6 +111,7 @@ moecap_status moecap_create(const moecap_config* config, moecap_capturer** out) 
     const moecap::Plan plan = moecap::make_plan(config);
     auto handle = std::make_unique<moecap_capturer>();
     handle->impl = std::make_shared<Capturer>(plan);
+    handle->impl->set_owner(handle->impl);
     *out = handle.release();
   });
 }
@@ -163,8 +164,8 @@ moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTe
                           DLTensor* weights_out, uint32_t flags, void* stream) {
   return guarded("moecap_read", [&] {
     Capturer& c = live(capturer);
-    std::lock_guard<std::mutex> lock(c.mutex());
-    c.read(slots, ids_out, weights_out, flags, EngineStream::from_abi(stream));
+    std::unique_lock<std::mutex> lock(c.mutex());
+    c.read(slots, ids_out, weights_out, flags, EngineStream::from_abi(stream), &lock);
   });
 }
 
@@ -172,16 +173,16 @@ moecap_status moecap_write(moecap_capturer* capturer, const DLTensor* slots, con
                            const DLTensor* weights, void* stream) {
   return guarded("moecap_write", [&] {
     Capturer& c = live(capturer);
-    std::lock_guard<std::mutex> lock(c.mutex());
-    c.write(slots, ids, weights, EngineStream::from_abi(stream));
+    std::unique_lock<std::mutex> lock(c.mutex());
+    c.write(slots, ids, weights, EngineStream::from_abi(stream), &lock);
   });
 }
 
 moecap_status moecap_synchronize(moecap_capturer* capturer) {
   return guarded("moecap_synchronize", [&] {
     Capturer& c = live(capturer);
-    std::lock_guard<std::mutex> lock(c.mutex());
-    c.synchronize();
+    std::unique_lock<std::mutex> lock(c.mutex());
+    c.synchronize(&lock);
   });
 }
 

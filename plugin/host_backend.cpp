@@ -34,7 +34,14 @@ class HostBackend final : public Backend {
     graphs_.run([ptr, bytes] { std::memset(ptr, 0, bytes); });
   }
 
-  bool commits_done(bool) override { return true; }
+  bool commits_done(bool, const SlotList*, std::unique_lock<std::mutex>*) override { return true; }
+  void reads_done(const SlotList&) override {}
+  ErrorWord take_errors(ErrorWord* counters, bool clear) override {
+    if (!clear) return *counters;
+    ErrorWord out{};
+    take_errors_on_host(TakeErrorsParams{counters, &out});
+    return out;
+  }
   void copy_device_to_host(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy_host_to_device(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
 

@@ -5,7 +5,11 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <deque>
 #include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "base/cuda_driver.h"
 #include "base/cuda_owners.h"
@@ -34,6 +38,73 @@ struct Kernel {
   CUfunction fn = nullptr;
 };
 
+// A host-side call (a wait, copy or allocation): the backend's context
+// current, and relaxed capture mode, so that it neither fails nor breaks a
+// graph capture running on any thread.
+class HostCallScope {
+ public:
+  HostCallScope(const Driver& d, CUcontext ctx) : context_(d, ctx), relaxed_(d) {}
+
+ private:
+  ContextScope context_;
+  RelaxedCaptureScope relaxed_;
+};
+
+// Work on the host cache still in flight: an eager commit or a read into
+// device tensors, with the slots it touches (sorted; all when every_slot).
+struct InFlight {
+  UniqueEvent event;
+  std::vector<int64_t> slots;
+  bool every_slot;
+};
+
+std::vector<int64_t> sorted_slots(const Backend::SlotList& list) {
+  std::vector<int64_t> v(static_cast<size_t>(list.count));
+  for (int64_t i = 0; i < list.count; ++i) v[static_cast<size_t>(i)] = load_int(list.data, list.elem, i);
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+// Whether `f` touches any of `wanted` (sorted), or `wanted` is every slot.
+bool touches(const InFlight& f, const std::vector<int64_t>* wanted) {
+  if (f.every_slot || wanted == nullptr) return true;
+  auto a = f.slots.begin();
+  auto b = wanted->begin();
+  while (a != f.slots.end() && b != wanted->end()) {
+    if (*a == *b) return true;
+    if (*a < *b) {
+      ++a;
+    } else {
+      ++b;
+    }
+  }
+  return false;
+}
+
+// Releases a held lock for a scope, taking it again after (also on a throw).
+class Unlocked {
+ public:
+  explicit Unlocked(std::unique_lock<std::mutex>* lock) : lock_(lock) {
+    if (lock_ != nullptr) lock_->unlock();
+  }
+  ~Unlocked() {
+    if (lock_ != nullptr) lock_->lock();
+  }
+  Unlocked(const Unlocked&) = delete;
+  Unlocked& operator=(const Unlocked&) = delete;
+
+ private:
+  std::unique_lock<std::mutex>* lock_;
+};
+
+// Where a graph holding moecap's nodes keeps the capturer: a user object
+// whose destructor the driver calls on its own thread, where no CUDA call is
+// allowed, so the capturer (whose destruction frees driver memory) is
+// released on a thread of moecap's.
+void release_owner(void* held) {
+  std::thread([held] { delete static_cast<std::shared_ptr<void>*>(held); }).detach();
+}
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(const Plan& plan) : d_(driver()), ordinal_(plan.config.device_id) {
@@ -51,24 +122,40 @@ class CudaBackend final : public Backend {
     check(d_, d_.cuDeviceGet(&device, ordinal_), "cuDeviceGet");
     // Every owner below frees its object if a later step throws.
     ctx_ = PrimaryContext(d_, device);
-    ContextScope scope(d_, ctx());
+    HostCallScope scope(d_, ctx());
     CUmodule module = nullptr;
-    check(d_, d_.cuModuleLoadData(&module, moecap_kernels_fatbin), "cuModuleLoadData (embedded kernels)");
+    check_module_load(d_, d_.cuModuleLoadData(&module, moecap_kernels_fatbin));
     module_ = UniqueModule(d_, ctx(), module);
-    for (Kernel* k : {&capture_, &commit_, &gather_}) {
+    for (Kernel* k : {&capture_, &claim_, &commit_, &release_, &gather_, &take_errors_}) {
       check(d_, d_.cuModuleGetFunction(&k->fn, module_.get(), k->name), "cuModuleGetFunction");
     }
     CUstream internal = nullptr;
     check(d_, d_.cuStreamCreate(&internal, kStreamNonBlocking), "cuStreamCreate");
     internal_ = UniqueStream(d_, ctx(), internal);
-    for (UniqueEvent& e : events_) e = create_event();
-    staging_free_ = create_event();
-    staging_rows_ = plan.device_rows;
-    const size_t staging = static_cast<size_t>(staging_rows_) * sizeof(int64_t);
-    slot_staging_ = allocate_device(staging, "cuMemAlloc (slot staging)");
-    row_staging_ = allocate_device(staging, "cuMemAlloc (row staging)");
+    // Duplicate slots in commits whose slots only the device knows.
+    claims_ = allocate_device(static_cast<size_t>(plan.config.host_slots) * sizeof(int32_t), "cuMemAlloc (claims)");
+    check(d_, d_.cuMemsetD8Async(claims_.get(), 0, static_cast<size_t>(plan.config.host_slots) * sizeof(int32_t),
+                                 internal_.get()),
+          "cuMemsetD8Async");
+    // Index lists copied at the call: two lists of device_rows int64 per entry.
+    snapshot_bytes_ = static_cast<size_t>(plan.device_rows) * 2 * sizeof(int64_t);
+    snapshot_memory_ = allocate_pinned(snapshot_bytes_ * kSnapshots + sizeof(ErrorWord), "cuMemHostAlloc (snapshots)");
+    snapshot_device_ = static_cast<uint8_t*>(device_address(snapshot_memory_.get()));
+    for (Snapshot& e : snapshots_) e.done = create_event();
+    check(d_, d_.cuStreamSynchronize(internal_.get()), "cuStreamSynchronize");
 #endif
   }
+
+  ~CudaBackend() override {
+    try {
+      HostCallScope scope(d_, ctx());
+      d_.cuStreamSynchronize(internal_.get());
+    } catch (...) {
+      // At process exit the driver may be gone; the owners below skip what they cannot free.
+    }
+  }
+
+  void set_owner(std::weak_ptr<void> owner) override { owner_ = std::move(owner); }
 
   DLDevice device() const override { return DLDevice{kDLCUDA, ordinal_}; }
   bool kernel_can_read(DLDevice d) const override {
@@ -77,117 +164,175 @@ class CudaBackend final : public Backend {
   }
 
   void* alloc_device(size_t bytes) override {
-    ContextScope scope(d_, ctx());
+    HostCallScope scope(d_, ctx());
     UniqueDeviceMemory p = allocate_device(bytes == 0 ? 1 : bytes, "cuMemAlloc");
     check(d_, d_.cuMemsetD8Async(p.get(), 0, bytes, internal_.get()), "cuMemsetD8Async");
     check(d_, d_.cuStreamSynchronize(internal_.get()), "cuStreamSynchronize");
     return reinterpret_cast<void*>(p.release());
   }
-  // The owners free in the backend's context and never throw (see cuda_owners.h).
-  void free_device(void* ptr) override { UniqueDeviceMemory(d_, ctx(), reinterpret_cast<CUdeviceptr>(ptr)).reset(); }
-  void* alloc_host(size_t bytes) override {
-    ContextScope scope(d_, ctx());
-    void* p = nullptr;
-    check(d_, d_.cuMemHostAlloc(&p, bytes == 0 ? 1 : bytes, kMemHostAllocPortable | kMemHostAllocDeviceMap),
-          "cuMemHostAlloc");
-    std::memset(p, 0, bytes);
-    return p;
+  // The owners free in the backend's context and never throw (see cuda_owners.h);
+  // relaxed, so that a free never breaks a capture on another thread.
+  void free_device(void* ptr) override {
+    RelaxedCaptureScope relaxed(d_);
+    UniqueDeviceMemory(d_, ctx(), reinterpret_cast<CUdeviceptr>(ptr)).reset();
   }
-  void free_host(void* ptr) override { UniquePinnedMemory(d_, ctx(), ptr).reset(); }
+  void* alloc_host(size_t bytes) override {
+    HostCallScope scope(d_, ctx());
+    UniquePinnedMemory p = allocate_pinned(bytes == 0 ? 1 : bytes, "cuMemHostAlloc");
+    std::memset(p.get(), 0, bytes);
+    return p.release();
+  }
+  void free_host(void* ptr) override {
+    RelaxedCaptureScope relaxed(d_);
+    UniquePinnedMemory(d_, ctx(), ptr).reset();
+  }
   void* device_address_of_host(void* host) override {
-    ContextScope scope(d_, ctx());
-    CUdeviceptr p = 0;
-    check(d_, d_.cuMemHostGetDevicePointer(&p, host, 0), "cuMemHostGetDevicePointer");
-    return reinterpret_cast<void*>(p);
+    HostCallScope scope(d_, ctx());
+    return device_address(host);
   }
 
   void capture(const CaptureParams& p, EngineStream stream) override {
     ContextScope scope(d_, ctx());
+    keep_owner_in_capture(cu_stream(stream));
     launch(capture_, p, p.n * p.top_k, cu_stream(stream));
   }
 
   void commit(const CommitParams& p, CommitPlacement where, EngineStream stream) override {
-    ContextScope scope(d_, ctx());
+    HostCallScope scope(d_, ctx());
     const CUstream s = cu_stream(stream);
-    CommitParams params = p;
-    const bool staged = where.slots_on_host || where.rows_on_host;
-    if (staged) {
-      // One staging area per capturer: the previous user must be done with it.
-      check(d_, d_.cuStreamWaitEvent(s, staging_free_.get(), 0), "cuStreamWaitEvent");
-      if (where.slots_on_host) params.dst_slots = stage(slot_staging_, p.dst_slots, p.count, p.dst_slots_elem, s);
-      if (where.rows_on_host) params.src_rows = stage(row_staging_, p.src_rows, p.count, p.src_rows_elem, s);
-    }
-    launch(commit_, params, p.count, s);
-    if (staged) check(d_, d_.cuEventRecord(staging_free_.get(), s), "cuEventRecord");
-    // Inside a capture a plain record only expresses a dependency inside the
-    // graph, and the host may not wait on it; an external record becomes an
-    // event-record node that every replay performs, so read can wait for it.
-    const CUevent e = events_[next_event_].get();
     if (where.in_graph) {
-      check(d_, d_.cuEventRecordWithFlags(e, s, kEventRecordExternal), "cuEventRecordWithFlags (commit)");
-    } else {
-      check(d_, d_.cuEventRecord(e, s), "cuEventRecord (commit)");
+      keep_owner_in_capture(s);
+      CommitParams params = p;
+      params.claims = reinterpret_cast<int32_t*>(claims_.get());
+      launch_commit(params, s);
+      // A plain record in a capture is only an edge inside the graph; an
+      // external one is a node every replay performs. Each captured commit
+      // has its own event, so that eager commits never re-record it: read
+      // then waits for the latest replay of every graph.
+      graph_commits_.push_back(create_event());
+      check(d_, d_.cuEventRecordWithFlags(graph_commits_.back().get(), s, kEventRecordExternal),
+            "cuEventRecordWithFlags (commit)");
+      return;
     }
-    next_event_ = (next_event_ + 1) % events_.size();
-    if (recorded_ < events_.size()) ++recorded_;
+    retire(commits_);
+    CommitParams params = p;
+    InFlight done{take_event(), {}, !where.slots_on_host};
+    Snapshot* snap = where.rows_on_host || where.slots_on_host ? &next_snapshot() : nullptr;
+    size_t at = 0;
+    if (where.rows_on_host) params.src_rows = copy_in(*snap, at, p.src_rows, p.count, p.src_rows_elem);
+    if (where.slots_on_host) {
+      done.slots = snapshot_slots(*snap, at, p, params);
+    } else {
+      params.claims = reinterpret_cast<int32_t*>(claims_.get());
+    }
+    launch_commit(params, s);
+    if (snap != nullptr) check(d_, d_.cuEventRecord(snap->done.get(), s), "cuEventRecord (snapshot)");
+    check(d_, d_.cuEventRecord(done.event.get(), s), "cuEventRecord (commit)");
+    commits_.push_back(std::move(done));
   }
 
   void gather(const GatherParams& p, EngineStream stream) override {
-    ContextScope scope(d_, ctx());
+    HostCallScope scope(d_, ctx());
     const CUstream s = cu_stream(stream);
-    check(d_, d_.cuStreamWaitEvent(s, staging_free_.get(), 0), "cuStreamWaitEvent");
-    // The staging area holds device_rows slots; longer requests go in pieces,
-    // each ordered on `s` after the previous piece's kernel read the staging.
+    const std::vector<int64_t> wanted = sorted_slots(SlotList{p.slots, p.slots_elem, p.count});
+    // Ordered after the commits that may write these rows, on the stream: the host does not wait.
+    for (const InFlight& f : commits_) {
+      if (touches(f, &wanted)) check(d_, d_.cuStreamWaitEvent(s, f.event.get(), 0), "cuStreamWaitEvent");
+    }
+    for (const UniqueEvent& e : graph_commits_) check(d_, d_.cuStreamWaitEvent(s, e.get(), 0), "cuStreamWaitEvent");
+    // A snapshot entry holds 2 * device_rows slots; longer requests go in pieces.
+    const int64_t per_piece = static_cast<int64_t>(snapshot_bytes_ / sizeof(int64_t));
     const int64_t slot_bytes = elem_bytes(p.slots_elem);
     const int64_t id_row = p.row_elements * elem_bytes(p.dst_id_elem);
     const int64_t w_row = p.dst_weights ? p.row_elements * elem_bytes(p.dst_weight_elem) : 0;
-    for (int64_t first = 0; first < p.count; first += staging_rows_) {
+    for (int64_t first = 0; first < p.count; first += per_piece) {
       GatherParams piece = p;
-      piece.count = std::min(staging_rows_, p.count - first);
-      piece.slots = stage(slot_staging_, static_cast<const uint8_t*>(p.slots) + first * slot_bytes, piece.count,
-                          p.slots_elem, s);
+      piece.count = std::min(per_piece, p.count - first);
+      Snapshot& snap = next_snapshot();
+      size_t at = 0;
+      piece.slots = copy_in(snap, at, static_cast<const uint8_t*>(p.slots) + first * slot_bytes, piece.count,
+                            p.slots_elem);
       piece.dst_ids = static_cast<uint8_t*>(p.dst_ids) + first * id_row;
       if (p.dst_weights) piece.dst_weights = static_cast<uint8_t*>(p.dst_weights) + first * w_row;
       launch(gather_, piece, piece.count * p.row_elements, s);
+      check(d_, d_.cuEventRecord(snap.done.get(), s), "cuEventRecord (snapshot)");
     }
-    check(d_, d_.cuEventRecord(staging_free_.get(), s), "cuEventRecord");
+    retire(reads_);
+    InFlight read{take_event(), wanted, false};
+    check(d_, d_.cuEventRecord(read.event.get(), s), "cuEventRecord (read)");
+    reads_.push_back(std::move(read));
   }
 
   void zero_device(void* ptr, size_t bytes, EngineStream stream) override {
     ContextScope scope(d_, ctx());
+    keep_owner_in_capture(cu_stream(stream));
     check(d_, d_.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(ptr), 0, bytes, cu_stream(stream)),
           "cuMemsetD8Async");
   }
 
-  bool commits_done(bool block) override {
-    ContextScope scope(d_, ctx());
-    for (size_t i = 0; i < recorded_; ++i) {
-      if (block) {
-        check(d_, d_.cuEventSynchronize(events_[i].get()), "cuEventSynchronize");
-      } else {
-        const CUresult r = d_.cuEventQuery(events_[i].get());
-        if (r == kErrorNotReady) return false;
-        check(d_, r, "cuEventQuery");
-      }
+  bool commits_done(bool block, const SlotList* slots, std::unique_lock<std::mutex>* unlock_while_waiting) override {
+    HostCallScope scope(d_, ctx());
+    std::vector<int64_t> wanted;
+    if (slots != nullptr) wanted = sorted_slots(*slots);
+    const std::vector<int64_t>* filter = slots != nullptr ? &wanted : nullptr;
+    std::vector<CUevent> waits;
+    for (const UniqueEvent& e : graph_commits_) waits.push_back(e.get());
+    for (const InFlight& f : commits_) {
+      if (touches(f, filter)) waits.push_back(f.event.get());
     }
+    if (!block) {
+      for (CUevent e : waits) {
+        if (!finished(e, false)) return false;
+      }
+    } else {
+      // Without the capturer's lock: another thread may retire and re-record
+      // these events meanwhile (a later record: a longer wait, never a
+      // shorter one); they are destroyed only with the backend.
+      Unlocked unlocked(unlock_while_waiting);
+      for (CUevent e : waits) finished(e, true);
+    }
+    retire(commits_);
     return true;
   }
 
+  void reads_done(const SlotList& slots) override {
+    HostCallScope scope(d_, ctx());
+    const std::vector<int64_t> wanted = sorted_slots(slots);
+    for (const InFlight& f : reads_) {
+      if (touches(f, &wanted)) finished(f.event.get(), true);
+    }
+    retire(reads_);
+  }
+
+  ErrorWord take_errors(ErrorWord* counters, bool clear) override {
+    HostCallScope scope(d_, ctx());
+    ErrorWord* out = reinterpret_cast<ErrorWord*>(snapshot_host() + snapshot_bytes_ * kSnapshots);
+    if (clear) {
+      TakeErrorsParams p{counters, reinterpret_cast<ErrorWord*>(snapshot_device_ + snapshot_bytes_ * kSnapshots)};
+      launch(take_errors_, p, 1, internal_.get());
+    } else {
+      check(d_, d_.cuMemcpyDtoHAsync(out, reinterpret_cast<CUdeviceptr>(counters), sizeof *out, internal_.get()),
+            "cuMemcpyDtoHAsync");
+    }
+    check(d_, d_.cuStreamSynchronize(internal_.get()), "cuStreamSynchronize");
+    return *out;
+  }
+
   void copy_device_to_host(void* dst, const void* src, size_t bytes) override {
-    ContextScope scope(d_, ctx());
+    HostCallScope scope(d_, ctx());
     check(d_, d_.cuMemcpyDtoHAsync(dst, reinterpret_cast<CUdeviceptr>(src), bytes, internal_.get()),
           "cuMemcpyDtoHAsync");
     check(d_, d_.cuStreamSynchronize(internal_.get()), "cuStreamSynchronize");
   }
   void copy_host_to_device(void* dst, const void* src, size_t bytes) override {
-    ContextScope scope(d_, ctx());
+    HostCallScope scope(d_, ctx());
     check(d_, d_.cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, internal_.get()),
           "cuMemcpyHtoDAsync");
     check(d_, d_.cuStreamSynchronize(internal_.get()), "cuStreamSynchronize");
   }
 
   void wait_stream(EngineStream stream) override {
-    ContextScope scope(d_, ctx());
+    HostCallScope scope(d_, ctx());
     check(d_, d_.cuStreamSynchronize(cu_stream(stream)), "cuStreamSynchronize");
   }
 
@@ -206,13 +351,24 @@ class CudaBackend final : public Backend {
 
   std::unique_ptr<BackendGraph> end_graph() override {
     ContextScope scope(d_, ctx());
-    const CUstream s = recording_;
+    std::unique_ptr<BackendGraph> graph = cuda::end_graph(d_, ctx(), recording_);
     recording_ = nullptr;
-    return cuda::end_graph(d_, ctx(), s);
+    return graph;
   }
 
  private:
+  static constexpr size_t kSnapshots = 8;
+
+  // A pinned entry for the index lists of one call, reused once the event
+  // recorded behind the call's kernel has completed.
+  struct Snapshot {
+    UniqueEvent done;
+    bool used = false;
+    uint8_t* host = nullptr;
+  };
+
   CUcontext ctx() const { return ctx_.get(); }
+  uint8_t* snapshot_host() const { return static_cast<uint8_t*>(snapshot_memory_.get()); }
 
   // Every kernel launch: the parameter struct is the kernel's one argument;
   // the grid is capped at 4096 blocks, the kernels loop over what it does not
@@ -226,41 +382,151 @@ class CudaBackend final : public Backend {
     check(d_, d_.cuLaunchKernel(k.fn, blocks, 1, 1, kThreads, 1, 1, 0, s, args, nullptr), k.launch_what);
   }
 
+  // With claims: claim, commit, release, in stream order (4 bytes of device
+  // memory per host slot; commits on other streams touch other claims
+  // unless they target the same slots, which is a race in any case).
+  void launch_commit(const CommitParams& p, CUstream s) {
+    if (p.claims != nullptr) launch(claim_, p, p.count, s);
+    launch(commit_, p, p.count, s);
+    if (p.claims != nullptr) launch(release_, p, p.count, s);
+  }
+
   // Needs the context current.
   UniqueDeviceMemory allocate_device(size_t bytes, const char* what) {
     CUdeviceptr p = 0;
     check(d_, d_.cuMemAlloc(&p, bytes), what);
     return UniqueDeviceMemory(d_, ctx(), p);
   }
+  UniquePinnedMemory allocate_pinned(size_t bytes, const char* what) {
+    void* p = nullptr;
+    check(d_, d_.cuMemHostAlloc(&p, bytes, kMemHostAllocPortable | kMemHostAllocDeviceMap), what);
+    return UniquePinnedMemory(d_, ctx(), p);
+  }
+  void* device_address(void* host) {
+    CUdeviceptr p = 0;
+    check(d_, d_.cuMemHostGetDevicePointer(&p, host, 0), "cuMemHostGetDevicePointer");
+    return reinterpret_cast<void*>(p);
+  }
+  // Host waits on these block the thread instead of spinning.
   UniqueEvent create_event() {
     CUevent e = nullptr;
-    check(d_, d_.cuEventCreate(&e, kEventDisableTiming), "cuEventCreate");
+    check(d_, d_.cuEventCreate(&e, kEventBlockingSync | kEventDisableTiming), "cuEventCreate");
     return UniqueEvent(d_, ctx(), e);
   }
+  UniqueEvent take_event() {
+    if (spare_.empty()) return create_event();
+    UniqueEvent e = std::move(spare_.back());
+    spare_.pop_back();
+    return e;
+  }
 
-  // Copies `count` host indices into a staging buffer on `s`; returns it.
-  const void* stage(const UniqueDeviceMemory& staging, const void* host, int64_t count, int32_t elem, CUstream s) {
-    check(d_, d_.cuMemcpyHtoDAsync(staging.get(), host, static_cast<size_t>(count * elem_bytes(elem)), s),
-          "cuMemcpyHtoDAsync (staging)");
-    return reinterpret_cast<const void*>(staging.get());
+  // Whether `e`'s latest record has completed; with block, waits until it has.
+  bool finished(CUevent e, bool block) {
+    if (block) {
+      check(d_, d_.cuEventSynchronize(e), "cuEventSynchronize");
+      return true;
+    }
+    const CUresult r = d_.cuEventQuery(e);
+    if (r == kErrorNotReady) return false;
+    check(d_, r, "cuEventQuery");
+    return true;
+  }
+  // Returns the events of completed work, oldest first, to the spare pool.
+  void retire(std::deque<InFlight>& list) {
+    while (!list.empty() && finished(list.front().event.get(), false)) {
+      spare_.push_back(std::move(list.front().event));
+      list.pop_front();
+    }
+  }
+
+  Snapshot& next_snapshot() {
+    Snapshot& e = snapshots_[next_snapshot_];
+    e.host = snapshot_host() + next_snapshot_ * snapshot_bytes_;
+    next_snapshot_ = (next_snapshot_ + 1) % kSnapshots;
+    if (e.used) finished(e.done.get(), true);
+    e.used = true;
+    return e;
+  }
+  // Copies `count` host indices into `snap` at `at`; returns their device address.
+  const void* copy_in(Snapshot& snap, size_t& at, const void* host, int64_t count, int32_t elem) {
+    const size_t bytes = static_cast<size_t>(count * elem_bytes(elem));
+    std::memcpy(snap.host + at, host, bytes);
+    const void* device = snapshot_device_ + (snap.host - snapshot_host()) + at;
+    at += (bytes + 7) / 8 * 8;
+    return device;
+  }
+
+  // Copies a commit's host slots into `snap` at `at` as int64, each earlier
+  // duplicate dropped (-1) so that the last entry wins without a claim pass;
+  // points `params` at them. Returns the slots, sorted.
+  std::vector<int64_t> snapshot_slots(Snapshot& snap, size_t at, const CommitParams& p, CommitParams& params) {
+    int64_t* slots = reinterpret_cast<int64_t*>(snap.host + at);
+    params.dst_slots = snapshot_device_ + (snap.host - snapshot_host()) + at;
+    params.dst_slots_elem = kI64;
+    std::vector<std::pair<int64_t, int64_t>> order(static_cast<size_t>(p.count));
+    for (int64_t j = 0; j < p.count; ++j) {
+      slots[j] = load_int(p.dst_slots, p.dst_slots_elem, j);
+      order[static_cast<size_t>(j)] = {slots[j], j};
+    }
+    std::sort(order.begin(), order.end());
+    std::vector<int64_t> sorted(order.size());
+    for (size_t i = 0; i < order.size(); ++i) {
+      sorted[i] = order[i].first;
+      if (i + 1 < order.size() && order[i + 1].first == order[i].first) slots[order[i].second] = -1;
+    }
+    return sorted;
+  }
+
+  // Inside a stream capture (the engine's or moecap's), the graph being
+  // built takes a reference to the capturer, once per capture.
+  void keep_owner_in_capture(CUstream s) {
+    if (owner_.expired()) return;
+    int status = kCaptureStatusNone;
+    uint64_t id = 0;
+    CUgraph graph = nullptr;
+    const CUgraphNode* deps = nullptr;
+    size_t ndeps = 0;
+    check(d_, d_.cuStreamGetCaptureInfo(s, &status, &id, &graph, &deps, &ndeps), "cuStreamGetCaptureInfo");
+    if (status != kCaptureStatusActive || id == kept_in_capture_) return;
+    auto* held = new std::shared_ptr<void>(owner_.lock());
+    CUuserObject object = nullptr;
+    CUresult r = d_.cuUserObjectCreate(&object, held, &release_owner, 1, kUserObjectNoDestructorSync);
+    if (r != kSuccess) {
+      delete held;
+      check(d_, r, "cuUserObjectCreate");
+    }
+    r = d_.cuGraphRetainUserObject(graph, object, 1, kGraphUserObjectMove);
+    if (r != kSuccess) {
+      d_.cuUserObjectRelease(object, 1);
+      check(d_, r, "cuGraphRetainUserObject");
+    }
+    kept_in_capture_ = id;
   }
 
   const Driver& d_;
   int ordinal_;
+  std::weak_ptr<void> owner_;
+  uint64_t kept_in_capture_ = 0;
   // Owners are destroyed in reverse order: the primary context goes last.
   PrimaryContext ctx_;
   UniqueModule module_;
   Kernel capture_{"moecap_capture_kernel", 256, "cuLaunchKernel (capture)"};
+  Kernel claim_{"moecap_claim_kernel", 256, "cuLaunchKernel (claim)"};
   Kernel commit_{"moecap_commit_kernel", 8, "cuLaunchKernel (commit)"};  // a warp per row, 8 warps a block
+  Kernel release_{"moecap_release_kernel", 256, "cuLaunchKernel (release)"};
   Kernel gather_{"moecap_gather_kernel", 256, "cuLaunchKernel (gather)"};
+  Kernel take_errors_{"moecap_take_errors_kernel", 1, "cuLaunchKernel (take errors)"};
   UniqueStream internal_;
-  std::array<UniqueEvent, 16> events_;
-  size_t next_event_ = 0;
-  size_t recorded_ = 0;
-  UniqueEvent staging_free_;
-  UniqueDeviceMemory slot_staging_;
-  UniqueDeviceMemory row_staging_;
-  int64_t staging_rows_ = 0;
+  UniqueDeviceMemory claims_;
+  UniquePinnedMemory snapshot_memory_;  // kSnapshots entries, then the error readout
+  uint8_t* snapshot_device_ = nullptr;
+  size_t snapshot_bytes_ = 0;
+  std::array<Snapshot, kSnapshots> snapshots_;
+  size_t next_snapshot_ = 0;
+  std::deque<InFlight> commits_;
+  std::deque<InFlight> reads_;
+  std::vector<UniqueEvent> graph_commits_;  // one per commit captured in a graph, never reused
+  std::vector<UniqueEvent> spare_;
   CUstream recording_ = nullptr;
 };
 

@@ -25,6 +25,25 @@ step configure cmake -S "$root" -B "$build" "${args[@]}"
 step build cmake --build "$build" -j "$(nproc)"
 step "gpu tests" ctest --test-dir "$build" -L gpu --output-on-failure
 step "other tests" ctest --test-dir "$build" -LE gpu --output-on-failure
+# The GPU suites again under compute-sanitizer: any access to freed or foreign
+# memory by moecap's kernels (a graph replayed after moecap_destroy, a gather
+# into a GPU tensor) fails the step.
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+if [ -n "$sanitizer" ]; then
+  memcheck() { "$sanitizer" --tool memcheck --error-exitcode 1 --leak-check no "$@"; }
+  step "memcheck gpu_backend" memcheck "$build/tests/gpu/moecap_gpu_tests"
+  step "memcheck gpu_scenarios" memcheck "$build/tests/gpu/moecap_gpu_scenarios"
+  if [ -x "$build/examples/engine_sim" ]; then
+    step "memcheck engine_sim" memcheck "$build/examples/engine_sim" --backend cuda --requests 2000
+  fi
+  if [ -n "${MOECAP_PYTHON:-$(command -v python3)}" ]; then
+    step "memcheck torch" env MOECAP_LIBRARY="$build/libmoecap.so" PYTHONDONTWRITEBYTECODE=1 \
+      "$sanitizer" --tool memcheck --error-exitcode 1 --leak-check no --target-processes all \
+      "${MOECAP_PYTHON:-python3}" "$root/tests/gpu/run_gpu_pytest.py" "$root/tests/python"
+  fi
+else
+  echo "=== compute-sanitizer not found: memcheck steps not run"; status=1
+fi
 if [ -x "$build/bench/moecap_bench" ]; then
   step bench "$build/bench/moecap_bench" --benchmark_min_time=0.05 \
     --benchmark_out="$out/moecap_bench.json" --benchmark_out_format=json

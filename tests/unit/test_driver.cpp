@@ -70,8 +70,8 @@ TEST_CASE("a driver too old: DRIVER_TOO_OLD, by version and by missing entry poi
   moecap_capturer* h = nullptr;
   unsetenv("FAKE_CUDA_VERSION");
   CHECK(create_cuda(MOECAP_FAKE_OLD_DRIVER, &h) == MOECAP_ERROR_DRIVER_TOO_OLD);
-  CHECK(std::string(moecap_last_error()).find("supports CUDA 10.2; moecap needs 11.4") != std::string::npos);
-  setenv("FAKE_CUDA_VERSION", "12040", 1);
+  CHECK(std::string(moecap_last_error()).find("supports CUDA 10.2; moecap needs ") != std::string::npos);
+  setenv("FAKE_CUDA_VERSION", "99000", 1);  // newer than any toolkit: the entry points decide
   CHECK(create_cuda(MOECAP_FAKE_OLD_DRIVER, &h) == MOECAP_ERROR_DRIVER_TOO_OLD);
   CHECK(std::string(moecap_last_error()).find("has no cuGetErrorName") != std::string::npos);
   unsetenv("FAKE_CUDA_VERSION");

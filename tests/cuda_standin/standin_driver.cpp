@@ -1,0 +1,802 @@
+// The stand-in CUDA driver; standin.h says what it models and what not.
+#include "tests/cuda_standin/standin.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "graphs/kernel_ops.h"
+#include "graphs/kernel_params.h"
+
+namespace {
+
+using CUresult = int;
+constexpr CUresult kOk = 0, kInvalidValue = 1, kOutOfMemory = 2, kInvalidHandle = 400, kIllegalState = 401,
+                   kNotFound = 500, kNotReady = 600, kNotPermitted = 800, kCaptureUnsupported = 900,
+                   kCaptureInvalidated = 901, kCaptureIsolation = 905, kCaptureWrongThread = 908;
+constexpr int kModeGlobal = 0, kModeRelaxed = 2;
+constexpr unsigned kEventBlockingSync = 0x1, kRecordExternal = 0x1, kGraphUserObjectMove = 0x1;
+
+struct Stream;
+struct Event;
+struct Graph;
+// What an asynchronous call does to the stream it lands on: queue work (or,
+// for an event record, note where). Captured, it becomes a graph node and
+// does the same at every launch.
+using Action = std::function<void(Stream&)>;
+
+struct Capture {
+  std::shared_ptr<Graph> graph;
+  int mode;
+  std::thread::id thread;
+  uint64_t id;
+  bool invalidated = false;
+};
+uint64_t g_next_capture_id = 1;
+
+struct Stream {
+  std::deque<std::function<void()>> queue;
+  uint64_t enqueued = 0;  // operations ever queued; the sequence number of the last
+  uint64_t done = 0;
+  std::unique_ptr<Capture> capture;
+  uint64_t push(std::function<void()> op) {
+    queue.push_back(std::move(op));
+    return ++enqueued;
+  }
+};
+
+struct Event {
+  unsigned flags;
+  Stream* stream = nullptr;  // the latest record, or none
+  uint64_t seq = 0;
+  Capture* captured_in = nullptr;  // the latest record was a plain record in this capture
+};
+
+struct UserObject {
+  void* ptr;
+  void (*destroy)(void*);
+  int64_t refs;
+};
+
+struct Graph {
+  std::vector<Action> nodes;
+  std::map<UserObject*, int64_t> refs;
+};
+
+struct Exec {
+  std::vector<Action> nodes;
+  std::map<UserObject*, int64_t> refs;
+};
+
+struct Alloc {
+  size_t bytes;
+  bool pinned;
+  bool live;
+};
+
+struct Kernel {
+  const char* name;
+  size_t param_bytes;
+  void (*run)(const void* params);
+  std::vector<const void*> (*pointers)(const void* params);
+};
+
+std::recursive_mutex g_mu;
+// Every stream from cuStreamCreate; those never destroyed go at exit.
+struct Streams : std::vector<Stream*> {
+  ~Streams() {
+    for (Stream* s : *this) delete s;
+  }
+};
+Streams g_streams;
+std::map<uintptr_t, Alloc> g_allocs;
+std::vector<Capture*> g_captures;  // active captures, any thread
+Stream g_legacy;
+int64_t g_violations = 0;
+std::string g_first_violation;
+int64_t g_spin_waits = 0;
+std::atomic<void (*)(void*)> g_wait_hook{nullptr};
+std::atomic<void*> g_wait_hook_arg{nullptr};
+int64_t g_live_user_objects = 0;
+// Destructor threads the driver started; joined by standin_drain_callbacks, or at exit.
+struct CallbackThreads : std::vector<std::thread> {
+  ~CallbackThreads() {
+    for (std::thread& t : *this)
+      if (t.joinable()) t.join();
+  }
+};
+CallbackThreads g_callback_threads;
+thread_local int t_capture_mode = kModeGlobal;
+thread_local bool t_in_callback = false;
+thread_local std::vector<void*> t_contexts;
+
+void violation(const std::string& what) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  if (g_violations++ == 0) g_first_violation = what;
+}
+
+#define ENTER()                                                                  \
+  if (t_in_callback) {                                                           \
+    violation(std::string(__func__) + " called from a user-object destructor");  \
+    return kNotPermitted;                                                        \
+  }                                                                              \
+  std::lock_guard<std::recursive_mutex> lock(g_mu)
+
+Stream* stream_of(void* s) {
+  const auto v = reinterpret_cast<uintptr_t>(s);
+  return v <= 2 ? &g_legacy : static_cast<Stream*>(s);  // 0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+}
+
+// --- execution ---------------------------------------------------------------
+
+void run_until(Stream& s, uint64_t seq) {
+  while (s.done < seq && !s.queue.empty()) {
+    std::function<void()> op = std::move(s.queue.front());
+    s.queue.pop_front();
+    op();
+    ++s.done;
+  }
+}
+
+// Called before a host wait takes the driver's lock: the hook may start
+// threads that call the driver, and wait for them.
+void host_wait_hook() {
+  if (t_in_callback) return;
+  if (auto hook = g_wait_hook.load()) hook(g_wait_hook_arg.load());
+}
+
+// --- capture rules -------------------------------------------------------------
+
+// A potentially unsafe call: refused (and the captures it conflicts with
+// invalidated) under the calling thread's capture mode.
+CUresult unsafe_call() {
+  if (t_capture_mode == kModeRelaxed) return kOk;
+  bool refused = false;
+  for (Capture* c : g_captures) {
+    const bool mine = c->thread == std::this_thread::get_id();
+    if ((mine && c->mode != kModeRelaxed) || (!mine && t_capture_mode == kModeGlobal && c->mode == kModeGlobal)) {
+      c->invalidated = true;
+      refused = true;
+    }
+  }
+  return refused ? kCaptureUnsupported : kOk;
+}
+
+// Where an asynchronous call goes: the capture's graph, or the stream's queue.
+CUresult submit(void* stream, Action action) {
+  Stream& s = *stream_of(stream);
+  if (s.capture) {
+    if (s.capture->invalidated) return kCaptureInvalidated;
+    s.capture->graph->nodes.push_back(std::move(action));
+    return kOk;
+  }
+  action(s);
+  return kOk;
+}
+
+// --- memory ------------------------------------------------------------------
+
+void* map_bytes(size_t bytes) {
+  void* p = mmap(nullptr, bytes == 0 ? 1 : bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? nullptr : p;
+}
+
+// The allocation holding p, or nullptr.
+Alloc* alloc_of(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  auto it = g_allocs.upper_bound(a);
+  if (it == g_allocs.begin()) return nullptr;
+  --it;
+  return a < it->first + std::max<size_t>(it->second.bytes, 1) ? &it->second : nullptr;
+}
+
+bool pinned(const void* p, size_t bytes);
+bool pinned_unlocked(const void* p, size_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  return pinned(p, bytes);
+}
+
+bool pinned(const void* p, size_t bytes) {
+  Alloc* a = alloc_of(p);
+  Alloc* b = bytes > 0 ? alloc_of(static_cast<const uint8_t*>(p) + bytes - 1) : a;
+  return a != nullptr && a == b && a->live && a->pinned;
+}
+
+// Freed memory stays mapped, never reused: a late access is seen, not a crash.
+CUresult free_alloc(const void* p, bool pinned_kind) {
+  auto it = g_allocs.find(reinterpret_cast<uintptr_t>(p));
+  if (it == g_allocs.end() || !it->second.live || it->second.pinned != pinned_kind) return kInvalidValue;
+  it->second.live = false;
+  std::memset(const_cast<void*>(p), 0xDD, it->second.bytes);
+  return kOk;
+}
+
+// --- kernels -------------------------------------------------------------------
+
+using namespace moecap;
+
+void run_capture(const void* p) { capture_on_host(*static_cast<const CaptureParams*>(p)); }
+void run_gather(const void* p) { gather_on_host(*static_cast<const GatherParams*>(p)); }
+void run_claim(const void* p) { claim_on_host(*static_cast<const CommitParams*>(p)); }
+void run_release(const void* p) { release_on_host(*static_cast<const CommitParams*>(p)); }
+void run_take_errors(const void* p) { take_errors_on_host(*static_cast<const TakeErrorsParams*>(p)); }
+// One warp per row on the GPU, rows in any order: here the last row first.
+void run_commit(const void* v) {
+  const CommitParams& p = *static_cast<const CommitParams*>(v);
+  for (int64_t j = p.count - 1; j >= 0; --j) {
+    int64_t src = 0, slot = 0;
+    if (!commit_target(p, j, &src, &slot)) continue;
+    std::memcpy(p.dst_ids + slot * p.id_row_bytes, p.src_ids + src * p.id_row_bytes,
+                static_cast<size_t>(p.id_row_bytes));
+    if (p.weight_row_bytes > 0) {
+      std::memcpy(p.dst_weights + slot * p.weight_row_bytes, p.src_weights + src * p.weight_row_bytes,
+                  static_cast<size_t>(p.weight_row_bytes));
+    }
+  }
+}
+
+std::vector<const void*> capture_pointers(const void* v) {
+  const auto& p = *static_cast<const CaptureParams*>(v);
+  return {p.ids, p.weights, p.dst_ids, p.dst_weights, p.histogram, p.errors};
+}
+std::vector<const void*> commit_pointers(const void* v) {
+  const auto& p = *static_cast<const CommitParams*>(v);
+  return {p.src_ids, p.src_weights, p.dst_ids, p.dst_weights, p.src_rows, p.dst_slots, p.errors, p.claims};
+}
+std::vector<const void*> gather_pointers(const void* v) {
+  const auto& p = *static_cast<const GatherParams*>(v);
+  return {p.src_ids, p.src_weights, p.slots, p.dst_ids, p.dst_weights};
+}
+
+std::vector<const void*> take_errors_pointers(const void* v) {
+  const auto& p = *static_cast<const TakeErrorsParams*>(v);
+  return {p.errors, p.out};
+}
+
+const Kernel kKernels[] = {
+    {"moecap_claim_kernel", sizeof(CommitParams), run_claim, commit_pointers},
+    {"moecap_release_kernel", sizeof(CommitParams), run_release, commit_pointers},
+    {"moecap_take_errors_kernel", sizeof(TakeErrorsParams), run_take_errors, take_errors_pointers},
+    {"moecap_capture_kernel", sizeof(CaptureParams), run_capture, capture_pointers},
+    {"moecap_commit_kernel", sizeof(CommitParams), run_commit, commit_pointers},
+    {"moecap_gather_kernel", sizeof(GatherParams), run_gather, gather_pointers},
+};
+
+// --- user objects ----------------------------------------------------------------
+
+void release_user_object(UserObject* u, int64_t count) {
+  u->refs -= count;
+  if (u->refs > 0) return;
+  --g_live_user_objects;
+  // CUDA runs destructors on an internal thread, where no driver call is allowed.
+  g_callback_threads.emplace_back([u] {
+    t_in_callback = true;
+    u->destroy(u->ptr);
+    delete u;
+  });
+}
+
+void retain_all(const std::map<UserObject*, int64_t>& refs) {
+  for (const auto& [u, n] : refs) u->refs += n;
+}
+void release_all(const std::map<UserObject*, int64_t>& refs) {
+  for (const auto& [u, n] : refs) release_user_object(u, n);
+}
+
+// --- the Driver API ------------------------------------------------------------
+
+CUresult cuGetErrorName(CUresult r, const char** out) {
+  switch (r) {
+    case kCaptureUnsupported: *out = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"; break;
+    case kCaptureInvalidated: *out = "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"; break;
+    case kCaptureWrongThread: *out = "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD"; break;
+    case kNotReady: *out = "CUDA_ERROR_NOT_READY"; break;
+    default: *out = "CUDA_ERROR (stand-in)"; break;
+  }
+  return kOk;
+}
+CUresult cuGetErrorString(CUresult r, const char** out) { return cuGetErrorName(r, out); }
+
+CUresult cuDeviceGetCount(int* n) {
+  *n = 1;
+  return kOk;
+}
+CUresult cuDeviceGet(int* d, int ordinal) {
+  if (ordinal != 0) return kInvalidValue;
+  *d = 0;
+  return kOk;
+}
+int g_context_tag;
+CUresult cuDevicePrimaryCtxRetain(void** ctx, int) {
+  *ctx = &g_context_tag;
+  return kOk;
+}
+CUresult cuDevicePrimaryCtxRelease(int) { return kOk; }
+CUresult cuCtxPushCurrent(void* ctx) {
+  ENTER();
+  t_contexts.push_back(ctx);
+  return kOk;
+}
+CUresult cuCtxPopCurrent(void** ctx) {
+  if (t_contexts.empty()) return kInvalidValue;
+  if (ctx != nullptr) *ctx = t_contexts.back();
+  t_contexts.pop_back();
+  return kOk;
+}
+
+CUresult cuMemAlloc(unsigned long long* out, size_t bytes) {
+  ENTER();
+  if (CUresult r = unsafe_call()) return r;
+  void* p = map_bytes(bytes);
+  if (p == nullptr) return kOutOfMemory;
+  g_allocs[reinterpret_cast<uintptr_t>(p)] = Alloc{bytes, false, true};
+  *out = reinterpret_cast<uintptr_t>(p);
+  return kOk;
+}
+CUresult cuMemFree(unsigned long long p) {
+  ENTER();
+  return free_alloc(reinterpret_cast<void*>(p), false);
+}
+CUresult cuMemHostAlloc(void** out, size_t bytes, unsigned) {
+  ENTER();
+  if (CUresult r = unsafe_call()) return r;
+  void* p = map_bytes(bytes);
+  if (p == nullptr) return kOutOfMemory;
+  g_allocs[reinterpret_cast<uintptr_t>(p)] = Alloc{bytes, true, true};
+  *out = p;
+  return kOk;
+}
+CUresult cuMemFreeHost(void* p) {
+  ENTER();
+  return free_alloc(p, true);
+}
+CUresult cuMemHostGetDevicePointer(unsigned long long* out, void* p, unsigned) {
+  ENTER();
+  if (!pinned(p, 1)) return kInvalidValue;
+  *out = reinterpret_cast<uintptr_t>(p);
+  return kOk;
+}
+
+CUresult cuMemsetD8Async(unsigned long long dst, unsigned char v, size_t n, void* stream) {
+  ENTER();
+  return submit(stream, [dst, v, n](Stream& s) { s.push([=] { std::memset(reinterpret_cast<void*>(dst), v, n); }); });
+}
+
+CUresult cuMemcpyHtoDAsync(unsigned long long dst, const void* src, size_t n, void* stream) {
+  ENTER();
+  if (pinned(src, n)) {
+    return submit(stream, [dst, src, n](Stream& s) {
+      s.push([=] { std::memcpy(reinterpret_cast<void*>(dst), src, n); });
+    });
+  }
+  // Pageable: staged by the driver before the call returns; not capturable.
+  if (stream_of(stream)->capture) {
+    stream_of(stream)->capture->invalidated = true;
+    return kCaptureUnsupported;
+  }
+  auto copy = std::make_shared<std::vector<uint8_t>>(static_cast<const uint8_t*>(src),
+                                                     static_cast<const uint8_t*>(src) + n);
+  return submit(stream, [dst, copy](Stream& s) {
+    s.push([=] { std::memcpy(reinterpret_cast<void*>(dst), copy->data(), copy->size()); });
+  });
+}
+
+CUresult cuMemcpyDtoHAsync(void* dst, unsigned long long src, size_t n, void* stream) {
+  if (!pinned_unlocked(dst, n)) host_wait_hook();
+  ENTER();
+  auto op = [dst, src, n] { std::memcpy(dst, reinterpret_cast<const void*>(src), n); };
+  if (pinned(dst, n)) return submit(stream, [op](Stream& s) { s.push(op); });
+  // Pageable: the call returns once the copy is done, so it is a host wait.
+  Stream& s = *stream_of(stream);
+  if (s.capture) {
+    s.capture->invalidated = true;
+    return kCaptureUnsupported;
+  }
+  if (CUresult r = unsafe_call()) return r;
+  run_until(s, s.push(op));
+  return kOk;
+}
+
+struct Module {};
+CUresult cuModuleLoadData(void** module, const void* image) {
+  ENTER();
+  if (CUresult r = unsafe_call()) return r;
+  if (image == nullptr) return kInvalidValue;
+  if (const char* e = std::getenv("STANDIN_MODULE_LOAD_ERROR")) {
+    if (const int r = std::atoi(e)) return r;
+  }
+  *module = new Module;
+  return kOk;
+}
+CUresult cuModuleUnload(void* module) {
+  ENTER();
+  delete static_cast<Module*>(module);
+  return kOk;
+}
+CUresult cuModuleGetFunction(const void** fn, void*, const char* name) {
+  ENTER();
+  for (const Kernel& k : kKernels) {
+    if (std::strcmp(k.name, name) == 0) {
+      *fn = &k;
+      return kOk;
+    }
+  }
+  return kNotFound;
+}
+
+CUresult cuLaunchKernel(const void* fn, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        void* stream, void** params, void** extra) {
+  ENTER();
+  if (fn == nullptr || params == nullptr || extra != nullptr) return kInvalidValue;
+  const Kernel* k = static_cast<const Kernel*>(fn);
+  // Kernel parameters are copied at the launch, as CUDA does.
+  auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<const uint8_t*>(params[0]),
+                                                      static_cast<const uint8_t*>(params[0]) + k->param_bytes);
+  return submit(stream, [k, bytes](Stream& s) {
+    s.push([k, bytes] {
+      for (const void* p : k->pointers(bytes->data())) {
+        const Alloc* a = p != nullptr ? alloc_of(p) : nullptr;
+        if (a != nullptr && !a->live) {
+          violation(std::string(k->name) + " ran with a pointer into freed memory");
+          return;
+        }
+      }
+      k->run(bytes->data());
+    });
+  });
+}
+
+CUresult cuStreamCreate(void** out, unsigned) {
+  ENTER();
+  g_streams.push_back(new Stream);
+  *out = g_streams.back();
+  return kOk;
+}
+CUresult cuStreamDestroy(void* stream) {
+  ENTER();
+  Stream* s = stream_of(stream);
+  if (s == &g_legacy) return kInvalidHandle;
+  run_until(*s, s->enqueued);  // queued work still completes, as on a GPU
+  g_streams.erase(std::find(g_streams.begin(), g_streams.end(), s));
+  delete s;
+  return kOk;
+}
+CUresult cuStreamSynchronize(void* stream) {
+  host_wait_hook();
+  ENTER();
+  if (CUresult r = unsafe_call()) return r;
+  Stream& s = *stream_of(stream);
+  if (s.capture) return kCaptureUnsupported;
+  run_until(s, s.enqueued);
+  return kOk;
+}
+CUresult cuStreamQuery(void* stream) {
+  ENTER();
+  if (CUresult r = unsafe_call()) return r;
+  Stream& s = *stream_of(stream);
+  return s.done == s.enqueued ? kOk : kNotReady;
+}
+CUresult cuStreamWaitEvent(void* stream, Event* e, unsigned) {
+  ENTER();
+  if (e == nullptr) return kInvalidHandle;
+  Stream* waited = e->stream;
+  const uint64_t seq = e->seq;
+  Stream& s = *stream_of(stream);
+  if (s.capture) {
+    if (e->captured_in == s.capture.get()) return kOk;  // an edge inside the graph
+    if (waited != nullptr && waited->done < seq) {
+      s.capture->invalidated = true;
+      return kCaptureIsolation;
+    }
+    return kOk;
+  }
+  if (e->captured_in != nullptr) return kCaptureIsolation;
+  if (waited == nullptr) return kOk;
+  return submit(stream, [waited, seq](Stream& on) { on.push([waited, seq] { run_until(*waited, seq); }); });
+}
+CUresult cuStreamIsCapturing(void* stream, int* status) {
+  ENTER();
+  const Stream& s = *stream_of(stream);
+  *status = !s.capture ? 0 : s.capture->invalidated ? 2 : 1;
+  return kOk;
+}
+// CUDA 11.3's ABI (cuStreamGetCaptureInfo_v2) and 12.3's (_v3, with edge
+// data); cuGetProcAddress picks by the version asked for. The capture's
+// graph is the one being built: user objects retained on it go with it.
+CUresult capture_info_v3(void* stream, int* status, uint64_t* id, Graph** graph, const void** deps,
+                         const void** edges, size_t* ndeps) {
+  ENTER();
+  const Stream& s = *stream_of(stream);
+  *status = !s.capture ? 0 : s.capture->invalidated ? 2 : 1;
+  if (id != nullptr) *id = s.capture ? s.capture->id : 0;
+  if (graph != nullptr) *graph = s.capture ? s.capture->graph.get() : nullptr;
+  if (deps != nullptr) *deps = nullptr;
+  if (edges != nullptr) *edges = nullptr;
+  if (ndeps != nullptr) *ndeps = 0;
+  return kOk;
+}
+CUresult capture_info_v2(void* stream, int* status, uint64_t* id, Graph** graph, const void** deps, size_t* ndeps) {
+  return capture_info_v3(stream, status, id, graph, deps, nullptr, ndeps);
+}
+
+CUresult cuStreamBeginCapture(void* stream, int mode) {
+  ENTER();
+  Stream* s = stream_of(stream);
+  if (s == &g_legacy) return kCaptureUnsupported;
+  if (s->capture) return kIllegalState;
+  s->capture = std::make_unique<Capture>(Capture{std::make_shared<Graph>(), mode, std::this_thread::get_id(), g_next_capture_id++});
+  g_captures.push_back(s->capture.get());
+  return kOk;
+}
+CUresult cuStreamEndCapture(void* stream, Graph** out) {
+  ENTER();
+  Stream& s = *stream_of(stream);
+  if (!s.capture) return kIllegalState;
+  if (s.capture->mode != kModeRelaxed && s.capture->thread != std::this_thread::get_id()) return kCaptureWrongThread;
+  std::unique_ptr<Capture> c = std::move(s.capture);
+  g_captures.erase(std::find(g_captures.begin(), g_captures.end(), c.get()));
+  *out = nullptr;
+  if (c->invalidated) {
+    release_all(c->graph->refs);
+    return kCaptureInvalidated;
+  }
+  *out = new Graph(std::move(*c->graph));
+  return kOk;
+}
+CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
+  const int previous = t_capture_mode;
+  t_capture_mode = *mode;
+  *mode = previous;
+  return kOk;
+}
+
+CUresult cuEventCreate(Event** out, unsigned flags) {
+  ENTER();
+  *out = new Event{flags};
+  return kOk;
+}
+CUresult cuEventDestroy(Event* e) {
+  ENTER();
+  delete e;
+  return kOk;
+}
+CUresult cuEventRecordWithFlags(Event* e, void* stream, unsigned flags) {
+  ENTER();
+  Stream& s = *stream_of(stream);
+  if (s.capture && !(flags & kRecordExternal)) {
+    e->captured_in = s.capture.get();  // a dependency inside the graph only
+    return s.capture->invalidated ? kCaptureInvalidated : kOk;
+  }
+  return submit(stream, [e](Stream& on) {
+    e->captured_in = nullptr;
+    e->stream = &on;
+    e->seq = on.push([] {});
+  });
+}
+CUresult cuEventRecord(Event* e, void* stream) { return cuEventRecordWithFlags(e, stream, 0); }
+CUresult cuEventQuery(Event* e) {
+  ENTER();
+  if (CUresult r = unsafe_call()) return r;
+  if (e->captured_in != nullptr) return kCaptureIsolation;
+  return e->stream == nullptr || e->stream->done >= e->seq ? kOk : kNotReady;
+}
+CUresult cuEventSynchronize(Event* e) {
+  host_wait_hook();
+  ENTER();
+  if (CUresult r = unsafe_call()) return r;
+  if (e->captured_in != nullptr) return kCaptureIsolation;
+  if (!(e->flags & kEventBlockingSync)) ++g_spin_waits;
+  if (e->stream != nullptr) run_until(*e->stream, e->seq);
+  return kOk;
+}
+
+CUresult cuGraphCreate(Graph** out, unsigned) {
+  ENTER();
+  *out = new Graph;
+  return kOk;
+}
+CUresult cuGraphDestroy(Graph* g) {
+  ENTER();
+  if (g == nullptr) return kInvalidHandle;
+  release_all(g->refs);
+  delete g;
+  return kOk;
+}
+struct Node {};
+Node g_node_tag;
+// The child is cloned, with its user-object references (Programming Guide:
+// references of a child graph node belong to the child graph).
+CUresult cuGraphAddChildGraphNode(Node** node, Graph* parent, const Node* const*, size_t, Graph* child) {
+  ENTER();
+  if (parent == nullptr || child == nullptr) return kInvalidHandle;
+  auto clone = std::make_shared<Graph>(*child);
+  retain_all(clone->refs);
+  for (const auto& [u, n] : clone->refs) parent->refs[u] += n;
+  parent->nodes.push_back([clone](Stream& s) {
+    for (const Action& a : clone->nodes) a(s);
+  });
+  *node = &g_node_tag;
+  return kOk;
+}
+CUresult cuGraphInstantiateWithFlags(Exec** out, Graph* g, unsigned long long) {
+  ENTER();
+  if (g == nullptr) return kInvalidHandle;
+  *out = new Exec{g->nodes, g->refs};
+  retain_all(g->refs);
+  return kOk;
+}
+CUresult cuGraphLaunch(Exec* exec, void* stream) {
+  ENTER();
+  if (exec == nullptr) return kInvalidHandle;
+  if (stream_of(stream)->capture) return kCaptureUnsupported;  // not modeled: a graph node inside a capture
+  for (const Action& a : exec->nodes) a(*stream_of(stream));
+  return kOk;
+}
+CUresult cuGraphExecDestroy(Exec* exec) {
+  ENTER();
+  if (exec == nullptr) return kInvalidHandle;
+  release_all(exec->refs);
+  delete exec;
+  return kOk;
+}
+
+CUresult cuUserObjectCreate(UserObject** out, void* ptr, void (*destroy)(void*), unsigned refs, unsigned flags) {
+  ENTER();
+  if (destroy == nullptr || refs == 0 || flags != 1 /* CU_USER_OBJECT_NO_DESTRUCTOR_SYNC */) return kInvalidValue;
+  *out = new UserObject{ptr, destroy, refs};
+  ++g_live_user_objects;
+  return kOk;
+}
+CUresult cuUserObjectRetain(UserObject* u, unsigned n) {
+  ENTER();
+  u->refs += n;
+  return kOk;
+}
+CUresult cuUserObjectRelease(UserObject* u, unsigned n) {
+  ENTER();
+  release_user_object(u, n);
+  return kOk;
+}
+CUresult cuGraphRetainUserObject(Graph* g, UserObject* u, unsigned n, unsigned flags) {
+  ENTER();
+  if (g == nullptr || u == nullptr || n == 0) return kInvalidValue;
+  if (!(flags & kGraphUserObjectMove)) u->refs += n;
+  g->refs[u] += n;
+  return kOk;
+}
+CUresult cuGraphReleaseUserObject(Graph* g, UserObject* u, unsigned n) {
+  ENTER();
+  auto it = g->refs.find(u);
+  if (it == g->refs.end() || it->second < n) return kInvalidValue;
+  if ((it->second -= n) == 0) g->refs.erase(it);
+  release_user_object(u, n);
+  return kOk;
+}
+
+struct Entry {
+  const char* name;
+  void* fn;
+};
+#define ENTRY(f) {#f, reinterpret_cast<void*>(&f)}
+const Entry kEntries[] = {
+    ENTRY(cuGetErrorName), ENTRY(cuGetErrorString), ENTRY(cuDeviceGetCount), ENTRY(cuDeviceGet),
+    ENTRY(cuDevicePrimaryCtxRetain), ENTRY(cuDevicePrimaryCtxRelease), ENTRY(cuCtxPushCurrent),
+    ENTRY(cuCtxPopCurrent), ENTRY(cuMemAlloc), ENTRY(cuMemFree), ENTRY(cuMemHostAlloc), ENTRY(cuMemFreeHost),
+    ENTRY(cuMemHostGetDevicePointer), ENTRY(cuMemsetD8Async), ENTRY(cuMemcpyHtoDAsync), ENTRY(cuMemcpyDtoHAsync),
+    ENTRY(cuModuleLoadData), ENTRY(cuModuleUnload), ENTRY(cuModuleGetFunction), ENTRY(cuLaunchKernel),
+    ENTRY(cuStreamCreate), ENTRY(cuStreamDestroy), ENTRY(cuStreamSynchronize), ENTRY(cuStreamQuery),
+    ENTRY(cuStreamWaitEvent), ENTRY(cuStreamIsCapturing), ENTRY(cuStreamBeginCapture), ENTRY(cuStreamEndCapture),
+    ENTRY(cuThreadExchangeStreamCaptureMode), ENTRY(cuEventCreate), ENTRY(cuEventDestroy), ENTRY(cuEventRecord),
+    ENTRY(cuEventRecordWithFlags), ENTRY(cuEventQuery), ENTRY(cuEventSynchronize), ENTRY(cuGraphCreate),
+    ENTRY(cuGraphDestroy), ENTRY(cuGraphAddChildGraphNode), ENTRY(cuGraphInstantiateWithFlags),
+    ENTRY(cuGraphLaunch), ENTRY(cuGraphExecDestroy), ENTRY(cuUserObjectCreate), ENTRY(cuUserObjectRetain),
+    ENTRY(cuUserObjectRelease), ENTRY(cuGraphRetainUserObject), ENTRY(cuGraphReleaseUserObject),
+};
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) int cuInit(unsigned) { return kOk; }
+
+__attribute__((visibility("default"))) int cuDriverGetVersion(int* version) {
+  const char* v = std::getenv("STANDIN_DRIVER_VERSION");
+  *version = v != nullptr ? std::atoi(v) : 13000;
+  return kOk;
+}
+
+__attribute__((visibility("default"))) int cuGetProcAddress_v2(const char* name, void** pfn, int version, uint64_t,
+                                                                int* found) {
+  if (std::strcmp(name, "cuStreamGetCaptureInfo") == 0) {
+    *pfn = version >= 12030 ? reinterpret_cast<void*>(&capture_info_v3) : reinterpret_cast<void*>(&capture_info_v2);
+    if (found != nullptr) *found = 1;
+    return version >= 11030 ? kOk : kNotFound;  // 10.1's ABI (no graph) is not modeled
+  }
+  for (const Entry& e : kEntries) {
+    if (std::strcmp(e.name, name) == 0) {
+      *pfn = e.fn;
+      if (found != nullptr) *found = 1;
+      return kOk;
+    }
+  }
+  *pfn = nullptr;
+  if (found != nullptr) *found = 0;
+  return kNotFound;
+}
+
+__attribute__((visibility("default"))) int cuGetProcAddress(const char* name, void** pfn, int v, uint64_t f) {
+  return cuGetProcAddress_v2(name, pfn, v, f, nullptr);
+}
+
+// Tests reach the driver directly too, as an engine would (its own streams,
+// pinned buffers, captures and graphs).
+__attribute__((visibility("default"))) void* standin_entry(const char* name) {
+  void* fn = nullptr;
+  cuGetProcAddress_v2(name, &fn, 0, 0, nullptr);
+  return fn;
+}
+
+__attribute__((visibility("default"))) void standin_run_stream(StandinStream stream) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  Stream& s = *stream_of(stream);
+  run_until(s, s.enqueued);
+}
+
+__attribute__((visibility("default"))) void standin_run_all(void) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  run_until(g_legacy, g_legacy.enqueued);
+  for (Stream* s : g_streams) run_until(*s, s->enqueued);
+}
+
+__attribute__((visibility("default"))) int64_t standin_pending(StandinStream stream) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  const Stream& s = *stream_of(stream);
+  return static_cast<int64_t>(s.enqueued - s.done);
+}
+
+__attribute__((visibility("default"))) void standin_set_wait_hook(void (*hook)(void*), void* arg) {
+  g_wait_hook_arg = arg;
+  g_wait_hook = hook;
+}
+
+__attribute__((visibility("default"))) int64_t standin_violations(void) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  return g_violations;
+}
+__attribute__((visibility("default"))) const char* standin_first_violation(void) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  return g_first_violation.c_str();
+}
+__attribute__((visibility("default"))) int64_t standin_spin_waits(void) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  return g_spin_waits;
+}
+__attribute__((visibility("default"))) void standin_drain_callbacks(void) {
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::recursive_mutex> lock(g_mu);
+    threads.swap(g_callback_threads);
+  }
+  for (std::thread& t : threads) t.join();
+}
+__attribute__((visibility("default"))) int64_t standin_live_user_objects(void) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  return g_live_user_objects;
+}
+__attribute__((visibility("default"))) int standin_is_pinned(const void* p, uint64_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  return pinned(p, bytes) ? 1 : 0;
+}
+
+}  // extern "C"
