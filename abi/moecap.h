@@ -11,7 +11,9 @@
  *   2. moecap_local_rows(batch) on the host: where this rank's tokens sit;
  *   3. moecap_commit(rows, slots) after the forward, on the same stream:
  *      those rows go to the host cache, indexed by the token's KV slot;
- * and when a request finishes, moecap_read(its slots) into a caller tensor.
+ * when a request finishes, moecap_read(its slots) into a caller tensor, and
+ * when the engine frees KV slots, moecap_invalidate(them): a slot that holds
+ * no committed routing reads as -1, never as an expert id.
  *
  * Conventions for every function:
  * - Returns a moecap_status. On any status but MOECAP_OK nothing was changed
@@ -19,9 +21,17 @@
  *   argument was wrong and what the limit was.
  * - No C++ exception and no signal crosses this boundary.
  * - Every struct passed across starts with `struct_size`, which the caller
- *   sets to sizeof(the struct) as compiled against this header; fields are
- *   only ever appended. A struct_size the library does not know is refused
- *   with MOECAP_ERROR_ABI_MISMATCH.
+ *   sets to sizeof(the struct) as compiled against its header; a minor
+ *   version only appends fields (and functions). The library accepts any
+ *   struct_size from the struct's 1.0 size (MOECAP_*_SIZE_1_0 below) up:
+ *   fields an older caller's struct lacks take their default (zero), and a
+ *   struct the library fills is written only up to min(struct_size, the
+ *   library's size), with struct_size set to what was written. A struct the
+ *   caller fills with a struct_size above what the library knows (a newer
+ *   caller) is accepted only if every byte past the library's size is zero
+ *   (fields this library does not know are left at their defaults);
+ *   otherwise, or below the 1.0 size, the call fails with
+ *   MOECAP_ERROR_ABI_MISMATCH naming the struct.
  * - Tensors passed in are borrowed `DLTensor*`: the struct is only read
  *   during the call; its *data* is read or written by the operation, on
  *   `stream`, so the caller keeps that memory valid until the enqueued work
@@ -61,7 +71,7 @@ extern "C" {
 /* ABI version: major in the high 16 bits, minor in the low 16 bits. A major
  * bump breaks compatibility; a minor bump only appends fields or functions. */
 #define MOECAP_ABI_VERSION_MAJOR 1
-#define MOECAP_ABI_VERSION_MINOR 0
+#define MOECAP_ABI_VERSION_MINOR 1
 #define MOECAP_ABI_VERSION ((uint32_t)((MOECAP_ABI_VERSION_MAJOR << 16) | MOECAP_ABI_VERSION_MINOR))
 
 /* ------------------------------------------------------------------------ */
@@ -83,22 +93,35 @@ typedef enum {
   MOECAP_ERROR_ROWS_SKIPPED = 11,    /* earlier in-graph commits skipped rows (see moecap_get_errors) */
   MOECAP_ERROR_STUB_DRIVER = 12,     /* libcuda.so.1 is the toolkit's stub, not a driver */
   MOECAP_ERROR_DRIVER_TOO_OLD = 13,  /* the driver lacks an entry point moecap needs */
-  MOECAP_ERROR_CORRUPTION = 14       /* a guard canary was overwritten (MOECAP_FLAG_GUARDS) */
+  MOECAP_ERROR_CORRUPTION = 14,      /* a guard canary was overwritten (MOECAP_FLAG_GUARDS) */
+  MOECAP_ERROR_NO_ROUTING = 15       /* MOECAP_READ_STRICT: a slot read holds no usable routing (1.1) */
 } moecap_status;
+
+/* Bytes of a struct up to and including `field`: how the named 1.0 sizes
+ * below are computed, and how a caller can pass an older layout. */
+#define MOECAP_STRUCT_SIZE(type, field) (offsetof(type, field) + sizeof(((type*)0)->field))
 
 /* ------------------------------------------------------------------------ */
 /* Enumerations used in the structs (stored as int32_t fields)              */
 /* ------------------------------------------------------------------------ */
 
-/* Stored dtype of expert ids. AUTO picks the narrowest that holds
- * num_experts + extra_columns ids: U8 up to 256, U16 up to 65536, else I32.
- * An explicit dtype must hold num_experts ids (extra columns are not stored):
- * U8 serves 256 routed experts plus a fused shared expert. */
+/* Dtype of expert ids, chosen separately for the host cache (id_dtype) and
+ * the device buffer (device_id_dtype).
+ * Host cache: AUTO picks the narrowest that holds num_experts +
+ * extra_columns ids: U8 up to 256, U16 up to 65536, else I32. An explicit
+ * dtype must hold num_experts ids (extra columns are not stored): U8 serves
+ * 256 routed experts plus a fused shared expert.
+ * Device buffer: what a top-k kernel writes into a MOECAP_BUFFER_LAYER_IDS
+ * view. AUTO picks I16 up to 32767 experts, else I32. An explicit dtype must
+ * hold num_experts ids and a value that is none (U8 up to 255 experts, U16
+ * up to 65535, I16 up to 32767), so an id out of range at capture stays
+ * recognisable until commit narrows the rows into the host cache. */
 typedef enum {
   MOECAP_IDS_AUTO = 0,
   MOECAP_IDS_U8 = 1,
   MOECAP_IDS_U16 = 2,
-  MOECAP_IDS_I32 = 3
+  MOECAP_IDS_I32 = 3,
+  MOECAP_IDS_I16 = 4 /* 1.1 */
 } moecap_id_dtype;
 
 /* Stored dtype of routing weights; NONE captures no weights. */
@@ -125,10 +148,11 @@ typedef enum {
 /* ------------------------------------------------------------------------ */
 
 /* Everything moecap needs to size its buffers once, before any graph.
- * Owner: the caller; read only during moecap_plan / moecap_create. */
+ * Owner: the caller; read only during moecap_plan / moecap_create.
+ * Start from moecap_config_init, which sets every default below. */
 typedef struct moecap_config {
   size_t struct_size;    /* sizeof(moecap_config) */
-  uint32_t abi_version;  /* MOECAP_ABI_VERSION as the caller was compiled */
+  uint32_t abi_version;  /* MOECAP_ABI_VERSION; only its major is checked */
   uint32_t flags;        /* MOECAP_FLAG_* */
   int32_t num_layers;    /* MoE layers captured; layer ids are [0, num_layers) */
   int32_t top_k;         /* routed experts kept per token */
@@ -149,23 +173,36 @@ typedef struct moecap_config {
   int32_t weight_dtype;         /* moecap_weight_dtype */
   int32_t device_type;          /* moecap_device_type */
   int32_t device_id;            /* CUDA ordinal; 0 for the host backend */
+  /* ---- 1.1 ---- */
+  const void* next;             /* extension chain: NULL (no extension is defined yet;
+                                   anything else is refused) */
+  int32_t device_id_dtype;      /* moecap_id_dtype of the device buffer (AUTO: I16/I32) */
+  int32_t reserved;             /* 0 */
 } moecap_config;
+
+/* Sizes of the 1.0 structs: the smallest struct_size the library accepts. */
+#define MOECAP_CONFIG_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_config, device_id)
 
 /* What a config costs. Filled by moecap_plan / moecap_get_plan; the caller
  * owns it and sets struct_size. Bytes exclude guard canaries. */
 typedef struct moecap_plan_info {
-  size_t struct_size;      /* sizeof(moecap_plan_info) */
+  size_t struct_size;      /* sizeof(moecap_plan_info); set to the bytes filled */
   int64_t rows_per_rank;   /* max(chunked_prefill, max_running*verify,
                               max_graph_batch*verify, max_batch_tokens) */
   int64_t device_rows;     /* dp_size * rows_per_rank: rows of the device buffer */
   int64_t row_elements;    /* num_layers * top_k: ids per row */
-  int32_t id_dtype;        /* resolved moecap_id_dtype (never AUTO) */
+  int32_t id_dtype;        /* resolved moecap_id_dtype of the host cache (never AUTO) */
   int32_t id_bytes;        /* 1, 2 or 4 */
   int32_t weight_bytes;    /* 0, 2 or 4 */
   int32_t reserved;        /* 0 */
   uint64_t device_bytes;   /* device ids + weights + histogram */
-  uint64_t host_bytes;     /* host cache ids + weights */
+  uint64_t host_bytes;     /* host cache ids + weights + one state byte per slot */
+  /* ---- 1.1 ---- */
+  int32_t device_id_dtype; /* resolved moecap_id_dtype of the device buffer (never AUTO) */
+  int32_t device_id_bytes; /* 1, 2 or 4 */
 } moecap_plan_info;
+
+#define MOECAP_PLAN_INFO_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_plan_info, host_bytes)
 
 /* Opaque handles. */
 typedef struct moecap_capturer moecap_capturer;
@@ -184,6 +221,17 @@ MOECAP_API const char* moecap_last_error(void);
 
 /* Static name of a status ("MOECAP_ERROR_CAPACITY"). Never NULL. */
 MOECAP_API const char* moecap_status_name(moecap_status status);
+
+/* Fills the caller's config with every default: abi_version, flags 0,
+ * extra_columns 0, dp_size 1, verify_tokens 1, chunked_prefill_size,
+ * max_graph_batch and max_batch_tokens 0, AUTO id dtypes, no weights,
+ * MOECAP_DEVICE_HOST, device 0, next NULL; the model and scheduler fields
+ * (num_layers, top_k, num_experts, max_running_requests, host_slots) are 0
+ * and must be set. The caller sets struct_size first, and only that many
+ * bytes are written:
+ *   moecap_config c = {0}; c.struct_size = sizeof c; moecap_config_init(&c);
+ * Any thread. (1.1) */
+MOECAP_API moecap_status moecap_config_init(moecap_config* config);
 
 /* Computes the layout for `config` without allocating. Any thread. */
 MOECAP_API moecap_status moecap_plan(const moecap_config* config, moecap_plan_info* out);
@@ -215,19 +263,20 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
 /* Capture path (legal inside a CUDA graph capture)                         */
 /* ------------------------------------------------------------------------ */
 
-/* Copies one layer's routing into device rows [0, n):
+/* Copies one layer's routing into device rows [0, n) of that layer:
  *   topk_ids     [n, top_k] or [n, top_k + extra_columns], int32 or int64,
  *                compact row-major, on the capturer's device (host memory
  *                for the host backend). Extra columns are dropped; ids
- *                outside [0, num_experts) are stored as "no expert" (all bits
- *                set, which moecap_read returns as -1 unless that value is
- *                itself a valid id, as 255 is with 256 experts in u8) and
- *                counted (moecap_get_errors).
+ *                outside [0, num_experts) are stored as "no expert" (a value
+ *                the device dtype keeps apart from every id) and counted
+ *                (moecap_get_errors); moecap_read returns them as -1.
  *   topk_weights NULL, or the same shape, float32/bfloat16/float16; required
  *                iff weight_dtype != NONE. Converted to the stored dtype.
  * n <= device_rows, checked here on the host, so a check made at graph
  * capture holds for every replay. With MOECAP_FLAG_HISTOGRAM the same kernel
- * adds each kept id to histogram[layer][id]. Enqueued on `stream`. */
+ * adds each kept id to histogram[layer][id]. Enqueued on `stream`.
+ * A top-k kernel may instead write a layer's ids (and weights) straight into
+ * the MOECAP_BUFFER_LAYER_IDS (_WEIGHTS) view: commit checks every id. */
 MOECAP_API moecap_status moecap_capture(moecap_capturer* capturer, int32_t layer,
                                         const DLTensor* topk_ids, const DLTensor* topk_weights,
                                         void* stream);
@@ -251,6 +300,8 @@ typedef struct moecap_batch {
                                      token count); every real count <= it. EAGER: 0 */
 } moecap_batch;
 
+#define MOECAP_BATCH_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_batch, padded_tokens_per_rank)
+
 /* This rank's slice of a gathered batch. Filled by moecap_local_rows. */
 typedef struct moecap_rows {
   size_t struct_size; /* sizeof(moecap_rows), set by the caller */
@@ -258,6 +309,8 @@ typedef struct moecap_rows {
   int64_t count;      /* this rank's real tokens */
   int64_t total;      /* rows the gathered batch occupies: the n of moecap_capture */
 } moecap_rows;
+
+#define MOECAP_ROWS_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_rows, total)
 
 /* Computes this rank's rows from `batch`. Pure host arithmetic; fails with
  * MOECAP_ERROR_CAPACITY when the gathered batch would not fit device_rows.
@@ -277,8 +330,15 @@ typedef struct moecap_commit_args {
                                 last entry. Host memory, or device memory on CUDA. */
 } moecap_commit_args;
 
+#define MOECAP_COMMIT_ARGS_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_commit_args, dst_slots)
+
 /* Copies rows of the device buffer (all layers, ids and weights) to the host
- * cache at the given slots, stream-ordered after the forward on `stream`.
+ * cache at the given slots, stream-ordered after the forward on `stream`,
+ * narrowing ids from the device dtype to the host cache's: an id outside
+ * [0, num_experts) there (no expert at capture, or a bad value a kernel
+ * wrote into a layer view) is stored as "no expert" and marks the slot
+ * MOECAP_SLOT_INVALID_IDS. Every slot written becomes MOECAP_SLOT_VALID.
+ * A slot listed twice gets the row of its last entry (on every backend).
  * Slots whose values the host can see now (host tensors, outside a graph)
  * are checked here: one outside [-1, host_slots) fails with OUT_OF_RANGE and
  * nothing is written. Slots read at run time (device tensors, graph replays)
@@ -296,18 +356,41 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
 /* ------------------------------------------------------------------------ */
 
 #define MOECAP_READ_NONBLOCKING 0x1u /* return NOT_READY instead of waiting */
+#define MOECAP_READ_STRICT 0x2u      /* fail with NO_ROUTING unless every id read is a real one (1.1) */
+
+/* What each host-cache slot holds (MOECAP_BUFFER_HOST_STATES, one byte per
+ * slot). Every slot is EMPTY after create; commit and write set VALID (plus
+ * INVALID_IDS when the row holds an id that was out of range at capture);
+ * moecap_invalidate sets EMPTY again. (1.1) */
+#define MOECAP_SLOT_EMPTY 0x0u
+#define MOECAP_SLOT_VALID 0x1u
+#define MOECAP_SLOT_INVALID_IDS 0x2u
 
 /* Gathers the host cache rows of `slots` ([T] int32/int64, host memory,
  * every value in [0, host_slots)) into ids_out ([T, num_layers, top_k],
- * compact, dtype uint8/int8/uint16/int16/int32/int64: stored "no expert"
- * values read as -1 in signed outputs) and, if non-NULL, weights_out (same
- * shape, float32/bfloat16/float16). Host outputs: waits first for the commits
- * in flight that may write `slots` (eager commits to those slots, every
- * commit recorded in a graph), or with MOECAP_READ_NONBLOCKING returns
- * NOT_READY while one is; filled before the call returns. Outputs on the
- * capturer's GPU (both, or neither): a kernel enqueued on `stream`, ordered
- * there after those commits (the host does not wait; ready in stream order).
- * The wait releases the capturer's lock: other calls proceed meanwhile. */
+ * compact, dtype uint8/int8/uint16/int16/int32/int64) and, if non-NULL,
+ * weights_out (same shape, float32/bfloat16/float16).
+ * No value read can be mistaken for real routing:
+ * - an EMPTY slot (never committed, or invalidated) reads -1 for every id
+ *   and 0 for every weight;
+ * - an id that was out of range at capture reads -1; where the host cache
+ *   dtype has no spare value (U8 with 256 experts, U16 with 65536), such a
+ *   token reads like an EMPTY one (-1 ids, 0 weights), since which of its
+ *   ids were bad is not stored;
+ * - -1 in an unsigned output is all ones, so uint8 (uint16) outputs need
+ *   num_experts < 256 (65536), unless MOECAP_READ_STRICT.
+ * Tokens with no usable routing are the rows whose ids are all -1. With
+ * MOECAP_READ_STRICT a slot that is EMPTY or INVALID_IDS fails the call with
+ * MOECAP_ERROR_NO_ROUTING (naming the first such entry and the count) and
+ * nothing is written; STRICT needs the slots' states on the host, so it
+ * waits for the commits in flight as a host output does.
+ * Host outputs: waits first for the commits in flight that may write
+ * `slots` (eager commits to those slots, every commit recorded in a graph),
+ * or with MOECAP_READ_NONBLOCKING returns NOT_READY while one is; filled
+ * before the call returns. Outputs on the capturer's GPU (both, or neither):
+ * a kernel enqueued on `stream`, ordered there after those commits (the
+ * host does not wait; ready in stream order). The wait releases the
+ * capturer's lock: other calls proceed meanwhile. */
 MOECAP_API moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTensor* ids_out,
                                      DLTensor* weights_out, uint32_t flags, void* stream);
 
@@ -315,12 +398,23 @@ MOECAP_API moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* 
  * instance under prefill/decode disaggregation) at `slots` (host memory).
  * ids: [T, layers, top_k], any integer dtype moecap_read accepts, values in
  * [0, num_experts) or -1; weights required iff the capturer keeps weights.
+ * A token whose ids are all -1 makes its slot EMPTY; one with some -1 ids
+ * VALID | INVALID_IDS; any other VALID. A slot listed twice keeps the last.
  * ids and weights may be host memory or on the capturer's GPU; device inputs
  * are read after `stream` finished writing them (the call synchronizes it).
  * Every value is checked before anything is stored. Waits first for the
  * commits in flight to `slots` and for earlier reads of them into GPU tensors. */
 MOECAP_API moecap_status moecap_write(moecap_capturer* capturer, const DLTensor* slots, const DLTensor* ids,
                                       const DLTensor* weights, void* stream);
+
+/* Marks `slots` EMPTY (the engine freed their KV), so a later read returns
+ * -1 for them until a commit or write fills them again. slots: [n]
+ * int32/int64, host memory or on the capturer's GPU; -1 entries are
+ * ignored. Stream-ordered on `stream` after earlier commits; legal in a graph
+ * (recorded like a commit: device slots are read at each replay). Host-visible
+ * slots outside [-1, host_slots) fail with OUT_OF_RANGE, nothing changed;
+ * device slots out of range are skipped and counted as skipped_rows. (1.1) */
+MOECAP_API moecap_status moecap_invalidate(moecap_capturer* capturer, const DLTensor* slots, void* stream);
 
 /* Waits until every enqueued commit has landed in the host cache. */
 MOECAP_API moecap_status moecap_synchronize(moecap_capturer* capturer);
@@ -329,10 +423,13 @@ MOECAP_API moecap_status moecap_synchronize(moecap_capturer* capturer);
  * kernels and graph replays). Filled by moecap_get_errors. */
 typedef struct moecap_error_counts {
   size_t struct_size;     /* sizeof(moecap_error_counts), set by the caller */
-  uint64_t skipped_rows;  /* committed rows whose slot was outside [-1, host_slots) or
-                             whose source row was outside [0, device_rows) */
+  uint64_t skipped_rows;  /* committed rows (or invalidated slots) whose slot was outside
+                             [-1, host_slots), or whose source row was outside
+                             [0, device_rows) */
   uint64_t invalid_ids;   /* captured ids outside [0, num_experts) */
 } moecap_error_counts;
+
+#define MOECAP_ERROR_COUNTS_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_error_counts, invalid_ids)
 
 #define MOECAP_ERRORS_CLEAR 0x1u /* reset both counters after reading them */
 
@@ -350,15 +447,19 @@ MOECAP_API moecap_status moecap_histogram_reset(moecap_capturer* capturer, void*
 /* DLPack export                                                            */
 /* ------------------------------------------------------------------------ */
 
+/* Every view is compact row-major. The device buffer is layer-major, so one
+ * layer's rows are contiguous; the host cache is slot-major, so one
+ * request's rows are. */
 typedef enum {
-  MOECAP_BUFFER_DEVICE_IDS = 1,     /* [device_rows, num_layers, top_k] stored id dtype */
-  MOECAP_BUFFER_DEVICE_WEIGHTS = 2, /* [device_rows, num_layers, top_k] stored weight dtype */
-  MOECAP_BUFFER_HOST_IDS = 3,       /* [host_slots, num_layers, top_k] */
+  MOECAP_BUFFER_DEVICE_IDS = 1,     /* [num_layers, device_rows, top_k], device id dtype */
+  MOECAP_BUFFER_DEVICE_WEIGHTS = 2, /* [num_layers, device_rows, top_k], stored weight dtype */
+  MOECAP_BUFFER_HOST_IDS = 3,       /* [host_slots, num_layers, top_k], host id dtype */
   MOECAP_BUFFER_HOST_WEIGHTS = 4,   /* [host_slots, num_layers, top_k] */
   MOECAP_BUFFER_HISTOGRAM = 5,      /* [num_layers, num_experts] int64 */
-  MOECAP_BUFFER_LAYER_IDS = 6,      /* [device_rows, top_k], strides [num_layers*top_k, 1]:
-                                       one layer of the device ids, for a top-k kernel's out= */
-  MOECAP_BUFFER_LAYER_WEIGHTS = 7   /* the same for weights */
+  MOECAP_BUFFER_LAYER_IDS = 6,      /* [device_rows, top_k]: one layer of the device ids,
+                                       for a top-k kernel's out= (rows [0, n) of a batch) */
+  MOECAP_BUFFER_LAYER_WEIGHTS = 7,  /* the same for weights */
+  MOECAP_BUFFER_HOST_STATES = 8     /* [host_slots] uint8 MOECAP_SLOT_* (1.1) */
 } moecap_buffer;
 
 /* Zero-copy view of a buffer. `layer` selects the layer for LAYER_* and is
@@ -433,9 +534,15 @@ typedef struct moecap_api {
   moecap_status (*graph_launch)(moecap_graph*, void*);
   moecap_status (*graph_native)(moecap_graph*, void**);
   moecap_status (*graph_destroy)(moecap_graph*);
+  /* ---- 1.1 ---- */
+  moecap_status (*config_init)(moecap_config*);
+  moecap_status (*invalidate)(moecap_capturer*, const DLTensor*, void*);
 } moecap_api;
 
-/* Fills *out (out->struct_size set by the caller, at least up to `destroy`). */
+#define MOECAP_API_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_api, graph_destroy)
+
+/* Fills *out (out->struct_size set by the caller, at least up to `destroy`);
+ * out->struct_size becomes the bytes filled. */
 MOECAP_API moecap_status moecap_get_api(moecap_api* out);
 
 #ifdef __cplusplus

@@ -38,17 +38,3 @@ void set_last_error(const std::string& message);
 const char* last_error();
 
 }  // namespace moecap
-
-namespace moecap {
-
-// PJRT-style check of a struct crossing the ABI: non-NULL and a struct_size
-// this library knows. Sizes only grow; today each struct has one known size.
-inline void check_struct(const void* ptr, size_t struct_size, size_t known, const char* name) {
-  if (ptr == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " is NULL");
-  if (struct_size != known) {
-    fail(MOECAP_ERROR_ABI_MISMATCH, name, "->struct_size is ", struct_size, "; this library (ABI ",
-         MOECAP_ABI_VERSION_MAJOR, ".", MOECAP_ABI_VERSION_MINOR, ") knows ", known);
-  }
-}
-
-}  // namespace moecap

@@ -24,27 +24,26 @@ constexpr int64_t kRowElems = int64_t{kLayers} * kTopK;
 constexpr int64_t kDeviceRows = 16384;
 constexpr int64_t kHostSlots = 1 << 17;
 
-moecap_config bench_config(int32_t id_dtype) {
+// id_dtype: the host cache's; device_id_dtype: what capture (or a kernel) writes.
+moecap_config bench_config(int32_t id_dtype, int32_t device_id_dtype = MOECAP_IDS_AUTO) {
   moecap_config c{};
   c.struct_size = sizeof c;
-  c.abi_version = MOECAP_ABI_VERSION;
+  if (moecap_config_init(&c) != MOECAP_OK) std::abort();
   c.flags = MOECAP_FLAG_NO_GUARDS;
   c.num_layers = kLayers;
   c.top_k = kTopK;
   c.num_experts = kExperts;
-  c.dp_size = 1;
-  c.verify_tokens = 1;
   c.max_running_requests = 256;
   c.chunked_prefill_size = kDeviceRows;
   c.host_slots = kHostSlots;
   c.id_dtype = id_dtype;
-  c.device_type = MOECAP_DEVICE_HOST;
+  c.device_id_dtype = device_id_dtype;
   return c;
 }
 
 struct Handle {
-  explicit Handle(int32_t id_dtype) {
-    const moecap_config c = bench_config(id_dtype);
+  explicit Handle(int32_t id_dtype, int32_t device_id_dtype = MOECAP_IDS_AUTO) {
+    const moecap_config c = bench_config(id_dtype, device_id_dtype);
     if (moecap_create(&c, &h) != MOECAP_OK) std::abort();
   }
   ~Handle() { moecap_destroy(h); }
@@ -74,11 +73,11 @@ const DLDataType kI64{kDLInt, 64, 1};
 
 // --- capture --------------------------------------------------------------------
 
-// Args: n, input bits (32/64), stored id dtype.
+// Args: n, input bits (32/64), device id dtype (what capture narrows into).
 void BM_Capture_Moecap(benchmark::State& state) {
   const int64_t n = state.range(0);
   const bool wide = state.range(1) == 64;
-  Handle cap(static_cast<int32_t>(state.range(2)));
+  Handle cap(MOECAP_IDS_AUTO, static_cast<int32_t>(state.range(2)));
   std::vector<int64_t> ids(static_cast<size_t>(n * kTopK));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i % kExperts);
   std::vector<int32_t> ids32(ids.begin(), ids.end());
@@ -167,6 +166,13 @@ void BM_Read_Moecap(benchmark::State& state) {
   int64_t oshape[3] = {t, kLayers, kTopK};
   DLTensor st = tensor(slots.data(), 1, sshape, kI64);
   DLTensor ot = tensor(out.data(), 3, oshape, kI32);
+  // Committed slots, as a finished request's are (an empty slot reads as a -1 fill).
+  for (int64_t first = 0; first < t; first += kDeviceRows) {
+    int64_t n[1] = {std::min(kDeviceRows, t - first)};
+    DLTensor part = tensor(slots.data() + first, 1, n, kI64);
+    moecap_commit_args a{sizeof a, 0, nullptr, &part};
+    if (moecap_commit(cap.h, &a, nullptr) != MOECAP_OK) std::abort();
+  }
   for (auto _ : state) moecap_read(cap.h, &st, &ot, nullptr, 0, nullptr);
   state.SetItemsProcessed(state.iterations() * t);
 }
@@ -256,7 +262,7 @@ void BM_Memory(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_Capture_Moecap)
-    ->ArgsProduct({{1, 64, 512, 4096, 16384}, {32, 64}, {MOECAP_IDS_U8, MOECAP_IDS_U16, MOECAP_IDS_I32}});
+    ->ArgsProduct({{1, 64, 512, 4096, 16384}, {32, 64}, {MOECAP_IDS_U8, MOECAP_IDS_U16, MOECAP_IDS_I16, MOECAP_IDS_I32}});
 BENCHMARK(BM_Capture_Baseline)->Arg(1)->Arg(64)->Arg(512)->Arg(4096)->Arg(16384);
 BENCHMARK(BM_Commit_Moecap)->ArgsProduct({{64, 512, 4096}, {0, 1}});
 BENCHMARK(BM_Commit_Baseline)->ArgsProduct({{64, 512, 4096}, {0, 1}});

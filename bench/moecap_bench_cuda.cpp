@@ -27,12 +27,10 @@ bool have_gpu() {
 moecap_capturer* make_cuda_capturer() {
   moecap_config c{};
   c.struct_size = sizeof c;
-  c.abi_version = MOECAP_ABI_VERSION;
+  if (moecap_config_init(&c) != MOECAP_OK) return nullptr;
   c.num_layers = kLayers;
   c.top_k = kTopK;
   c.num_experts = 128;
-  c.dp_size = 1;
-  c.verify_tokens = 1;
   c.max_running_requests = 512;
   c.chunked_prefill_size = 16384;
   c.host_slots = kSlots;

@@ -1,6 +1,9 @@
 // Host twins of capture_kernels.cu. The host backend runs these directly and
 // its graph emulation records them with their parameters baked.
+#include <algorithm>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "graphs/kernel_ops.h"
 
@@ -45,7 +48,7 @@ void capture_ids_only(const CaptureParams& p) {
   unsigned long long bad = 0;
   for (int64_t r = 0; r < p.n; ++r) {
     const In* in = src + r * p.in_cols;
-    Out* out = dst + r * p.dst_row_stride;
+    Out* out = dst + r * top_k;
     for (int32_t k = 0; k < top_k; ++k) {
       const In id = in[k];
       const bool ok = id >= 0 && id < experts;
@@ -72,6 +75,7 @@ bool capture_fast(const CaptureParams& p) {
   switch (p.stored_id_elem) {
     case kU8: capture_ids_by_width<In, uint8_t>(p); return true;
     case kU16: capture_ids_by_width<In, uint16_t>(p); return true;
+    case kI16: capture_ids_by_width<In, int16_t>(p); return true;
     case kI32: capture_ids_by_width<In, int32_t>(p); return true;
     default: return false;
   }
@@ -89,58 +93,127 @@ void capture_on_host(const CaptureParams& p) {
 
 namespace {
 
-// Typed over the slot and row-list index types, so the per-row loop has no
-// dtype switch; the decision per row is the kernels' (commit_goes_to).
-template <class Slot, class Row>
-void commit_rows(const CommitParams& p) {
-  const Slot* slots = static_cast<const Slot*>(p.dst_slots);
-  const Row* rows = static_cast<const Row*>(p.src_rows);
-  // Rows whose sources and slots both run consecutively (a prefill into a
-  // fresh block of slots) go out as one copy.
-  int64_t run_src = 0, run_slot = 0, run_len = 0;
-  auto flush = [&] {
-    if (run_len == 0) return;
-    std::memcpy(p.dst_ids + run_slot * p.id_row_bytes, p.src_ids + run_src * p.id_row_bytes,
-                static_cast<size_t>(run_len * p.id_row_bytes));
-    if (p.weight_row_bytes > 0) {
-      std::memcpy(p.dst_weights + run_slot * p.weight_row_bytes, p.src_weights + run_src * p.weight_row_bytes,
-                  static_cast<size_t>(run_len * p.weight_row_bytes));
-    }
-    run_len = 0;
-  };
-  for (int64_t j = 0; j < p.count; ++j) {
-    const int64_t slot = static_cast<int64_t>(slots[j]);
-    const int64_t src = rows != nullptr ? static_cast<int64_t>(rows[j]) : p.src_start + j;
-    if (!commit_goes_to(p, src, slot)) continue;
-    if (p.claims != nullptr && p.claims[slot] != static_cast<int32_t>(j + 1)) continue;
-    if (run_len > 0 && src == run_src + run_len && slot == run_slot + run_len) {
-      ++run_len;
-      continue;
-    }
-    flush();
-    run_src = src;
-    run_slot = slot;
-    run_len = 1;
+// Narrows n ids from the device dtype into the host cache's. "No expert" is
+// all ones in every host dtype (invalid_id_code), so an out-of-range id
+// becomes id | all-ones: no select, and the loop vectorizes. Returns nonzero
+// when an id was outside [0, experts).
+template <class S, class D>
+uint32_t narrow_ids(const S* __restrict in, D* __restrict out, int64_t n, uint32_t experts) {
+  // Compared at the source width (the plan keeps num_experts within it), so
+  // the vector lanes stay narrow; as unsigned, one compare is both bounds: a
+  // negative id wraps above experts.
+  using U = std::make_unsigned_t<S>;
+  const U limit = static_cast<U>(experts);
+  U bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const U id = static_cast<U>(in[i]);
+    const U outside = id >= limit ? U{1} : U{0};
+    out[i] = static_cast<D>(static_cast<D>(id) | static_cast<D>(U{0} - outside));
+    bad = static_cast<U>(bad | outside);
   }
-  flush();
+  return bad;
 }
 
-template <class Slot>
-void commit_with_slots(const CommitParams& p) {
-  if (p.src_rows == nullptr || p.src_rows_elem == kI64) {
-    commit_rows<Slot, int64_t>(p);
-  } else {
-    commit_rows<Slot, int32_t>(p);
+// Rows in blocks: first where each row of the block goes (the kernels'
+// decision, commit_goes_to), then layer by layer: the block's rows of that
+// layer are narrowed in one vectorized pass (read in place when the source
+// rows are consecutive, as in a prefill) and scattered to their slots. Rows
+// keep list order within every layer, so a slot listed twice keeps its last row.
+// TopK > 0 fixes the width at compile time (the common top-k values), so the
+// per-row copies are single moves rather than calls.
+template <int TopK, class S, class D>
+void commit_rows(const CommitParams& p) {
+  const int64_t top_k = TopK > 0 ? TopK : p.top_k;
+  const int64_t row = p.num_layers * top_k;
+  const int64_t layer_stride = p.device_rows * top_k;
+  const int64_t block = std::max<int64_t>(1, 4096 / top_k);
+  const uint32_t experts = static_cast<uint32_t>(p.num_experts);
+  const int64_t w_bytes = p.weight_elem >= 0 ? elem_bytes(p.weight_elem) : 0;
+  const size_t id_chunk = static_cast<size_t>(top_k) * sizeof(D);
+  const size_t in_chunk = static_cast<size_t>(top_k) * sizeof(S);
+  std::vector<int64_t> srcs(static_cast<size_t>(block)), slots(static_cast<size_t>(block));
+  std::vector<uint8_t> bad(static_cast<size_t>(block));
+  std::vector<S> gathered(static_cast<size_t>(block * top_k));
+  std::vector<D> narrowed(static_cast<size_t>(block * top_k));
+  for (int64_t first = 0; first < p.count; first += block) {
+    int64_t n = 0;
+    for (int64_t j = first; j < p.count && j < first + block; ++j) {
+      int64_t src = 0, slot = 0;
+      if (!commit_target(p, j, &src, &slot)) continue;
+      if (p.mode == kInvalidate) {
+        p.dst_states[slot] = kSlotEmpty;
+        continue;
+      }
+      srcs[static_cast<size_t>(n)] = src;
+      slots[static_cast<size_t>(n)] = slot;
+      bad[static_cast<size_t>(n)] = 0;
+      ++n;
+    }
+    bool consecutive = true;
+    for (int64_t i = 1; i < n; ++i) consecutive = consecutive && srcs[static_cast<size_t>(i)] == srcs[0] + i;
+    for (int64_t l = 0; l < p.num_layers; ++l) {
+      const S* layer = reinterpret_cast<const S*>(p.src_ids) + l * layer_stride;
+      const S* in = gathered.data();
+      if (consecutive && n > 0) {
+        in = layer + srcs[0] * top_k;
+      } else {
+        for (int64_t i = 0; i < n; ++i) {
+          std::memcpy(gathered.data() + i * top_k, layer + srcs[static_cast<size_t>(i)] * top_k, in_chunk);
+        }
+      }
+      if (narrow_ids(in, narrowed.data(), n * top_k, experts) != 0) {
+        for (int64_t i = 0; i < n; ++i) {  // rare: which rows had an id out of range
+          D probe[1];
+          uint32_t row_bad = 0;
+          for (int64_t k = 0; k < top_k; ++k) row_bad |= narrow_ids(in + i * top_k + k, probe, 1, experts);
+          bad[static_cast<size_t>(i)] = static_cast<uint8_t>(bad[static_cast<size_t>(i)] | row_bad);
+        }
+      }
+      D* out = reinterpret_cast<D*>(p.dst_ids) + l * top_k;
+      for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(out + slots[static_cast<size_t>(i)] * row, narrowed.data() + i * top_k, id_chunk);
+      }
+      for (int64_t i = 0; w_bytes > 0 && i < n; ++i) {
+        std::memcpy(p.dst_weights + (slots[static_cast<size_t>(i)] * row + l * top_k) * w_bytes,
+                    p.src_weights + (l * layer_stride + srcs[static_cast<size_t>(i)] * top_k) * w_bytes,
+                    static_cast<size_t>(top_k * w_bytes));
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      p.dst_states[slots[static_cast<size_t>(i)]] = committed_state(bad[static_cast<size_t>(i)] != 0);
+    }
+  }
+}
+
+template <class S, class D>
+void commit_by_width(const CommitParams& p) {
+  switch (p.top_k) {
+    case 2: commit_rows<2, S, D>(p); break;
+    case 4: commit_rows<4, S, D>(p); break;
+    case 6: commit_rows<6, S, D>(p); break;
+    case 8: commit_rows<8, S, D>(p); break;
+    default: commit_rows<0, S, D>(p); break;
+  }
+}
+
+template <class S>
+void commit_from(const CommitParams& p) {
+  switch (p.dst_id_elem) {
+    case kU8: commit_by_width<S, uint8_t>(p); break;
+    case kU16: commit_by_width<S, uint16_t>(p); break;
+    case kI16: commit_by_width<S, int16_t>(p); break;
+    default: commit_by_width<S, int32_t>(p); break;
   }
 }
 
 }  // namespace
 
 void commit_on_host(const CommitParams& p) {
-  if (p.dst_slots_elem == kI64) {
-    commit_with_slots<int64_t>(p);
-  } else {
-    commit_with_slots<int32_t>(p);
+  switch (p.src_id_elem) {
+    case kU8: commit_from<uint8_t>(p); break;
+    case kU16: commit_from<uint16_t>(p); break;
+    case kI16: commit_from<int16_t>(p); break;
+    default: commit_from<int32_t>(p); break;
   }
 }
 
@@ -163,8 +236,15 @@ void gather_on_host(const GatherParams& p) {
   const int64_t out_bytes = elem_bytes(p.dst_id_elem);
   for (int64_t t = 0; t < p.count; ++t) {
     const int64_t slot = load_int(p.slots, p.slots_elem, t);
-    const uint8_t* src = p.src_ids + slot * row * id_bytes;
     void* dst = static_cast<uint8_t*>(p.dst_ids) + t * row * out_bytes;
+    uint8_t* wdst =
+        p.dst_weights != nullptr ? static_cast<uint8_t*>(p.dst_weights) + t * row * elem_bytes(p.dst_weight_elem) : nullptr;
+    if (!slot_readable(p.states[slot], p.invalid_code)) {
+      std::memset(dst, 0xff, static_cast<size_t>(row * out_bytes));  // -1 in every integer width
+      if (wdst != nullptr) std::memset(wdst, 0, static_cast<size_t>(row * elem_bytes(p.dst_weight_elem)));
+      continue;
+    }
+    const uint8_t* src = p.src_ids + slot * row * id_bytes;
     if (p.dst_id_elem == p.stored_id_elem) {
       // Same width: "no expert" as -1 truncates back to the stored all-ones value.
       std::memcpy(dst, src, static_cast<size_t>(row * out_bytes));
@@ -172,13 +252,14 @@ void gather_on_host(const GatherParams& p) {
       ids_from_stored(src, dst, p.dst_id_elem, row, p.invalid_code);
     } else if (p.stored_id_elem == kU16) {
       ids_from_stored(reinterpret_cast<const uint16_t*>(src), dst, p.dst_id_elem, row, p.invalid_code);
+    } else if (p.stored_id_elem == kI16) {
+      ids_from_stored(reinterpret_cast<const int16_t*>(src), dst, p.dst_id_elem, row, p.invalid_code);
     } else {
       ids_from_stored(reinterpret_cast<const int32_t*>(src), dst, p.dst_id_elem, row, p.invalid_code);
     }
-    if (p.dst_weights == nullptr) continue;
+    if (wdst == nullptr) continue;
     const int64_t w_bytes = elem_bytes(p.stored_weight_elem);
     const uint8_t* wsrc = p.src_weights + slot * row * w_bytes;
-    uint8_t* wdst = static_cast<uint8_t*>(p.dst_weights) + t * row * elem_bytes(p.dst_weight_elem);
     if (p.dst_weight_elem == p.stored_weight_elem) {
       std::memcpy(wdst, wsrc, static_cast<size_t>(row * w_bytes));
     } else {

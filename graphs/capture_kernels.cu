@@ -23,12 +23,44 @@ extern "C" __global__ void moecap_release_kernel(CommitParams p) {
   }
 }
 
-// One warp per committed row.
-extern "C" __global__ void moecap_commit_kernel(CommitParams p) {
+// Bytes of narrowed ids a warp stages in shared memory before storing them
+// over the bus; 8 warps a block (256 threads).
+constexpr int64_t kStageBytes = 1024;
+constexpr int kWarpsPerBlock = 8;
+
+// Narrows one committed row (every layer) into the host cache's row `slot`:
+// the lanes narrow a chunk into shared memory, then store it with copy_row's
+// wide writes (the host cache is pinned memory over the bus). Returns
+// whether this lane saw an id outside [0, num_experts).
+__device__ bool commit_row(const CommitParams& p, int64_t src, int64_t slot, uint8_t* stage, int lane) {
+  const int64_t row = static_cast<int64_t>(p.num_layers) * p.top_k;
+  const int64_t id_bytes = elem_bytes(p.dst_id_elem);
+  const int64_t per_chunk = kStageBytes / id_bytes;
+  uint8_t* dst = p.dst_ids + slot * row * id_bytes;
+  bool bad = false;
+  for (int64_t first = 0; first < row; first += per_chunk) {
+    const int64_t n = row - first < per_chunk ? row - first : per_chunk;
+    for (int64_t e = lane; e < n; e += 32) bad = narrow_element(p, src, first + e, stage, e) || bad;
+    __syncwarp();
+    copy_row(dst + first * id_bytes, stage, n * id_bytes, lane, 32);
+    __syncwarp();
+  }
+  if (p.weight_elem >= 0) {
+    for (int64_t e = lane; e < row; e += 32) commit_weight(p, src, slot, e);
+  }
+  return bad;
+}
+
+// One warp per committed row: lane 0 decides where it goes (with claims, only
+// the slot's last entry goes), the warp narrows the row, and lane 0 then sets
+// the slot's state, once every lane's ids are known. An invalidation only
+// sets the state.
+extern "C" __global__ void __launch_bounds__(kWarpsPerBlock * 32) moecap_commit_kernel(CommitParams p) {
+  __shared__ __align__(16) uint8_t stage[kWarpsPerBlock][kStageBytes];
   const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; j < p.count;
-       j += warps) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + warp; j < p.count; j += warps) {
     int64_t src = 0;
     int64_t slot = 0;
     bool go = false;
@@ -37,11 +69,10 @@ extern "C" __global__ void moecap_commit_kernel(CommitParams p) {
     if (!go) continue;
     src = __shfl_sync(0xffffffffu, src, 0);
     slot = __shfl_sync(0xffffffffu, slot, 0);
-    copy_row(p.dst_ids + slot * p.id_row_bytes, p.src_ids + src * p.id_row_bytes, p.id_row_bytes, lane, 32);
-    if (p.weight_row_bytes > 0) {
-      copy_row(p.dst_weights + slot * p.weight_row_bytes, p.src_weights + src * p.weight_row_bytes,
-               p.weight_row_bytes, lane, 32);
-    }
+    bool bad = false;
+    if (p.mode == kCommitRows) bad = commit_row(p, src, slot, stage[warp], lane);
+    bad = __any_sync(0xffffffffu, bad);
+    if (lane == 0) p.dst_states[slot] = p.mode == kInvalidate ? static_cast<uint8_t>(kSlotEmpty) : committed_state(bad);
   }
 }
 

@@ -15,35 +15,40 @@ MOECAP_HD void count_event(unsigned long long* counter) {
 #endif
 }
 
-// The stored value of an id outside [0, num_experts): all ones.
+// The stored value of an id outside [0, num_experts): all ones (-1 when signed).
 MOECAP_HD int64_t invalid_id_code(int32_t stored_elem) {
   return stored_elem == kU8 ? 0xff : stored_elem == kU16 ? 0xffff : -1;
 }
 
 // Element i of the [n, top_k] kept block: narrow one id, convert one weight.
+// The destination block is compact, so element i of it is i.
 MOECAP_HD void capture_element(const CaptureParams& p, int64_t i) {
   const int64_t row = i / p.top_k;
   const int64_t col = i - row * p.top_k;
   const int64_t src = row * p.in_cols + col;
-  const int64_t dst = row * p.dst_row_stride + col;
   const int64_t id = load_int(p.ids, p.ids_elem, src);
   if (id >= 0 && id < p.num_experts) {
-    store_int(p.dst_ids, p.stored_id_elem, dst, id);
+    store_int(p.dst_ids, p.stored_id_elem, i, id);
     if (p.histogram != nullptr) count_event(&p.histogram[id]);
   } else {
-    store_int(p.dst_ids, p.stored_id_elem, dst, invalid_id_code(p.stored_id_elem));
+    store_int(p.dst_ids, p.stored_id_elem, i, invalid_id_code(p.stored_id_elem));
     count_event(&p.errors->invalid_ids);
   }
   if (p.dst_weights != nullptr) {
-    store_float(p.dst_weights, p.stored_weight_elem, dst, load_float(p.weights, p.weights_elem, src));
+    store_float(p.dst_weights, p.stored_weight_elem, i, load_float(p.weights, p.weights_elem, src));
   }
+}
+
+// Whether an entry's source row exists: an invalidation reads no row.
+MOECAP_HD bool source_ok(const CommitParams& p, int64_t src_row) {
+  return p.mode == kInvalidate || (src_row >= 0 && src_row < p.device_rows);
 }
 
 // Where row j of a commit goes. False when it goes nowhere: slot -1 drops it
 // quietly; a slot or source row out of range is skipped and counted.
 MOECAP_HD bool commit_goes_to(const CommitParams& p, int64_t src_row, int64_t slot) {
   if (slot == -1) return false;
-  if (slot < -1 || slot >= p.host_slots || src_row < 0 || src_row >= p.device_rows) {
+  if (slot < -1 || slot >= p.host_slots || !source_ok(p, src_row)) {
     count_event(&p.errors->skipped_rows);
     return false;
   }
@@ -56,7 +61,7 @@ MOECAP_HD void commit_source(const CommitParams& p, int64_t j, int64_t* src_row,
 }
 
 MOECAP_HD bool commit_in_range(const CommitParams& p, int64_t src_row, int64_t slot) {
-  return slot >= 0 && slot < p.host_slots && src_row >= 0 && src_row < p.device_rows;
+  return slot >= 0 && slot < p.host_slots && source_ok(p, src_row);
 }
 
 // Entry j of a commit claims its slot: the largest entry wins (see CommitParams::claims).
@@ -136,15 +141,52 @@ MOECAP_HD void copy_row(uint8_t* dst, const uint8_t* src, int64_t bytes, int lan
   for (int64_t i = head + blocks * 16 + lane; i < bytes; i += lanes) dst[i] = src[i];
 }
 
+// Element e of a committed row (layer e / top_k): the device buffer's row
+// `src` of that layer, narrowed into element `at` of `out` in the host id
+// dtype. Returns whether the id was outside [0, num_experts).
+MOECAP_HD bool narrow_element(const CommitParams& p, int64_t src, int64_t e, void* out, int64_t at) {
+  const int64_t layer = e / p.top_k;
+  const int64_t from = (layer * p.device_rows + src) * p.top_k + (e - layer * p.top_k);
+  const int64_t id = load_int(p.src_ids, p.src_id_elem, from);
+  const bool ok = id >= 0 && id < p.num_experts;
+  store_int(out, p.dst_id_elem, at, ok ? id : p.dst_no_expert);
+  return !ok;
+}
+
+// Weight e of a committed row, bit for bit (the stored weight dtype is the same on both sides).
+MOECAP_HD void commit_weight(const CommitParams& p, int64_t src, int64_t slot, int64_t e) {
+  const int64_t layer = e / p.top_k;
+  const int64_t from = (layer * p.device_rows + src) * p.top_k + (e - layer * p.top_k);
+  const int64_t to = slot * p.num_layers * p.top_k + e;
+  if (elem_bytes(p.weight_elem) == 2) {
+    reinterpret_cast<uint16_t*>(p.dst_weights)[to] = reinterpret_cast<const uint16_t*>(p.src_weights)[from];
+  } else {
+    reinterpret_cast<uint32_t*>(p.dst_weights)[to] = reinterpret_cast<const uint32_t*>(p.src_weights)[from];
+  }
+}
+
+MOECAP_HD uint8_t committed_state(bool bad_ids) {
+  return static_cast<uint8_t>(kSlotValid | (bad_ids ? kSlotInvalidIds : 0));
+}
+
+// Whether a slot's ids can be read as stored: it holds routing, and no
+// out-of-range id hides behind a value that is also a real id.
+MOECAP_HD bool slot_readable(uint8_t state, int64_t invalid_code) {
+  return (state & kSlotValid) != 0 && !((state & kSlotInvalidIds) != 0 && invalid_code == INT64_MIN);
+}
+
 // Element i of a gather's [count, row_elements] output.
 MOECAP_HD void gather_element(const GatherParams& p, int64_t i) {
   const int64_t t = i / p.row_elements;
   const int64_t e = i - t * p.row_elements;
-  const int64_t at = load_int(p.slots, p.slots_elem, t) * p.row_elements + e;
-  const int64_t id = load_int(p.src_ids, p.stored_id_elem, at);
+  const int64_t slot = load_int(p.slots, p.slots_elem, t);
+  const bool readable = slot_readable(p.states[slot], p.invalid_code);
+  const int64_t at = slot * p.row_elements + e;
+  const int64_t id = readable ? load_int(p.src_ids, p.stored_id_elem, at) : -1;
   store_int(p.dst_ids, p.dst_id_elem, i, id == p.invalid_code ? -1 : id);
   if (p.dst_weights != nullptr) {
-    store_float(p.dst_weights, p.dst_weight_elem, i, load_float(p.src_weights, p.stored_weight_elem, at));
+    store_float(p.dst_weights, p.dst_weight_elem, i,
+                readable ? load_float(p.src_weights, p.stored_weight_elem, at) : 0.0f);
   }
 }
 

@@ -2,6 +2,11 @@
 // kernels take them by value and the host twins take the same struct, so a
 // recorded operation is "this struct, baked". Pointers are device-visible
 // addresses (host addresses on the host backend).
+//
+// Layouts: the device buffer is layer-major, [num_layers, device_rows,
+// top_k], so one layer's rows are the compact block a top-k kernel writes;
+// the host cache is slot-major, [host_slots, num_layers, top_k], so one
+// request's rows are contiguous for read; beside it one state byte per slot.
 #pragma once
 
 #include <stdint.h>
@@ -14,32 +19,47 @@ struct ErrorWord {
   unsigned long long invalid_ids;   // captured ids outside [0, num_experts)
 };
 
-// One layer's top-k ids (and weights) into rows [0, n) of the device buffer.
+// What a host-cache slot holds; equal to the header's MOECAP_SLOT_* values
+// (the kernels do not include the public header; the capturer checks).
+enum SlotState : uint8_t {
+  kSlotEmpty = 0,       // never committed, or invalidated
+  kSlotValid = 1,       // committed or written routing
+  kSlotInvalidIds = 2,  // with kSlotValid: some id was out of range at capture
+};
+
+// One layer's top-k ids (and weights) into rows [0, n) of that layer's block.
 struct CaptureParams {
   const void* ids;          // [n, in_cols], Elem kI32 or kI64
   const void* weights;      // [n, in_cols] or nullptr
-  void* dst_ids;            // device buffer, already offset to (row 0, layer)
+  void* dst_ids;            // the layer's [device_rows, top_k] block of device ids
   void* dst_weights;        // same for weights, or nullptr
   unsigned long long* histogram;  // [num_experts] of this layer, or nullptr
   ErrorWord* errors;
   int64_t n;
-  int64_t dst_row_stride;   // elements between rows: num_layers * top_k
   int32_t in_cols;          // top_k, or top_k + extra_columns (dropped)
   int32_t top_k;
   int32_t ids_elem;         // input id Elem
   int32_t weights_elem;     // input weight Elem
-  int32_t stored_id_elem;   // kU8 / kU16 / kI32
+  int32_t stored_id_elem;   // device id Elem: kU8 / kU16 / kI16 / kI32
   int32_t stored_weight_elem;
   int32_t num_experts;
   int32_t pad_;
 };
 
-// Rows of the device buffer to host-cache slots; every layer, ids and weights.
+enum CommitMode : int32_t {
+  kCommitRows = 0,    // device rows -> host slots, narrowed; the slot becomes valid
+  kInvalidate = 1,    // the slots become empty; no row is read
+};
+
+// Rows of the device buffer to host-cache slots; every layer, ids and
+// weights. Rows are handled in list order, so a slot listed twice keeps its
+// last row (the host twin; see capture_kernels.cu for the kernel).
 struct CommitParams {
-  const uint8_t* src_ids;   // device buffer base
+  const uint8_t* src_ids;   // device buffer base, [num_layers, device_rows, top_k]
   const uint8_t* src_weights;
   uint8_t* dst_ids;         // host cache base (device-mapped address on CUDA)
   uint8_t* dst_weights;
+  uint8_t* dst_states;      // [host_slots] SlotState
   const void* src_rows;     // [count] row list, or nullptr for the range below
   const void* dst_slots;    // [count]
   ErrorWord* errors;
@@ -53,23 +73,32 @@ struct CommitParams {
   int64_t count;
   int64_t device_rows;
   int64_t host_slots;
-  int64_t id_row_bytes;     // num_layers * top_k * stored id bytes
-  int64_t weight_row_bytes; // 0 without weights
+  int64_t dst_no_expert;    // the host cache's stored "no expert" value
+  int32_t mode;             // CommitMode
+  int32_t num_layers;
+  int32_t top_k;
+  int32_t num_experts;
+  int32_t src_id_elem;      // device id Elem
+  int32_t dst_id_elem;      // host id Elem
+  int32_t weight_elem;      // stored weight Elem (both sides), or -1 without weights
   int32_t src_rows_elem;    // kI32 / kI64
   int32_t dst_slots_elem;   // kI32 / kI64
+  int32_t pad_;
 };
 
 // Host-cache rows of `count` slots into a caller tensor [count, row_elements],
-// converting ids (stored "no expert" -> -1) and weights to the caller's dtypes.
+// converting ids (stored "no expert" -> -1) and weights to the caller's
+// dtypes; a slot without usable routing reads -1 ids and 0 weights.
 struct GatherParams {
   const uint8_t* src_ids;   // host cache base (device-mapped address for the kernel)
   const uint8_t* src_weights;
+  const uint8_t* states;    // [host_slots] SlotState
   const void* slots;        // [count], already checked to lie in [0, host_slots)
   void* dst_ids;            // [count, row_elements]
   void* dst_weights;        // or nullptr
   int64_t count;
   int64_t row_elements;
-  int64_t invalid_code;     // the stored "no expert" value, or INT64_MIN when every value is a valid id
+  int64_t invalid_code;     // the stored "no expert" value, or INT64_MIN when it is also a real id
   int32_t slots_elem;       // kI32 / kI64
   int32_t stored_id_elem;
   int32_t dst_id_elem;

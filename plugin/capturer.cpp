@@ -1,11 +1,13 @@
 #include "plugin/capturer.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "base/status.h"
 #include "graphs/element.h"
 #include "graphs/kernel_ops.h"
+#include "plugin/abi_structs.h"
 #include "plugin/tensor_args.h"
 
 namespace moecap {
@@ -17,7 +19,7 @@ constexpr uint8_t kGuardByte = 0xA5;
 
 size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-// The largest id an output dtype holds (-1 is always representable as "no expert").
+// Ids [0, n) an output dtype holds.
 int64_t id_limit(int32_t elem) {
   switch (elem) {
     case kU8: return 256;
@@ -27,6 +29,12 @@ int64_t id_limit(int32_t elem) {
     default: return int64_t{1} << 31;
   }
 }
+
+bool is_unsigned(int32_t elem) { return elem == kU8 || elem == kU16; }
+
+static_assert(kSlotEmpty == MOECAP_SLOT_EMPTY && kSlotValid == MOECAP_SLOT_VALID &&
+                  kSlotInvalidIds == MOECAP_SLOT_INVALID_IDS,
+              "the kernels' slot states are the header's");
 
 }  // namespace
 
@@ -54,6 +62,7 @@ Capturer::Capturer(const Plan& plan) : plan_(plan) {
   at = 0;
   host_ids_ = place("host ids", plan_.host_ids_bytes);
   host_weights_ = place("host weights", plan_.host_weights_bytes);
+  host_states_ = place("host states", plan_.host_states_bytes);
   const size_t host_block_bytes = at;
 
   device_block_ = static_cast<uint8_t*>(backend_->alloc_device(device_block_bytes));
@@ -179,7 +188,7 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   require_kernel_readable(ids, "topk_ids");
   const int64_t n = ids->shape[0];
   const int64_t cols = ids->shape[1];
-  if (cols != c.top_k && cols != c.top_k + c.extra_columns) {
+  if (cols != c.top_k && cols != int64_t{c.top_k} + c.extra_columns) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids->shape[1] is ", cols, "; expected top_k (", c.top_k,
          ") or top_k + extra_columns (", c.top_k + c.extra_columns, ")");
   }
@@ -201,8 +210,8 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   CaptureParams p{};
   p.ids = tensor_data(ids);
   p.weights = weights_elem >= 0 ? tensor_data(weights) : nullptr;
-  const int64_t layer_offset = static_cast<int64_t>(layer) * c.top_k;
-  p.dst_ids = device_block_ + device_ids_.offset + layer_offset * plan_.id_bytes;
+  const int64_t layer_offset = layer * plan_.layer_elements();
+  p.dst_ids = device_block_ + device_ids_.offset + layer_offset * plan_.device_id_bytes;
   p.dst_weights = weights_elem >= 0 ? device_block_ + device_weights_.offset + layer_offset * plan_.weight_bytes
                                     : nullptr;
   p.histogram = plan_.has_histogram() ? reinterpret_cast<unsigned long long*>(device_block_ + histogram_.offset) +
@@ -210,19 +219,19 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
                                       : nullptr;
   p.errors = reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset);
   p.n = n;
-  p.dst_row_stride = plan_.row_elements;
   p.in_cols = static_cast<int32_t>(cols);
   p.top_k = c.top_k;
   p.ids_elem = ids_elem;
   p.weights_elem = weights_elem;
-  p.stored_id_elem = plan_.id_elem;
+  p.stored_id_elem = plan_.device_id_elem;
   p.stored_weight_elem = plan_.weight_elem;
   p.num_experts = c.num_experts;
   backend_->capture(p, stream);
 }
 
-void Capturer::commit(const moecap_commit_args* args, EngineStream stream) {
-  check_struct(args, args ? args->struct_size : 0, sizeof(moecap_commit_args), "args");
+void Capturer::commit(const moecap_commit_args* caller_args, EngineStream stream) {
+  const moecap_commit_args args_copy = read_struct(caller_args, MOECAP_COMMIT_ARGS_SIZE_1_0, "args");
+  const moecap_commit_args* args = &args_copy;
   require_stream(stream);
   const bool graph = recording_ || (!stream.is_legacy_default() && backend_->stream_capturing(stream));
 
@@ -257,32 +266,68 @@ void Capturer::commit(const moecap_commit_args* args, EngineStream stream) {
   if (!graph) check_guards(on_host());
   if (count == 0) return;
 
+  CommitParams p = commit_params(kCommitRows);
+  p.src_rows = rows != nullptr ? tensor_data(rows) : nullptr;
+  p.dst_slots = tensor_data(slots);
+  p.src_start = rows != nullptr ? 0 : args->src_start;
+  p.count = count;
+  p.src_rows_elem = rows_elem;
+  p.dst_slots_elem = slots_elem;
+  backend_->commit(p, Backend::CommitPlacement{slots_on_host, rows_on_host, graph}, stream);
+}
+
+CommitParams Capturer::commit_params(int32_t mode) const {
+  const moecap_config& c = plan_.config;
   CommitParams p{};
+  p.mode = mode;
   p.src_ids = device_block_ + device_ids_.offset;
   p.src_weights = plan_.has_weights() ? device_block_ + device_weights_.offset : nullptr;
   p.dst_ids = host_block_on_device_ + host_ids_.offset;
   p.dst_weights = plan_.has_weights() ? host_block_on_device_ + host_weights_.offset : nullptr;
-  p.src_rows = rows != nullptr ? tensor_data(rows) : nullptr;
-  p.dst_slots = tensor_data(slots);
+  p.dst_states = host_block_on_device_ + host_states_.offset;
   p.errors = reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset);
-  p.src_start = rows != nullptr ? 0 : args->src_start;
-  p.count = count;
   p.device_rows = plan_.device_rows;
-  p.host_slots = plan_.config.host_slots;
-  p.id_row_bytes = plan_.id_row_bytes();
-  p.weight_row_bytes = plan_.weight_row_bytes();
-  p.src_rows_elem = rows_elem;
-  p.dst_slots_elem = slots_elem;
-  backend_->commit(p, Backend::CommitPlacement{slots_on_host, rows_on_host, graph}, stream);
+  p.host_slots = c.host_slots;
+  p.dst_no_expert = plan_.no_expert;
+  p.num_layers = c.num_layers;
+  p.top_k = c.top_k;
+  p.num_experts = c.num_experts;
+  p.src_id_elem = plan_.device_id_elem;
+  p.dst_id_elem = plan_.id_elem;
+  p.weight_elem = plan_.weight_elem;
+  p.src_rows_elem = kI64;
+  return p;
+}
+
+void Capturer::invalidate(const DLTensor* slots, EngineStream stream) {
+  require_stream(stream);
+  const bool graph = recording_ || (!stream.is_legacy_default() && backend_->stream_capturing(stream));
+  const int32_t slots_elem = check_tensor(slots, {"slots", {kI32, kI64}, 1});
+  const bool slots_on_host = staged_index(slots, "slots", graph);
+  if (!graph && Backend::host_can_read(slots->device)) check_host_slots(slots, "slots", true, plan_.config.host_slots);
+  if (!graph) check_guards(on_host());
+  const int64_t count = slots->shape[0];
+  // Staged slots go through a staging area of device_rows entries: a longer
+  // list (a long request's KV) is enqueued in pieces, in order.
+  const int64_t piece = slots_on_host ? plan_.device_rows : count;
+  for (int64_t first = 0; first < count; first += piece) {
+    CommitParams p = commit_params(kInvalidate);
+    p.dst_slots = tensor_data(slots) + first * elem_bytes(slots_elem);
+    p.count = std::min(piece, count - first);
+    p.dst_slots_elem = slots_elem;
+    backend_->commit(p, Backend::CommitPlacement{slots_on_host, false, graph}, stream);
+  }
 }
 
 void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,
                     std::unique_lock<std::mutex>* lock) {
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
-  if ((flags & ~MOECAP_READ_NONBLOCKING) != 0) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "flags has unknown bits 0x", std::hex, (flags & ~MOECAP_READ_NONBLOCKING));
+  constexpr uint32_t kKnownFlags = MOECAP_READ_NONBLOCKING | MOECAP_READ_STRICT;
+  if ((flags & ~kKnownFlags) != 0) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "flags has unknown bits 0x", std::hex, (flags & ~kKnownFlags));
   }
+  const bool strict = (flags & MOECAP_READ_STRICT) != 0;
   check_tensor(slots, {"slots", {kI32, kI64}, 1});
   require_host_memory(slots, "slots");
   const int64_t t = slots->shape[0];
@@ -296,6 +341,11 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
   if (id_limit(out_elem) < c.num_experts) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out has dtype ", elem_name(out_elem), ", which holds ids below ",
          id_limit(out_elem), "; num_experts is ", c.num_experts);
+  }
+  if (!strict && is_unsigned(out_elem) && id_limit(out_elem) == c.num_experts) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out has dtype ", elem_name(out_elem), ", where -1 (no routing) reads as ",
+         id_limit(out_elem) - 1, ", a real expert id with num_experts ", c.num_experts,
+         "; use a signed dtype, or MOECAP_READ_STRICT");
   }
   int32_t w_elem = -1;
   if (weights_out != nullptr) {
@@ -311,25 +361,28 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
   }
   check_host_slots(slots, "slots", false, c.host_slots);
   const Backend::SlotList slot_list{tensor_data(slots), elem_of(slots->dtype), t};
-  // Device outputs: the gather waits for the commits on `stream`, not the host.
-  if (on_device) {
+  // Device outputs: the gather waits for the commits on `stream`, not the
+  // host; STRICT reads the slots' states on the host, so it waits as a host
+  // output does.
+  if (on_device && !strict) {
     check_counters();
   } else {
     settle((flags & MOECAP_READ_NONBLOCKING) == 0, &slot_list, lock);
   }
+  if (strict) require_routing(slots);
   if (t == 0) return;
 
   const uint8_t* cache = on_device ? host_block_on_device_ : host_block_;
-  const int64_t code = invalid_id_code(plan_.id_elem);
   GatherParams g{};
   g.src_ids = cache + host_ids_.offset;
   g.src_weights = cache + host_weights_.offset;
+  g.states = cache + host_states_.offset;
   g.slots = tensor_data(slots);
   g.dst_ids = tensor_data(ids_out);
   g.dst_weights = w_elem >= 0 ? tensor_data(weights_out) : nullptr;
   g.count = t;
   g.row_elements = plan_.row_elements;
-  g.invalid_code = code >= c.num_experts || code < 0 ? code : INT64_MIN;
+  g.invalid_code = plan_.no_expert_is_id ? INT64_MIN : plan_.no_expert;
   g.slots_elem = elem_of(slots->dtype);
   g.stored_id_elem = plan_.id_elem;
   g.dst_id_elem = out_elem;
@@ -339,6 +392,25 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
     backend_->gather(g, stream);
   } else {
     gather_on_host(g);
+  }
+}
+
+void Capturer::require_routing(const DLTensor* slots) const {
+  const uint8_t* states = host_block_ + host_states_.offset;
+  const int32_t elem = elem_of(slots->dtype);
+  int64_t first = -1, missing = 0;
+  for (int64_t i = 0; i < slots->shape[0]; ++i) {
+    if (states[load_int(tensor_data(slots), elem, i)] != kSlotValid) {
+      if (first < 0) first = i;
+      ++missing;
+    }
+  }
+  if (missing > 0) {
+    const int64_t slot = load_int(tensor_data(slots), elem, first);
+    fail(MOECAP_ERROR_NO_ROUTING, "slots[", first, "] = ", slot, " holds ",
+         states[slot] == kSlotEmpty ? "no committed routing (never committed, or invalidated)"
+                                    : "ids that were out of range at capture",
+         "; ", missing, " of ", slots->shape[0], " slots have no usable routing (MOECAP_READ_STRICT)");
   }
 }
 
@@ -403,14 +475,16 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
 
   uint8_t* host_ids = host_block_ + host_ids_.offset;
   uint8_t* host_w = host_block_ + host_weights_.offset;
+  uint8_t* states = host_block_ + host_states_.offset;
   const int32_t slot_elem = elem_of(slots->dtype);
-  const int64_t code = invalid_id_code(plan_.id_elem);
   for (int64_t i = 0; i < t; ++i) {
     const int64_t slot = load_int(tensor_data(slots), slot_elem, i);
     uint8_t* dst = host_ids + slot * plan_.id_row_bytes();
+    int64_t none = 0;
     for (int64_t e = 0; e < row; ++e) {
       const int64_t v = load_int(in, in_elem, i * row + e);
-      store_int(dst, plan_.id_elem, e, v == -1 ? code : v);
+      none += v == -1 ? 1 : 0;
+      store_int(dst, plan_.id_elem, e, v == -1 ? plan_.no_expert : v);
     }
     if (w_elem >= 0) {
       uint8_t* wdst = host_w + slot * plan_.weight_row_bytes();
@@ -418,6 +492,8 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
         store_float(wdst, plan_.weight_elem, e, load_float(tensor_data(&w_view.tensor), w_elem, i * row + e));
       }
     }
+    // A token read from an empty slot elsewhere (all -1) stays empty here.
+    states[slot] = none == row ? static_cast<uint8_t>(kSlotEmpty) : committed_state(none > 0);
   }
 }
 
@@ -449,18 +525,20 @@ void Capturer::histogram_reset(EngineStream stream) {
 BufferView Capturer::view(int32_t which, int32_t layer) const {
   const moecap_config& c = plan_.config;
   BufferView v{};
-  const int64_t row = plan_.row_elements;
-  auto rows_view = [&](uint8_t* base, const Region& r, int32_t elem, int64_t rows, DLDevice dev) {
-    v.data = base + r.offset;
+  // A compact row-major view of `ndim` extents.
+  auto compact = [&](const uint8_t* base, size_t offset, int32_t elem, DLDevice dev,
+                     std::initializer_list<int64_t> shape) {
+    v.data = const_cast<uint8_t*>(base) + offset;
     v.device = dev;
     v.dtype = dtype_of(elem);
-    v.ndim = 3;
-    v.shape[0] = rows;
-    v.shape[1] = c.num_layers;
-    v.shape[2] = c.top_k;
-    v.strides[0] = row;
-    v.strides[1] = c.top_k;
-    v.strides[2] = 1;
+    v.ndim = static_cast<int32_t>(shape.size());
+    int32_t d = 0;
+    for (int64_t extent : shape) v.shape[d++] = extent;
+    int64_t stride = 1;
+    for (d = v.ndim - 1; d >= 0; --d) {
+      v.strides[d] = stride;
+      stride *= v.shape[d];
+    }
   };
   const bool weights = which == MOECAP_BUFFER_DEVICE_WEIGHTS || which == MOECAP_BUFFER_HOST_WEIGHTS ||
                        which == MOECAP_BUFFER_LAYER_WEIGHTS;
@@ -468,30 +546,27 @@ BufferView Capturer::view(int32_t which, int32_t layer) const {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "which is a weights buffer but config->weight_dtype is MOECAP_WEIGHTS_NONE");
   }
   const DLDevice host{kDLCPU, 0};
+  const DLDevice dev = backend_->device();
   switch (which) {
     case MOECAP_BUFFER_DEVICE_IDS:
-      rows_view(device_block_, device_ids_, plan_.id_elem, plan_.device_rows, backend_->device());
+      compact(device_block_, device_ids_.offset, plan_.device_id_elem, dev, {c.num_layers, plan_.device_rows, c.top_k});
       break;
     case MOECAP_BUFFER_DEVICE_WEIGHTS:
-      rows_view(device_block_, device_weights_, plan_.weight_elem, plan_.device_rows, backend_->device());
+      compact(device_block_, device_weights_.offset, plan_.weight_elem, dev, {c.num_layers, plan_.device_rows, c.top_k});
       break;
-    case MOECAP_BUFFER_HOST_IDS: rows_view(host_block_, host_ids_, plan_.id_elem, c.host_slots, host); break;
+    case MOECAP_BUFFER_HOST_IDS:
+      compact(host_block_, host_ids_.offset, plan_.id_elem, host, {c.host_slots, c.num_layers, c.top_k});
+      break;
     case MOECAP_BUFFER_HOST_WEIGHTS:
-      rows_view(host_block_, host_weights_, plan_.weight_elem, c.host_slots, host);
+      compact(host_block_, host_weights_.offset, plan_.weight_elem, host, {c.host_slots, c.num_layers, c.top_k});
       break;
+    case MOECAP_BUFFER_HOST_STATES: compact(host_block_, host_states_.offset, kU8, host, {c.host_slots}); break;
     case MOECAP_BUFFER_HISTOGRAM:
       if (!plan_.has_histogram()) {
         fail(MOECAP_ERROR_INVALID_ARGUMENT, "which is MOECAP_BUFFER_HISTOGRAM but the capturer was created without ",
              "MOECAP_FLAG_HISTOGRAM");
       }
-      v.data = device_block_ + histogram_.offset;
-      v.device = backend_->device();
-      v.dtype = dtype_of(kI64);
-      v.ndim = 2;
-      v.shape[0] = c.num_layers;
-      v.shape[1] = c.num_experts;
-      v.strides[0] = c.num_experts;
-      v.strides[1] = 1;
+      compact(device_block_, histogram_.offset, kI64, dev, {c.num_layers, c.num_experts});
       break;
     case MOECAP_BUFFER_LAYER_IDS:
     case MOECAP_BUFFER_LAYER_WEIGHTS: {
@@ -499,20 +574,14 @@ BufferView Capturer::view(int32_t which, int32_t layer) const {
         fail(MOECAP_ERROR_OUT_OF_RANGE, "layer is ", layer, "; it must be in [0, num_layers = ", c.num_layers, ")");
       }
       const bool ids = which == MOECAP_BUFFER_LAYER_IDS;
-      const int32_t elem = ids ? plan_.id_elem : plan_.weight_elem;
-      const Region& r = ids ? device_ids_ : device_weights_;
-      v.data = device_block_ + r.offset + static_cast<int64_t>(layer) * c.top_k * elem_bytes(elem);
-      v.device = backend_->device();
-      v.dtype = dtype_of(elem);
-      v.ndim = 2;
-      v.shape[0] = plan_.device_rows;
-      v.shape[1] = c.top_k;
-      v.strides[0] = row;
-      v.strides[1] = 1;
+      const int32_t elem = ids ? plan_.device_id_elem : plan_.weight_elem;
+      const size_t offset = (ids ? device_ids_ : device_weights_).offset +
+                            static_cast<size_t>(layer * plan_.layer_elements() * elem_bytes(elem));
+      compact(device_block_, offset, elem, dev, {plan_.device_rows, c.top_k});
       break;
     }
     default:
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "which is ", which, "; expected a moecap_buffer (1..7)");
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "which is ", which, "; expected a moecap_buffer (1..8)");
   }
   return v;
 }
@@ -555,7 +624,7 @@ void Capturer::write_guards() {
   for (const Region* r : {&device_ids_, &device_weights_, &histogram_, &error_word_}) {
     backend_->copy_host_to_device(device_block_ + r->offset + r->bytes, pattern.data(), kGuardBytes);
   }
-  for (const Region* r : {&host_ids_, &host_weights_}) {
+  for (const Region* r : {&host_ids_, &host_weights_, &host_states_}) {
     std::memcpy(host_block_ + r->offset + r->bytes, pattern.data(), kGuardBytes);
   }
 }
@@ -568,7 +637,7 @@ const char* Capturer::damaged_guard(bool device_regions) {
       if (p[i] != kGuardByte) return false;
     return true;
   };
-  for (const Region* r : {&host_ids_, &host_weights_}) {
+  for (const Region* r : {&host_ids_, &host_weights_, &host_states_}) {
     if (!intact(host_block_ + r->offset + r->bytes)) return r->name;
   }
   if (!device_regions) return nullptr;

@@ -21,7 +21,7 @@ struct BufferView {
   DLDevice device;
   DLDataType dtype;
   int32_t ndim;
-  int64_t shape[3];
+  int64_t shape[3];  // compact row-major: strides follow from the shape
   int64_t strides[3];
 };
 
@@ -40,6 +40,7 @@ class Capturer {
 
   void capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, EngineStream stream);
   void commit(const moecap_commit_args* args, EngineStream stream);
+  void invalidate(const DLTensor* slots, EngineStream stream);
   // Host calls that wait for commits: `lock`, when given, is the caller's
   // hold on mutex(), released while they sleep.
   void read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,
@@ -69,6 +70,10 @@ class Capturer {
   // Host-side waits (synchronize, errors) take no stream: only moecap's own recording forbids them.
   void require_not_recording() const;
   void require_not_capturing(EngineStream stream);
+  // A commit or invalidation's parameters, without its index tensors.
+  CommitParams commit_params(int32_t mode) const;
+  // MOECAP_READ_STRICT: fails with NO_ROUTING unless every slot is plainly valid.
+  void require_routing(const DLTensor* slots) const;
   // Argument placement: refuses a tensor the kernels cannot read in place.
   void require_kernel_readable(const DLTensor* t, const char* name) const;
   // Refuses a tensor the host cannot read now.
@@ -102,7 +107,7 @@ class Capturer {
   uint8_t* host_block_ = nullptr;
   uint8_t* host_block_on_device_ = nullptr;  // the host cache as kernels address it
   Region device_ids_{}, device_weights_{}, histogram_{}, error_word_{};
-  Region host_ids_{}, host_weights_{};
+  Region host_ids_{}, host_weights_{}, host_states_{};
   bool recording_ = false;
   EngineStream recording_stream_ = EngineStream::legacy_default();
 };

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "plugin/abi_structs.h"
 #include "base/stream.h"
 #include "plugin/guarded.h"
 #include "plugin/handles.h"
@@ -93,13 +94,21 @@ const char* moecap_status_name(moecap_status status) {
     case MOECAP_ERROR_STUB_DRIVER: return "MOECAP_ERROR_STUB_DRIVER";
     case MOECAP_ERROR_DRIVER_TOO_OLD: return "MOECAP_ERROR_DRIVER_TOO_OLD";
     case MOECAP_ERROR_CORRUPTION: return "MOECAP_ERROR_CORRUPTION";
+    case MOECAP_ERROR_NO_ROUTING: return "MOECAP_ERROR_NO_ROUTING";
   }
   return "MOECAP_STATUS_UNKNOWN";
 }
 
+moecap_status moecap_config_init(moecap_config* config) {
+  return guarded("moecap_config_init", [&] {
+    moecap::require_out_struct(config, MOECAP_CONFIG_SIZE_1_0, "config");
+    moecap::write_struct(config, moecap::default_config());
+  });
+}
+
 moecap_status moecap_plan(const moecap_config* config, moecap_plan_info* out) {
   return guarded("moecap_plan", [&] {
-    require_out(out, "out");
+    moecap::require_out_struct(out, MOECAP_PLAN_INFO_SIZE_1_0, "out");
     const moecap::Plan plan = moecap::make_plan(config);
     moecap::describe_plan(plan, out);
   });
@@ -147,8 +156,8 @@ moecap_status moecap_capture(moecap_capturer* capturer, int32_t layer, const DLT
 
 moecap_status moecap_local_rows(const moecap_capturer* capturer, const moecap_batch* batch, moecap_rows* out) {
   return guarded("moecap_local_rows", [&] {
-    moecap::check_struct(out, out ? out->struct_size : 0, sizeof(moecap_rows), "out");
-    *out = moecap::locate_rows(live(capturer).plan(), batch);
+    moecap::require_out_struct(out, MOECAP_ROWS_SIZE_1_0, "out");
+    moecap::write_struct(out, moecap::locate_rows(live(capturer).plan(), batch));
   });
 }
 
@@ -157,6 +166,14 @@ moecap_status moecap_commit(moecap_capturer* capturer, const moecap_commit_args*
     Capturer& c = live(capturer);
     std::lock_guard<std::mutex> lock(c.mutex());
     c.commit(args, EngineStream::from_abi(stream));
+  });
+}
+
+moecap_status moecap_invalidate(moecap_capturer* capturer, const DLTensor* slots, void* stream) {
+  return guarded("moecap_invalidate", [&] {
+    Capturer& c = live(capturer);
+    std::lock_guard<std::mutex> lock(c.mutex());
+    c.invalidate(slots, EngineStream::from_abi(stream));
   });
 }
 
@@ -189,12 +206,12 @@ moecap_status moecap_synchronize(moecap_capturer* capturer) {
 moecap_status moecap_get_errors(moecap_capturer* capturer, moecap_error_counts* out, uint32_t flags) {
   return guarded("moecap_get_errors", [&] {
     Capturer& c = live(capturer);
-    moecap::check_struct(out, out ? out->struct_size : 0, sizeof(moecap_error_counts), "out");
+    moecap::require_out_struct(out, MOECAP_ERROR_COUNTS_SIZE_1_0, "out");
     if ((flags & ~MOECAP_ERRORS_CLEAR) != 0) {
       fail(MOECAP_ERROR_INVALID_ARGUMENT, "flags has unknown bits 0x", std::hex, (flags & ~MOECAP_ERRORS_CLEAR));
     }
     std::lock_guard<std::mutex> lock(c.mutex());
-    *out = c.errors((flags & MOECAP_ERRORS_CLEAR) != 0);
+    moecap::write_struct(out, c.errors((flags & MOECAP_ERRORS_CLEAR) != 0));
   });
 }
 
@@ -307,11 +324,10 @@ moecap_status moecap_get_api(moecap_api* out) {
     api.graph_launch = moecap_graph_launch;
     api.graph_native = moecap_graph_native;
     api.graph_destroy = moecap_graph_destroy;
+    api.config_init = moecap_config_init;
+    api.invalidate = moecap_invalidate;
     // A caller compiled against an older header gets the prefix it knows.
-    const size_t copy = out->struct_size < sizeof api ? out->struct_size : sizeof api;
-    const size_t caller_size = out->struct_size;
-    std::memcpy(out, &api, copy);
-    out->struct_size = caller_size < sizeof api ? caller_size : sizeof api;
+    moecap::write_struct(out, api);
   });
 }
 

@@ -5,6 +5,8 @@
 
 #include "base/status.h"
 #include "graphs/element.h"
+#include "graphs/kernel_ops.h"
+#include "plugin/abi_structs.h"
 
 namespace moecap {
 namespace {
@@ -30,20 +32,72 @@ int64_t checked_add(int64_t a, int64_t b, const char* what) {
 }
 
 constexpr uint32_t kKnownFlags = MOECAP_FLAG_HISTOGRAM | MOECAP_FLAG_GUARDS | MOECAP_FLAG_NO_GUARDS;
+constexpr int32_t kMaxExtraColumns = 1 << 16;
 
 }  // namespace
+
+moecap_config default_config() {
+  moecap_config c{};
+  c.struct_size = sizeof c;
+  c.abi_version = MOECAP_ABI_VERSION;
+  c.dp_size = 1;
+  c.verify_tokens = 1;
+  c.id_dtype = MOECAP_IDS_AUTO;
+  c.device_id_dtype = MOECAP_IDS_AUTO;
+  c.weight_dtype = MOECAP_WEIGHTS_NONE;
+  c.device_type = MOECAP_DEVICE_HOST;
+  c.next = nullptr;
+  return c;
+}
 
 int64_t legacy_device_rows(const moecap_config& c) {
   return std::max(c.chunked_prefill_size * c.dp_size, c.max_running_requests);
 }
 
+namespace {
+
+// An id dtype as the Elem it stores; -1 when unknown.
+int32_t id_elem_of(int32_t dtype) {
+  switch (dtype) {
+    case MOECAP_IDS_U8: return kU8;
+    case MOECAP_IDS_U16: return kU16;
+    case MOECAP_IDS_I16: return kI16;
+    case MOECAP_IDS_I32: return kI32;
+    default: return -1;
+  }
+}
+
+// Ids [0, n) an Elem holds: 2^bits unsigned, 2^(bits-1) signed.
+int64_t id_capacity(int32_t elem) {
+  switch (elem) {
+    case kU8: return 256;
+    case kU16: return 65536;
+    case kI16: return 32768;
+    default: return int64_t{1} << 31;
+  }
+}
+
+int32_t resolve_id_dtype(int32_t dtype, const char* name) {
+  if (dtype != MOECAP_IDS_AUTO && id_elem_of(dtype) < 0) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->", name, " is ", dtype,
+         "; expected MOECAP_IDS_AUTO, _U8, _U16, _I32 or _I16 (0..4)");
+  }
+  return dtype;
+}
+
+}  // namespace
+
 Plan make_plan(const moecap_config* config) {
-  check_struct(config, config ? config->struct_size : 0, sizeof(moecap_config), "config");
-  const moecap_config& c = *config;
+  const moecap_config c = read_struct(config, MOECAP_CONFIG_SIZE_1_0, "config");
   if ((c.abi_version >> 16) != MOECAP_ABI_VERSION_MAJOR) {
     fail(MOECAP_ERROR_ABI_MISMATCH, "config->abi_version is ", (c.abi_version >> 16), ".",
          (c.abi_version & 0xffffu), "; this library implements major version ", MOECAP_ABI_VERSION_MAJOR);
   }
+  if (c.next != nullptr) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->next is not NULL; ABI ", MOECAP_ABI_VERSION_MAJOR, ".",
+         MOECAP_ABI_VERSION_MINOR, " defines no extension");
+  }
+  if (c.reserved != 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->reserved is ", c.reserved, "; it must be 0");
   if ((c.flags & ~kKnownFlags) != 0) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->flags has unknown bits 0x", std::hex, (c.flags & ~kKnownFlags));
   }
@@ -57,6 +111,12 @@ Plan make_plan(const moecap_config* config) {
   if (c.top_k > c.num_experts) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->top_k is ", c.top_k, "; it must be <= num_experts (", c.num_experts,
          ")");
+  }
+  // A router's row is top_k plus a few fused columns; the bound keeps
+  // top_k + extra_columns (and every column index) far from int32 overflow.
+  if (c.extra_columns > kMaxExtraColumns) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->extra_columns is ", c.extra_columns, "; it must be <= ",
+         kMaxExtraColumns);
   }
   require_at_least(c.dp_size, 1, "dp_size");
   require_at_least(c.verify_tokens, 1, "verify_tokens");
@@ -73,28 +133,39 @@ Plan make_plan(const moecap_config* config) {
 
   Plan p{};
   p.config = c;
-  // AUTO leaves room for the fused columns' ids too; an explicit dtype only
-  // has to hold what is stored, the routed ids [0, num_experts), since the
-  // extra columns are dropped at capture.
+  // Host cache. AUTO leaves room for the fused columns' ids too; an explicit
+  // dtype only has to hold what is stored, the routed ids [0, num_experts),
+  // since the extra columns are dropped at capture.
   const int64_t ids_needed = static_cast<int64_t>(c.num_experts) + c.extra_columns;
-  int32_t id_dtype = c.id_dtype;
+  int32_t id_dtype = resolve_id_dtype(c.id_dtype, "id_dtype");
   if (id_dtype == MOECAP_IDS_AUTO) {
     id_dtype = ids_needed <= 256 ? MOECAP_IDS_U8 : ids_needed <= 65536 ? MOECAP_IDS_U16 : MOECAP_IDS_I32;
   }
-  switch (id_dtype) {
-    case MOECAP_IDS_U8: p.id_elem = kU8; p.id_bytes = 1; break;
-    case MOECAP_IDS_U16: p.id_elem = kU16; p.id_bytes = 2; break;
-    case MOECAP_IDS_I32: p.id_elem = kI32; p.id_bytes = 4; break;
-    default:
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->id_dtype is ", c.id_dtype,
-           "; expected MOECAP_IDS_AUTO, _U8, _U16 or _I32 (0..3)");
-  }
-  const int64_t id_capacity = p.id_bytes == 4 ? int64_t{1} << 31 : int64_t{1} << (8 * p.id_bytes);
-  if (c.num_experts > id_capacity) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->id_dtype holds ", id_capacity, " expert ids; num_experts is ",
-         c.num_experts);
+  p.id_elem = id_elem_of(id_dtype);
+  p.id_bytes = elem_bytes(p.id_elem);
+  if (c.num_experts > id_capacity(p.id_elem)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->id_dtype holds ", id_capacity(p.id_elem),
+         " expert ids; num_experts is ", c.num_experts);
   }
   p.config.id_dtype = id_dtype;
+  p.no_expert = invalid_id_code(p.id_elem);
+  p.no_expert_is_id = p.no_expert >= 0 && p.no_expert < c.num_experts;
+
+  // Device buffer: signed by default, so every id a kernel writes, and "no
+  // expert", stays recognisable until commit narrows it. An explicit dtype
+  // needs a value beyond the ids for "no expert".
+  int32_t device_dtype = resolve_id_dtype(c.device_id_dtype, "device_id_dtype");
+  if (device_dtype == MOECAP_IDS_AUTO) device_dtype = c.num_experts <= 32768 ? MOECAP_IDS_I16 : MOECAP_IDS_I32;
+  p.device_id_elem = id_elem_of(device_dtype);
+  p.device_id_bytes = elem_bytes(p.device_id_elem);
+  const int64_t device_code = invalid_id_code(p.device_id_elem);
+  const int64_t device_ids = device_code < 0 ? id_capacity(p.device_id_elem) : device_code;
+  if (c.num_experts > device_ids) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->device_id_dtype holds ", device_ids,
+         " expert ids besides its \"no expert\" value; num_experts is ", c.num_experts);
+  }
+  p.config.device_id_dtype = device_dtype;
+
   switch (c.weight_dtype) {
     case MOECAP_WEIGHTS_NONE: p.weight_elem = -1; p.weight_bytes = 0; break;
     case MOECAP_WEIGHTS_F32: p.weight_elem = kF32; p.weight_bytes = 4; break;
@@ -114,10 +185,11 @@ Plan make_plan(const moecap_config* config) {
   p.row_elements = checked_mul(c.num_layers, c.top_k, "num_layers * top_k");
   const int64_t device_elements = checked_mul(p.device_rows, p.row_elements, "device_rows * num_layers * top_k");
   const int64_t host_elements = checked_mul(c.host_slots, p.row_elements, "host_slots * num_layers * top_k");
-  p.device_ids_bytes = static_cast<uint64_t>(checked_mul(device_elements, p.id_bytes, "device id bytes"));
+  p.device_ids_bytes = static_cast<uint64_t>(checked_mul(device_elements, p.device_id_bytes, "device id bytes"));
   p.device_weights_bytes = static_cast<uint64_t>(checked_mul(device_elements, p.weight_bytes, "device weight bytes"));
   p.host_ids_bytes = static_cast<uint64_t>(checked_mul(host_elements, p.id_bytes, "host id bytes"));
   p.host_weights_bytes = static_cast<uint64_t>(checked_mul(host_elements, p.weight_bytes, "host weight bytes"));
+  p.host_states_bytes = static_cast<uint64_t>(c.host_slots);
   if (c.flags & MOECAP_FLAG_HISTOGRAM) {
     p.histogram_bytes = static_cast<uint64_t>(
         checked_mul(checked_mul(c.num_layers, c.num_experts, "num_layers * num_experts"), 8, "histogram bytes"));
@@ -126,12 +198,14 @@ Plan make_plan(const moecap_config* config) {
   checked_add(checked_add(static_cast<int64_t>(p.device_ids_bytes), static_cast<int64_t>(p.device_weights_bytes),
                           "device bytes"),
               static_cast<int64_t>(p.histogram_bytes), "device bytes");
-  checked_add(static_cast<int64_t>(p.host_ids_bytes), static_cast<int64_t>(p.host_weights_bytes), "host bytes");
+  checked_add(checked_add(static_cast<int64_t>(p.host_ids_bytes), static_cast<int64_t>(p.host_weights_bytes),
+                          "host bytes"),
+              static_cast<int64_t>(p.host_states_bytes), "host bytes");
   return p;
 }
 
 void describe_plan(const Plan& p, moecap_plan_info* out) {
-  check_struct(out, out ? out->struct_size : 0, sizeof(moecap_plan_info), "out");
+  require_out_struct(out, MOECAP_PLAN_INFO_SIZE_1_0, "out");
   moecap_plan_info info{};
   info.struct_size = sizeof(moecap_plan_info);
   info.rows_per_rank = p.rows_per_rank;
@@ -141,13 +215,14 @@ void describe_plan(const Plan& p, moecap_plan_info* out) {
   info.id_bytes = p.id_bytes;
   info.weight_bytes = p.weight_bytes;
   info.device_bytes = p.device_ids_bytes + p.device_weights_bytes + p.histogram_bytes;
-  info.host_bytes = p.host_ids_bytes + p.host_weights_bytes;
-  *out = info;
+  info.host_bytes = p.host_ids_bytes + p.host_weights_bytes + p.host_states_bytes;
+  info.device_id_dtype = p.config.device_id_dtype;
+  info.device_id_bytes = p.device_id_bytes;
+  write_struct(out, info);
 }
 
 moecap_rows locate_rows(const Plan& p, const moecap_batch* batch) {
-  check_struct(batch, batch ? batch->struct_size : 0, sizeof(moecap_batch), "batch");
-  const moecap_batch& b = *batch;
+  const moecap_batch b = read_struct(batch, MOECAP_BATCH_SIZE_1_0, "batch");
   const int32_t dp = p.config.dp_size;
   if (b.mode != MOECAP_BATCH_EAGER && b.mode != MOECAP_BATCH_GRAPH) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "batch->mode is ", b.mode,

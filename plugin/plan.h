@@ -9,29 +9,40 @@
 namespace moecap {
 
 struct Plan {
-  moecap_config config;     // as validated; id_dtype resolved
+  moecap_config config;     // as validated, current size; id dtypes resolved
   int64_t rows_per_rank;
   int64_t device_rows;
   int64_t row_elements;     // num_layers * top_k
-  int32_t id_elem;          // Elem of stored ids
+  int32_t id_elem;          // Elem of the host cache's ids
+  int32_t device_id_elem;   // Elem of the device buffer's ids
   int32_t weight_elem;      // Elem of stored weights, or -1 without weights
-  int32_t id_bytes;
+  int32_t id_bytes;         // host cache
+  int32_t device_id_bytes;
   int32_t weight_bytes;     // 0 without weights
+  int64_t no_expert;        // the host cache's stored "no expert" value
+  bool no_expert_is_id;     // that value is also a real id (U8 with 256 experts)
   uint64_t device_ids_bytes;
   uint64_t device_weights_bytes;
   uint64_t histogram_bytes; // 0 without MOECAP_FLAG_HISTOGRAM
   uint64_t host_ids_bytes;
   uint64_t host_weights_bytes;
+  uint64_t host_states_bytes; // one MOECAP_SLOT_* byte per slot
 
   bool has_weights() const { return weight_bytes > 0; }
   bool has_histogram() const { return histogram_bytes > 0; }
   int64_t id_row_bytes() const { return row_elements * id_bytes; }
   int64_t weight_row_bytes() const { return row_elements * weight_bytes; }
+  // Elements of one layer's block of the device buffer: [device_rows, top_k].
+  int64_t layer_elements() const { return device_rows * config.top_k; }
 };
 
-// Validates `config` (every field, with the field's name in the error) and
-// computes the plan. Throws moecap::Error.
+// Validates `config` (its struct_size as abi_structs.h says, then every
+// field, with the field's name in the error) and computes the plan. Throws
+// moecap::Error.
 Plan make_plan(const moecap_config* config);
+
+// What moecap_config_init writes: every field's default.
+moecap_config default_config();
 
 // Public summary of a plan.
 void describe_plan(const Plan& plan, moecap_plan_info* out);

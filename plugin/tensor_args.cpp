@@ -1,5 +1,7 @@
 #include "plugin/tensor_args.h"
 
+#include <cstring>
+
 #include "base/status.h"
 #include "graphs/element.h"
 
@@ -51,19 +53,28 @@ std::string dtype_name(DLDataType d) {
   return cat("(code ", int(d.code), ", bits ", int(d.bits), ", lanes ", d.lanes, ")");
 }
 
+int32_t device_kind(const DLDevice& d) {
+  int32_t raw = 0;
+  static_assert(sizeof raw == sizeof d.device_type, "DLDeviceType is 32 bits");
+  std::memcpy(&raw, &d.device_type, sizeof raw);
+  return raw;
+}
+
 std::string device_name(DLDevice d) {
-  switch (d.device_type) {
+  switch (device_kind(d)) {
     case kDLCPU: return "cpu";
     case kDLCUDA: return cat("cuda:", d.device_id);
     case kDLCUDAHost: return "cuda_host";
     case kDLCUDAManaged: return cat("cuda_managed:", d.device_id);
-    default: return cat("device_type ", int(d.device_type));
+    default: return cat("device_type ", device_kind(d));
   }
 }
 
 int64_t element_count(const DLTensor* t) {
+  for (int i = 0; i < t->ndim; ++i)
+    if (t->shape[i] == 0) return 0;
   int64_t n = 1;
-  for (int i = 0; i < t->ndim; ++i) n *= t->shape[i];
+  for (int i = 0; i < t->ndim; ++i) n *= t->shape[i];  // check_tensor bounded the product
   return n;
 }
 
@@ -71,6 +82,11 @@ int32_t check_tensor(const DLTensor* t, const TensorRules& r) {
   if (t == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " is NULL");
   if (t->ndim != r.ndim) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " has ndim ", t->ndim, "; expected ", r.ndim);
   if (t->shape == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->shape is NULL");
+  // Read as an integer: a value outside DLDeviceType must not be loaded as one.
+  const int32_t kind = device_kind(t->device);
+  if (kind < kDLCPU || kind > kMaxDeviceType) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->device.device_type is ", kind, "; not a DLPack device type");
+  }
   const int32_t e = elem_of(t->dtype);
   bool accepted = false;
   for (int32_t a : r.elems) accepted = accepted || a == e;
@@ -82,14 +98,18 @@ int32_t check_tensor(const DLTensor* t, const TensorRules& r) {
   for (int i = 0; i < t->ndim; ++i) {
     if (t->shape[i] < 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->shape[", i, "] is ", t->shape[i]);
   }
+  // A tensor with no elements is compact whatever its strides (NumPy gives
+  // an empty array strides (0,)), and its byte size is 0.
+  bool empty = false;
+  for (int i = 0; i < t->ndim; ++i) empty = empty || t->shape[i] == 0;
   // The byte size must be representable, or no later bound means anything.
   int64_t bytes = elem_bytes(e);
-  for (int i = 0; i < t->ndim; ++i) {
+  for (int i = 0; i < t->ndim && !empty; ++i) {
     if (__builtin_mul_overflow(bytes, t->shape[i], &bytes)) {
       fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " has a shape whose byte size overflows int64");
     }
   }
-  if (t->strides != nullptr) {
+  if (t->strides != nullptr && !empty) {
     int64_t expect = 1;
     for (int i = t->ndim - 1; i >= 0; --i) {
       // A stride of a dimension of extent 1 never matters: PyTorch reports any value there.

@@ -17,6 +17,11 @@ DLDataType dtype_of(int32_t elem);
 std::string dtype_name(DLDataType dtype);
 const char* elem_name(int32_t elem);
 std::string device_name(DLDevice device);
+// DLDevice::device_type as the integer the caller stored, never loaded as
+// the enum (a value outside it would be undefined behaviour).
+int32_t device_kind(const DLDevice& device);
+// The largest DLDeviceType value the checks accept as a device type.
+constexpr int32_t kMaxDeviceType = 17;  // kDLMAIA in DLPack 1.0
 
 struct TensorRules {
   const char* name;                     // "topk_ids", "dst_slots", ...

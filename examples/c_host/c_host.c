@@ -48,18 +48,21 @@ int main(int argc, char** argv) {
     fprintf(stderr, "c_host: library ABI %u.x, this host speaks %d.x\n", m.abi_version >> 16, MOECAP_ABI_VERSION_MAJOR);
     return 1;
   }
+  /* An older 1.x library fills a shorter table: config_init and invalidate came in 1.1. */
+  if (m.struct_size < MOECAP_STRUCT_SIZE(moecap_api, invalidate)) {
+    fprintf(stderr, "c_host: library ABI %u.%u has no moecap_config_init; this host needs 1.1\n",
+            m.abi_version >> 16, m.abi_version & 0xffffu);
+    return 1;
+  }
 
-  config.struct_size = sizeof config;
-  config.abi_version = MOECAP_ABI_VERSION;
+  config.struct_size = sizeof config; /* first: config_init fills that many bytes */
+  if (failed(&m, m.config_init(&config), "moecap_config_init")) return 1; /* every default */
   config.num_layers = 2;
   config.top_k = 2;
   config.num_experts = 8;
-  config.dp_size = 1;
-  config.verify_tokens = 1;
   config.max_running_requests = 4;
   config.chunked_prefill_size = 16;
   config.host_slots = 64;
-  config.device_type = MOECAP_DEVICE_HOST;
   if (failed(&m, m.create(&config, &cap), "moecap_create")) return 1;
 
   for (layer = 0; layer < 2; ++layer) {
@@ -71,6 +74,11 @@ int main(int argc, char** argv) {
     printf("slot %lld: layer 0 experts {%d, %d}, layer 1 experts {%d, %d}\n", (long long)want[i], out[i][0][0],
            out[i][0][1], out[i][1][0], out[i][1][1]);
   }
+  /* The engine frees slot 10's KV: its routing is gone, and reads as -1, never as an expert. */
+  if (failed(&m, m.invalidate(cap, &want_t, NULL), "moecap_invalidate")) return 1;
+  if (failed(&m, m.read(cap, &want_t, &out_t, NULL, 0, NULL), "moecap_read")) return 1;
+  printf("after moecap_invalidate: slot %lld layer 0 experts {%d, %d}\n", (long long)want[0], out[0][0][0],
+         out[0][0][1]);
   /* A bad call: layer 2 of 2. moecap refuses it and says why. */
   failed(&m, m.capture(cap, 2, &ids_t, NULL, NULL), "moecap_capture (layer 2, on purpose)");
   return failed(&m, m.destroy(cap), "moecap_destroy");

@@ -3,8 +3,10 @@
 // engine process per attention-DP rank: chunked prefill mixed with decode,
 // padded graph decode (moecap graphs replayed), speculative verify with a
 // random number of accepted tokens at non-contiguous rows (tree acceptance),
-// prefix reuse of cached slots, slot reuse after requests finish, and
-// prefill/decode disaggregation through read and write. The router is a
+// prefix reuse of cached slots, slot reuse after requests finish (freed slots
+// are invalidated), prefill/decode disaggregation through read and write, and
+// "fused top-k kernels" that write some layers' ids straight into moecap's
+// exported layer views (int16, no moecap_capture for those layers). The router is a
 // deterministic function of the token prefix, so every finished request's
 // rows are checked against the truth. Exits non-zero on any mismatch.
 #include <dlfcn.h>
@@ -42,6 +44,7 @@ struct Options {
   int64_t output_max = 48;
   int32_t prefix_share_pct = 30;
   int32_t disaggregated_pct = 10;
+  int32_t kernel_layers = -1;  // layers whose top-k kernel writes moecap's view; -1: half
   uint64_t seed = 1;
   std::string backend = "auto";
   std::string library = MOECAP_DEFAULT_LIBRARY;
@@ -54,6 +57,7 @@ void usage() {
       "usage: engine_sim [--dp-size N] [--layers N] [--top-k N] [--experts N] [--extra-columns N]\n"
       "                  [--verify-tokens N] [--requests N] [--max-running N] [--chunk N]\n"
       "                  [--max-graph-batch N] [--prefix-share PCT] [--disaggregated PCT] [--seed N]\n"
+      "                  [--kernel-layers N]  (layers written through moecap's exported views; default half)\n"
       "                  [--backend auto|host|cuda] [--no-graphs] [--library PATH]\n"
       "                  [--undersize]  (debug: a deliberately undersized plan; must fail cleanly)\n");
 }
@@ -79,6 +83,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--max-graph-batch") o.max_graph_batch = num();
     else if (a == "--prefix-share") o.prefix_share_pct = static_cast<int32_t>(num());
     else if (a == "--disaggregated") o.disaggregated_pct = static_cast<int32_t>(num());
+    else if (a == "--kernel-layers") o.kernel_layers = static_cast<int32_t>(num());
     else if (a == "--seed") o.seed = static_cast<uint64_t>(num());
     else if (a == "--backend") o.backend = next();
     else if (a == "--library") o.library = next();
@@ -95,6 +100,8 @@ Options parse(int argc, char** argv) {
       o.requests < 1 || o.max_running < 1 || o.chunk < 1 || o.max_graph_batch < 0) {
     throw std::runtime_error("flags out of range (see --help)");
   }
+  if (o.kernel_layers < 0) o.kernel_layers = o.layers / 2;
+  if (o.kernel_layers > o.layers) throw std::runtime_error("--kernel-layers exceeds --layers");
   return o;
 }
 
@@ -189,8 +196,11 @@ class SlotPool {
     return s;
   }
   void share(int64_t s) { ++refs_[static_cast<size_t>(s)]; }
-  void release(int64_t s) {
-    if (--refs_[static_cast<size_t>(s)] == 0) free_.push_back(s);
+  // True when the slot became free (no request holds it any more).
+  bool release(int64_t s) {
+    if (--refs_[static_cast<size_t>(s)] != 0) return false;
+    free_.push_back(s);
+    return true;
   }
 
  private:
@@ -207,6 +217,7 @@ struct GraphBuffers {
 struct Rank {
   int32_t index = 0;
   moecap_capturer* cap = nullptr;
+  std::vector<DLManagedTensorVersioned*> layer_views;  // [kernel_layers]: what the fused kernels write
   std::unique_ptr<SlotPool> pool;
   std::vector<std::unique_ptr<Request>> running;
   std::deque<std::unique_ptr<Request>> cache;  // finished requests whose slots serve prefix reuse
@@ -224,7 +235,7 @@ struct Row {
 struct Stats {
   int64_t served = 0, tokens = 0, rows_checked = 0, mismatches = 0, prefill_steps = 0, graph_steps = 0,
           eager_decode_steps = 0, replays = 0, shared_positions = 0, disaggregated = 0, old_overflow_steps = 0,
-          max_rows_used = 0;
+          max_rows_used = 0, kernel_writes = 0, invalidated = 0;
 };
 
 class Engine {
@@ -244,7 +255,7 @@ class Engine {
 
     config_ = moecap_config{};
     config_.struct_size = sizeof config_;
-    config_.abi_version = MOECAP_ABI_VERSION;
+    mc_.check(mc_->config_init(&config_), "moecap_config_init");
     config_.num_layers = o.layers;
     config_.top_k = o.top_k;
     config_.extra_columns = o.extra_columns;
@@ -258,6 +269,8 @@ class Engine {
     config_.max_batch_tokens = o.chunk + o.max_running;
     config_.host_slots = host_slots_;
     config_.device_type = cuda ? MOECAP_DEVICE_CUDA : MOECAP_DEVICE_HOST;
+    // What the fused top-k kernels write: int16, as FlashInfer's routing-replay output.
+    config_.device_id_dtype = MOECAP_IDS_I16;
     if (o.undersize) {
       // The shipped bugs' sizing: no verify headroom, no mixed-batch term.
       config_.verify_tokens = 1;
@@ -275,6 +288,16 @@ class Engine {
       rank.index = r;
       mc_.check(mc_->create(&config_, &rank.cap), "moecap_create");
       rank.pool = std::make_unique<SlotPool>(host_slots_);
+      // Layer views: graph-stable addresses, taken once, handed to the kernels as out=.
+      for (int32_t l = 0; l < o.kernel_layers; ++l) {
+        DLManagedTensorVersioned* v = nullptr;
+        mc_.check(mc_->export_versioned(rank.cap, MOECAP_BUFFER_LAYER_IDS, l, &v), "moecap_export (layer view)");
+        rank.layer_views.push_back(v);
+        const DLTensor& t = v->dl_tensor;
+        if (t.ndim != 2 || t.strides[0] != o.top_k || t.strides[1] != 1 || t.dtype.bits != 16) {
+          throw std::runtime_error("engine_sim: the layer view is not a compact int16 [rows, top_k] tensor");
+        }
+      }
     }
     // The prefill instance of prefill/decode disaggregation: its own engine, one rank.
     moecap_config pc = config_;
@@ -299,6 +322,7 @@ class Engine {
   ~Engine() {
     for (Rank& r : ranks_) {
       for (auto& [padded, g] : r.graphs) mc_->graph_destroy(g.graph);
+      for (DLManagedTensorVersioned* v : r.layer_views) v->deleter(v);
       mc_->destroy(r.cap);
     }
     mc_->destroy(prefill_instance_);
@@ -344,6 +368,11 @@ class Engine {
                 static_cast<long long>(stats_.shared_positions));
     std::printf("  disaggregated        %lld requests prefilled elsewhere (read -> write)\n",
                 static_cast<long long>(stats_.disaggregated));
+    std::printf("  kernel layers        %d of %d layers written by the top-k kernel into moecap's int16 views "
+                "(%lld kernel writes), the rest via moecap_capture\n",
+                o_.kernel_layers, o_.layers, static_cast<long long>(stats_.kernel_writes));
+    std::printf("  invalidated slots    %lld freed KV slots emptied with moecap_invalidate\n",
+                static_cast<long long>(stats_.invalidated));
     std::printf("  device rows          %lld planned, %lld used at most; the old sizing had %lld and would have "
                 "overflowed in %lld steps\n",
                 static_cast<long long>(plan_.device_rows), static_cast<long long>(stats_.max_rows_used),
@@ -510,7 +539,8 @@ class Engine {
       rows.struct_size = sizeof rows;
       mc_.check(mc_->local_rows(rank.cap, &batch, &rows), "moecap_local_rows");
       int64_t shape[2] = {rows.total, cols};
-      for (int32_t l = 0; l < o_.layers; ++l) {
+      run_kernels(rank, gathered);
+      for (int32_t l = o_.kernel_layers; l < o_.layers; ++l) {
         DLTensor t{layer_ids_[static_cast<size_t>(l)], mem_->device(), 2, {kDLInt, 32, 1}, shape, nullptr, 0};
         mc_.check(mc_->capture(rank.cap, l, &t, nullptr, stream_), "moecap_capture");
       }
@@ -564,6 +594,7 @@ class Engine {
       }
       mem_->upload(gb.rows, src.data(), src.size() * 8);
       mem_->upload(gb.slots, slots.data(), slots.size() * 8);
+      run_kernels(rank, gathered);  // the engine's graph: its kernels, then moecap's replay
       mc_.check(mc_->graph_launch(gb.graph, stream_), "moecap_graph_launch");
       ++stats_.replays;
       advance(local[r]);
@@ -583,7 +614,7 @@ class Engine {
     int64_t shape[2] = {padded * o_.dp_size, cols};
     int64_t n[1] = {padded};
     mc_.check(mc_->graph_begin(rank.cap, stream_), "moecap_graph_begin");
-    for (int32_t l = 0; l < o_.layers; ++l) {
+    for (int32_t l = o_.kernel_layers; l < o_.layers; ++l) {
       DLTensor t{layer_ids_[static_cast<size_t>(l)], mem_->device(), 2, {kDLInt, 32, 1}, shape, nullptr, 0};
       mc_.check(mc_->capture(rank.cap, l, &t, nullptr, stream_), "moecap_capture (recording)");
     }
@@ -593,6 +624,22 @@ class Engine {
     mc_.check(mc_->commit(rank.cap, &a, stream_), "moecap_commit (recording)");
     mc_.check(mc_->graph_end(rank.cap, &gb.graph), "moecap_graph_end");
     return rank.graphs.emplace(padded, gb).first->second;
+  }
+
+  // The fused top-k kernels of the first kernel_layers layers: each writes its
+  // [rows, top_k] routing (no extra columns) straight into moecap's exported
+  // int16 layer view, on the engine's stream. No moecap call at all.
+  void run_kernels(Rank& rank, const std::vector<Row>& gathered) {
+    kernel_ids_.resize(gathered.size() * static_cast<size_t>(o_.top_k));
+    for (int32_t l = 0; l < o_.kernel_layers; ++l) {
+      for (size_t i = 0; i < gathered.size(); ++i)
+        for (int32_t k = 0; k < o_.top_k; ++k)
+          kernel_ids_[i * static_cast<size_t>(o_.top_k) + static_cast<size_t>(k)] =
+              static_cast<int16_t>(route(gathered[i].hash, l, k, o_.experts));
+      mem_->upload(rank.layer_views[static_cast<size_t>(l)]->dl_tensor.data, kernel_ids_.data(),
+                   kernel_ids_.size() * sizeof(int16_t));
+      ++stats_.kernel_writes;
+    }
   }
 
   void upload_layers(const std::vector<Row>& gathered) {
@@ -648,7 +695,15 @@ class Engine {
       if (required) throw std::runtime_error("engine_sim: out of KV slots");
       return;
     }
-    for (int64_t s : rank.cache.front()->slots) rank.pool->release(s);
+    // The engine frees the KV of slots no request holds any more: moecap
+    // forgets their routing, so a stale read would show -1, not old experts.
+    std::vector<int64_t> freed;
+    for (int64_t s : rank.cache.front()->slots)
+      if (rank.pool->release(s)) freed.push_back(s);
+    int64_t n[1] = {static_cast<int64_t>(freed.size())};
+    DLTensor ft{freed.data(), {kDLCPU, 0}, 1, {kDLInt, 64, 1}, n, nullptr, 0};
+    mc_.check(mc_->invalidate(rank.cap, &ft, stream_), "moecap_invalidate");
+    stats_.invalidated += n[0];
     rank.cache.pop_front();
   }
 
@@ -659,7 +714,8 @@ class Engine {
     std::vector<int32_t> out(static_cast<size_t>(n * o_.layers * o_.top_k));
     DLTensor st{const_cast<int64_t*>(r.slots.data()), {kDLCPU, 0}, 1, {kDLInt, 64, 1}, sshape, nullptr, 0};
     DLTensor ot{out.data(), {kDLCPU, 0}, 3, {kDLInt, 32, 1}, oshape, nullptr, 0};
-    mc_.check(mc_->read(rank.cap, &st, &ot, nullptr, 0, nullptr), "moecap_read");
+    // STRICT: a slot of a finished request without committed routing is an error, never -1s to compare.
+    mc_.check(mc_->read(rank.cap, &st, &ot, nullptr, MOECAP_READ_STRICT, nullptr), "moecap_read");
     for (int64_t p = 0; p < n; ++p) {
       bool ok = true;
       for (int32_t l = 0; l < o_.layers; ++l)
@@ -686,6 +742,7 @@ class Engine {
   moecap_capturer* prefill_instance_ = nullptr;
   std::vector<void*> layer_ids_;
   std::vector<int32_t> host_ids_;
+  std::vector<int16_t> kernel_ids_;
   std::vector<int64_t> graph_sizes_;
   int64_t next_id_ = 0;
   Stats stats_;

@@ -9,16 +9,16 @@ int main(void) {
   moecap_config config = {0};
   moecap_plan_info info = {0};
   config.struct_size = sizeof config;
-  config.abi_version = MOECAP_ABI_VERSION;
+  info.struct_size = sizeof info;
+  if (moecap_config_init(&config) != MOECAP_OK) {
+    fprintf(stderr, "config_init failed: %s\n", moecap_last_error());
+    return 1;
+  }
   config.num_layers = 2;
   config.top_k = 2;
   config.num_experts = 4;
-  config.dp_size = 1;
-  config.verify_tokens = 1;
   config.max_running_requests = 2;
   config.host_slots = 4;
-  config.device_type = MOECAP_DEVICE_HOST;
-  info.struct_size = sizeof info;
   if (moecap_abi_version() != MOECAP_ABI_VERSION) {
     fprintf(stderr, "ABI version mismatch\n");
     return 1;

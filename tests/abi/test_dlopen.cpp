@@ -38,7 +38,8 @@ TEST_CASE("every header function resolves by name") {
         "moecap_destroy", "moecap_get_plan", "moecap_capture", "moecap_local_rows", "moecap_commit", "moecap_read",
         "moecap_write", "moecap_synchronize", "moecap_get_errors", "moecap_histogram_reset", "moecap_export",
         "moecap_export_legacy", "moecap_graph_begin", "moecap_graph_end", "moecap_graph_launch",
-        "moecap_graph_native", "moecap_graph_destroy", "moecap_get_api"}) {
+        "moecap_graph_native", "moecap_graph_destroy", "moecap_get_api", "moecap_config_init",
+        "moecap_invalidate"}) {
     CAPTURE(name);
     CHECK(dlsym(lib, name) != nullptr);
   }
@@ -50,7 +51,7 @@ TEST_CASE("every header function resolves by name") {
 
 TEST_CASE("a full step through the loaded library: create, capture, local_rows, commit, read, export") {
   const moecap_api& m = api();
-  moecap_config c = small_config();
+  moecap_config c = small_config(m.config_init);
   c.dp_size = 2;
   c.weight_dtype = MOECAP_WEIGHTS_F16;
   moecap_capturer* h = nullptr;
@@ -94,14 +95,19 @@ TEST_CASE("a full step through the loaded library: create, capture, local_rows, 
 
 TEST_CASE("errors cross the boundary as status and thread-local text") {
   const moecap_api& m = api();
-  moecap_config c = small_config();
+  moecap_config c = small_config(m.config_init);
   c.top_k = 0;
   moecap_capturer* h = nullptr;
   CHECK(m.create(&c, &h) == MOECAP_ERROR_INVALID_ARGUMENT);
   CHECK(std::string(m.last_error()).find("config->top_k is 0") != std::string::npos);
   CHECK(std::string(m.status_name(MOECAP_ERROR_INVALID_ARGUMENT)) == "MOECAP_ERROR_INVALID_ARGUMENT");
-  c = small_config();
-  c.struct_size = sizeof(moecap_config) + 8;  // a newer header's bigger struct
-  CHECK(m.create(&c, &h) == MOECAP_ERROR_ABI_MISMATCH);
+  // A newer header's bigger struct whose unknown tail is set.
+  struct {
+    moecap_config known;
+    int64_t future_field;
+  } newer{small_config(m.config_init), 1};
+  newer.known.struct_size = sizeof newer;
+  CHECK(m.create(&newer.known, &h) == MOECAP_ERROR_ABI_MISMATCH);
+  CHECK(std::string(m.last_error()).find("config->struct_size is 120 and byte 112 is set") != std::string::npos);
   CHECK(h == nullptr);
 }

@@ -237,12 +237,17 @@ void run_commit(const void* v) {
   for (int64_t j = p.count - 1; j >= 0; --j) {
     int64_t src = 0, slot = 0;
     if (!commit_target(p, j, &src, &slot)) continue;
-    std::memcpy(p.dst_ids + slot * p.id_row_bytes, p.src_ids + src * p.id_row_bytes,
-                static_cast<size_t>(p.id_row_bytes));
-    if (p.weight_row_bytes > 0) {
-      std::memcpy(p.dst_weights + slot * p.weight_row_bytes, p.src_weights + src * p.weight_row_bytes,
-                  static_cast<size_t>(p.weight_row_bytes));
+    if (p.mode == kInvalidate) {
+      p.dst_states[slot] = kSlotEmpty;
+      continue;
     }
+    const int64_t row = static_cast<int64_t>(p.num_layers) * p.top_k;
+    bool bad = false;
+    for (int64_t e = 0; e < row; ++e) {
+      bad = narrow_element(p, src, e, p.dst_ids, slot * row + e) || bad;
+      if (p.weight_elem >= 0) commit_weight(p, src, slot, e);
+    }
+    p.dst_states[slot] = committed_state(bad);
   }
 }
 
@@ -252,11 +257,11 @@ std::vector<const void*> capture_pointers(const void* v) {
 }
 std::vector<const void*> commit_pointers(const void* v) {
   const auto& p = *static_cast<const CommitParams*>(v);
-  return {p.src_ids, p.src_weights, p.dst_ids, p.dst_weights, p.src_rows, p.dst_slots, p.errors, p.claims};
+  return {p.src_ids, p.src_weights, p.dst_ids, p.dst_weights, p.dst_states, p.src_rows, p.dst_slots, p.errors, p.claims};
 }
 std::vector<const void*> gather_pointers(const void* v) {
   const auto& p = *static_cast<const GatherParams*>(v);
-  return {p.src_ids, p.src_weights, p.slots, p.dst_ids, p.dst_weights};
+  return {p.src_ids, p.src_weights, p.states, p.slots, p.dst_ids, p.dst_weights};
 }
 
 std::vector<const void*> take_errors_pointers(const void* v) {

@@ -406,3 +406,89 @@ TEST_CASE("defect 10: a blocking read does not hold the capturer's lock while it
   CHECK(m.in_time);
   CHECK(moecap_destroy(h) == MOECAP_OK);
 }
+
+// Issue 11 on the CUDA backend: slots fail closed. Nothing runs until a host
+// wait, so a read that did not wait for an invalidation would see the rows.
+TEST_CASE("slots fail closed on the CUDA backend: never committed, invalidated (eagerly and by replays) read -1") {
+  const int64_t violations = standin_violations();
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  forward(ids, 11, 4);
+  capture_layers(h, ids.get(), 4, s);
+  moecap_test::HostTensor slots({4}, moecap_test::i64());
+  slots.fill<int64_t>({1, 2, 3, 4});
+  commit(h, slots.get(), s);
+  const std::vector<int64_t> none(expected_row(11, 0).size(), -1);
+  auto rows = read_rows(h, {1, kNever});
+  CHECK(row_of(rows, 0) == expected_row(11, 0));
+  CHECK(row_of(rows, 1) == none);  // never committed
+
+  // Freed KV: slot 1 from pageable host memory (staged), slot 2 from device memory.
+  moecap_test::HostTensor freed_host({1}, moecap_test::i64());
+  freed_host.fill<int64_t>({1});
+  Tensor freed_dev = index_tensor({2, -1}, kDLCUDA);
+  REQUIRE(moecap_invalidate(h, freed_host.get(), s) == MOECAP_OK);
+  REQUIRE(moecap_invalidate(h, freed_dev.get(), s) == MOECAP_OK);
+  rows = read_rows(h, {1, 2, 3});
+  CHECK(row_of(rows, 0) == none);
+  CHECK(row_of(rows, 1) == none);
+  CHECK(row_of(rows, 2) == expected_row(11, 2));
+  read_rows(h, {1}, MOECAP_ERROR_NO_ROUTING, MOECAP_READ_STRICT);
+
+  // A moecap graph that commits and then invalidates, replayed with new slots.
+  Tensor gslots = index_tensor({0, 0}, kDLCUDA);
+  Tensor gfreed = index_tensor({0}, kDLCUDA);
+  REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
+  capture_layers(h, ids.get(), 2, s);
+  commit(h, gslots.get(), s);
+  REQUIRE(moecap_invalidate(h, gfreed.get(), s) == MOECAP_OK);
+  moecap_graph* g = nullptr;
+  REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+  for (int64_t step = 0; step < 3; ++step) {
+    forward(ids, 20 + step, 2);
+    gslots.as<int64_t>()[0] = 10 + step;
+    gslots.as<int64_t>()[1] = 20 + step;
+    gfreed.as<int64_t>()[0] = step == 0 ? 3 : 19 + step;  // the previous replay's second slot
+    REQUIRE(moecap_graph_launch(g, s) == MOECAP_OK);
+    REQUIRE(driver().stream_sync(s) == 0);  // the engine reuses its buffers after the step
+  }
+  rows = read_rows(h, {3, 20, 21, 22, 12});
+  CHECK(row_of(rows, 0) == none);  // invalidated by the first replay
+  CHECK(row_of(rows, 1) == none);  // by the second
+  CHECK(row_of(rows, 2) == none);  // by the third
+  CHECK(row_of(rows, 3) == expected_row(22, 1));
+  CHECK(row_of(rows, 4) == expected_row(22, 0));
+  REQUIRE(moecap_graph_destroy(g) == MOECAP_OK);
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+  CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
+}
+
+TEST_CASE("a top-k kernel writing the CUDA backend's int16 layer views: commit narrows and checks them") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  const moecap_config c = cuda_config();
+  for (int32_t layer = 0; layer < c.num_layers; ++layer) {
+    DLManagedTensorVersioned* v = nullptr;
+    REQUIRE(moecap_export(h, MOECAP_BUFFER_LAYER_IDS, layer, &v) == MOECAP_OK);
+    REQUIRE(v->dl_tensor.device.device_type == kDLCUDA);
+    REQUIRE(v->dl_tensor.dtype.bits == 16);
+    REQUIRE(v->dl_tensor.strides[0] == c.top_k);
+    auto* out = static_cast<int16_t*>(v->dl_tensor.data);  // the stand-in's device memory is host memory
+    for (int64_t t = 0; t < 3; ++t)
+      for (int32_t k = 0; k < c.top_k; ++k) out[t * c.top_k + k] = static_cast<int16_t>(expert(30, t, layer, k));
+    if (layer == 1) out[2 * c.top_k] = 999;  // token 2: a bad id from the kernel
+    v->deleter(v);
+  }
+  moecap_test::HostTensor slots({3}, moecap_test::i64());
+  slots.fill<int64_t>({5, 6, 7});
+  commit(h, slots.get(), s);
+  const auto rows = read_rows(h, {5, 6, 7});
+  CHECK(row_of(rows, 0) == expected_row(30, 0));
+  CHECK(row_of(rows, 1) == expected_row(30, 1));
+  std::vector<int64_t> bad = expected_row(30, 2);
+  bad[static_cast<size_t>(c.top_k)] = -1;  // exactly the bad id (u8 has a spare value with 8 experts)
+  CHECK(row_of(rows, 2) == bad);
+  read_rows(h, {7}, MOECAP_ERROR_NO_ROUTING, MOECAP_READ_STRICT);
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}

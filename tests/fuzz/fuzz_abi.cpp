@@ -1,7 +1,9 @@
-// libFuzzer target: the input decodes into a fuzzed config and a sequence of
-// ABI calls on the host backend (capture, commit by range and by row list,
-// read, write, local_rows, export and release, graph record and replay,
-// error counters, histogram reset). After every call:
+// libFuzzer target: the input decodes into a fuzzed config (of any struct
+// size a 1.0, 1.1 or newer caller passes, sometimes with an extension
+// pointer) and a sequence of ABI calls on the host backend (capture, commit
+// by range and by row list, invalidate, read (also STRICT), write,
+// local_rows, export and release, ids written straight into a layer view,
+// graph record and replay, error counters, histogram reset). After every call:
 //   - a failed call changed nothing (every buffer byte and counter equal),
 //   - a successful one left exactly what a simple model predicts,
 // and the sanitizers watch for everything else.
@@ -86,13 +88,17 @@ struct Tensor {
 const DLDataType kIdTypes[] = {{kDLInt, 32, 1}, {kDLInt, 64, 1}, {kDLUInt, 8, 1}, {kDLInt, 16, 1}, {kDLFloat, 32, 1}};
 const DLDataType kFloatTypes[] = {{kDLFloat, 32, 1}, {kDLBfloat, 16, 1}, {kDLFloat, 16, 1}, {kDLInt, 32, 1}};
 
-// What the capturer must hold, as moecap_read would return it.
+// What the capturer must hold. Device ids are kept as the raw values the
+// device buffer holds (layer-major); host ids as moecap_read returns them
+// from a readable slot (-1 for "no expert"), beside each slot's state.
 struct Model {
   int64_t rows = 0, slots = 0, row = 0, layers = 0, k = 0, experts = 0;
-  int32_t id_elem = 0, weight_elem = -1;
-  int64_t invalid_readback = -1;  // what an out-of-range id reads back as
+  int32_t device_elem = 0, weight_elem = -1;
+  int64_t device_no_expert = -1;  // what capture stores for an out-of-range id
+  bool no_expert_is_id = false;   // the host dtype has no spare value (u8 with 256 experts)
   std::vector<int64_t> dev_ids, host_ids;
   std::vector<float> dev_w, host_w;
+  std::vector<uint8_t> states;
   std::vector<int64_t> histogram;
   bool has_histogram = false;
   uint64_t skipped = 0, invalid = 0;
@@ -101,6 +107,17 @@ struct Model {
     uint8_t buf[4];
     moecap::store_float(buf, weight_elem, 0, v);
     return moecap::load_float(buf, weight_elem, 0);
+  }
+  size_t dev_at(int64_t layer, int64_t r, int64_t c) const { return static_cast<size_t>((layer * rows + r) * k + c); }
+  bool readable(int64_t slot) const {
+    const uint8_t st = states[static_cast<size_t>(slot)];
+    return (st & MOECAP_SLOT_VALID) != 0 && !((st & MOECAP_SLOT_INVALID_IDS) != 0 && no_expert_is_id);
+  }
+  int64_t read_id(int64_t slot, int64_t e) const {
+    return readable(slot) ? host_ids[static_cast<size_t>(slot * row + e)] : -1;
+  }
+  float read_weight(int64_t slot, int64_t e) const {
+    return readable(slot) ? host_w[static_cast<size_t>(slot * row + e)] : 0.0f;
   }
 };
 
@@ -111,27 +128,41 @@ void model_capture(Model& m, int32_t layer, const Tensor& ids, const Tensor* w) 
     for (int64_t c = 0; c < m.k; ++c) {
       const int64_t v = ids.get(r * cols + c);
       const bool ok = v >= 0 && v < m.experts;
-      const size_t at = static_cast<size_t>(r * m.row + layer * m.k + c);
-      m.dev_ids[at] = ok ? v : m.invalid_readback;
+      const size_t at = m.dev_at(layer, r, c);
+      m.dev_ids[at] = ok ? v : m.device_no_expert;
       if (!ok) ++m.invalid;
       if (ok && m.has_histogram) ++m.histogram[static_cast<size_t>(layer * m.experts + v)];
       if (w != nullptr) m.dev_w[at] = m.round_weight(w->getf(r * cols + c));
     }
 }
 
-void model_commit(Model& m, int64_t count, const Tensor* src_rows, int64_t src_start, const Tensor& slots) {
+// Model of commit (rows in list order: a slot listed twice keeps the last)
+// and of invalidate (src_rows and count only matter to commit).
+void model_commit(Model& m, int64_t count, const Tensor* src_rows, int64_t src_start, const Tensor& slots,
+                  bool invalidate = false) {
   for (int64_t j = 0; j < count; ++j) {
     const int64_t slot = slots.get(j);
-    const int64_t src = src_rows ? src_rows->get(j) : src_start + j;
+    const int64_t src = invalidate ? 0 : src_rows ? src_rows->get(j) : src_start + j;
     if (slot == -1) continue;
     if (slot < -1 || slot >= m.slots || src < 0 || src >= m.rows) {
       ++m.skipped;
       continue;
     }
-    for (int64_t e = 0; e < m.row; ++e) {
-      m.host_ids[static_cast<size_t>(slot * m.row + e)] = m.dev_ids[static_cast<size_t>(src * m.row + e)];
-      if (m.weight_elem >= 0) m.host_w[static_cast<size_t>(slot * m.row + e)] = m.dev_w[static_cast<size_t>(src * m.row + e)];
+    if (invalidate) {
+      m.states[static_cast<size_t>(slot)] = MOECAP_SLOT_EMPTY;
+      continue;
     }
+    bool bad = false;
+    for (int64_t e = 0; e < m.row; ++e) {
+      const size_t from = m.dev_at(e / m.k, src, e % m.k);
+      const int64_t v = m.dev_ids[from];
+      const bool ok = v >= 0 && v < m.experts;
+      bad = bad || !ok;
+      m.host_ids[static_cast<size_t>(slot * m.row + e)] = ok ? v : -1;
+      if (m.weight_elem >= 0) m.host_w[static_cast<size_t>(slot * m.row + e)] = m.dev_w[from];
+    }
+    m.states[static_cast<size_t>(slot)] =
+        static_cast<uint8_t>(MOECAP_SLOT_VALID | (bad ? MOECAP_SLOT_INVALID_IDS : 0));
   }
 }
 
@@ -153,16 +184,26 @@ Tensor fuzz_slots(Input& in, int64_t n, int64_t limit, bool bad) {
   return t;
 }
 
-moecap_config fuzz_config(Input& in) {
-  moecap_config c{};
-  c.struct_size = in.range(0, 31) == 0 ? 8 : sizeof c;
+// A config as a caller of some ABI version passes it: the bytes live in a
+// buffer with room for a newer caller's unknown tail.
+struct CallerConfig {
+  moecap_config c;
+  uint64_t tail;
+};
+
+CallerConfig fuzz_config(Input& in) {
+  CallerConfig cc{};
+  moecap_config& c = cc.c;
+  c.struct_size = sizeof c;
+  REQUIRE(moecap_config_init(&c) == MOECAP_OK);
   c.abi_version = in.range(0, 31) == 0 ? (2u << 16) : MOECAP_ABI_VERSION;
   const int64_t flag_bits = in.range(0, 15);
   c.flags = static_cast<uint32_t>((flag_bits & 1 ? MOECAP_FLAG_HISTOGRAM : 0) | (flag_bits & 2 ? MOECAP_FLAG_GUARDS : 0) |
                                   (flag_bits == 15 ? 0x80 : 0));
   c.num_layers = static_cast<int32_t>(in.range(0, 4));
   c.top_k = static_cast<int32_t>(in.range(0, 4));
-  c.extra_columns = static_cast<int32_t>(in.range(-1, 2));
+  c.extra_columns = in.range(0, 63) == 0 ? INT32_MAX - static_cast<int32_t>(in.range(0, 4))
+                                          : static_cast<int32_t>(in.range(-1, 2));
   static const int32_t experts[] = {1, 2, 4, 8, 200, 255, 256, 300};
   c.num_experts = experts[in.range(0, 7)];
   c.dp_size = static_cast<int32_t>(in.range(0, 4));
@@ -172,10 +213,26 @@ moecap_config fuzz_config(Input& in) {
   c.max_graph_batch = in.range(0, 4);
   c.max_batch_tokens = in.range(0, 8);
   c.host_slots = in.range(0, 32);
-  c.id_dtype = static_cast<int32_t>(in.range(0, 4));
+  c.id_dtype = static_cast<int32_t>(in.range(0, 5));
+  c.device_id_dtype = static_cast<int32_t>(in.range(0, 5));
   c.weight_dtype = static_cast<int32_t>(in.range(0, 4));
   c.device_type = in.range(0, 15) == 0 ? MOECAP_DEVICE_CUDA : MOECAP_DEVICE_HOST;
-  return c;
+  static const int dummy = 0;
+  if (in.range(0, 31) == 0) c.next = &dummy;  // no extension is defined: refused
+  // The caller's ABI: 1.0 (fields after device_id unseen), one field short,
+  // current, a newer caller with a zero or a set tail, or nonsense.
+  switch (in.range(0, 15)) {
+    case 0: c.struct_size = MOECAP_CONFIG_SIZE_1_0; break;
+    case 1: c.struct_size = offsetof(moecap_config, reserved); break;
+    case 2: c.struct_size = sizeof cc; break;
+    case 3:
+      c.struct_size = sizeof cc;
+      cc.tail = 1;
+      break;
+    case 4: c.struct_size = static_cast<size_t>(in.range(0, MOECAP_CONFIG_SIZE_1_0)); break;
+    default: c.struct_size = sizeof c; break;
+  }
+  return cc;
 }
 
 }  // namespace
@@ -183,16 +240,30 @@ moecap_config fuzz_config(Input& in) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Input in(data, size);
   setenv("MOECAP_LIBCUDA", "/nonexistent/libcuda.so.1", 1);  // CUDA configs fail cleanly, never touch a GPU
-  const moecap_config config = fuzz_config(in);
+  const CallerConfig caller = fuzz_config(in);
   moecap_capturer* h = nullptr;
-  if (moecap_create(&config, &h) != MOECAP_OK) {
+  if (moecap_create(&caller.c, &h) != MOECAP_OK) {
     REQUIRE(h == nullptr);
     REQUIRE(moecap_last_error()[0] != '\0');
     return 0;
   }
+  // What the library saw: the caller's bytes, defaults past its struct_size.
+  moecap_config config = caller.c;
+  if (config.struct_size < sizeof config) {
+    moecap_config defaults{};
+    defaults.struct_size = sizeof defaults;
+    REQUIRE(moecap_config_init(&defaults) == MOECAP_OK);
+    std::memcpy(reinterpret_cast<char*>(&config) + config.struct_size,
+                reinterpret_cast<const char*>(&defaults) + config.struct_size, sizeof config - config.struct_size);
+  }
+  REQUIRE(caller.tail == 0 || caller.c.struct_size <= sizeof(moecap_config));
   moecap_plan_info plan{};
   plan.struct_size = sizeof plan;
   REQUIRE(moecap_get_plan(h, &plan) == MOECAP_OK);
+  // A device_id_dtype past the caller's struct_size was never read: AUTO's choice.
+  if (caller.c.struct_size <= offsetof(moecap_config, device_id_dtype)) {
+    REQUIRE(plan.device_id_dtype == (config.num_experts <= 32768 ? MOECAP_IDS_I16 : MOECAP_IDS_I32));
+  }
   Model m;
   m.rows = plan.device_rows;
   m.slots = config.host_slots;
@@ -200,9 +271,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   m.k = config.top_k;
   m.row = plan.row_elements;
   m.experts = config.num_experts;
-  m.id_elem = plan.id_dtype == MOECAP_IDS_U8 ? moecap::kU8 : plan.id_dtype == MOECAP_IDS_U16 ? moecap::kU16 : moecap::kI32;
-  const int64_t code = plan.id_bytes == 4 ? -1 : (int64_t{1} << (8 * plan.id_bytes)) - 1;
-  m.invalid_readback = code >= m.experts || code < 0 ? -1 : code;
+  m.device_elem = plan.device_id_dtype == MOECAP_IDS_U8    ? moecap::kU8
+                  : plan.device_id_dtype == MOECAP_IDS_U16 ? moecap::kU16
+                  : plan.device_id_dtype == MOECAP_IDS_I16 ? moecap::kI16
+                                                           : moecap::kI32;
+  const bool device_unsigned = m.device_elem == moecap::kU8 || m.device_elem == moecap::kU16;
+  m.device_no_expert = device_unsigned ? (int64_t{1} << (8 * plan.device_id_bytes)) - 1 : -1;
+  REQUIRE(m.device_no_expert < 0 || m.device_no_expert >= m.experts);  // the plan keeps it apart from the ids
+  const bool host_unsigned = plan.id_dtype == MOECAP_IDS_U8 || plan.id_dtype == MOECAP_IDS_U16;
+  m.no_expert_is_id = host_unsigned && (int64_t{1} << (8 * plan.id_bytes)) == m.experts;
   m.weight_elem = config.weight_dtype == MOECAP_WEIGHTS_F32    ? moecap::kF32
                   : config.weight_dtype == MOECAP_WEIGHTS_BF16 ? moecap::kBF16
                   : config.weight_dtype == MOECAP_WEIGHTS_F16  ? moecap::kF16
@@ -210,6 +287,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   m.has_histogram = (config.flags & MOECAP_FLAG_HISTOGRAM) != 0;
   m.dev_ids.assign(static_cast<size_t>(m.rows * m.row), 0);
   m.host_ids.assign(static_cast<size_t>(m.slots * m.row), 0);
+  m.states.assign(static_cast<size_t>(m.slots), MOECAP_SLOT_EMPTY);
   m.dev_w.assign(m.dev_ids.size(), 0.0f);
   m.host_w.assign(m.host_ids.size(), 0.0f);
   m.histogram.assign(static_cast<size_t>(m.layers * m.experts), 0);
@@ -217,7 +295,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int op = 0; op < 48 && !in.done(); ++op) {
     const std::vector<uint8_t> before = moecap_test::snapshot(h);
     moecap_status s = MOECAP_OK;
-    switch (in.range(0, 9)) {
+    switch (in.range(0, 11)) {
       case 0: {  // capture
         const int32_t layer = static_cast<int32_t>(in.range(-1, m.layers));
         Tensor ids = fuzz_ids(in, m, m.rows);
@@ -252,19 +330,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         std::memset(out.bytes.data(), 0x5a, out.bytes.size());
         const std::vector<uint8_t> untouched = out.bytes;
         const bool with_w = in.range(0, 1) != 0;
-        s = moecap_read(h, &slots.t, &out.t, with_w ? &wout.t : nullptr, 0, nullptr);
+        const bool strict = in.range(0, 3) == 0;
+        s = moecap_read(h, &slots.t, &out.t, with_w ? &wout.t : nullptr, strict ? MOECAP_READ_STRICT : 0, nullptr);
         if (s != MOECAP_OK) {
           REQUIRE(out.bytes == untouched);
+          if (s == MOECAP_ERROR_NO_ROUTING) {
+            REQUIRE(strict);
+            bool some_unusable = false;
+            for (int64_t i = 0; i < t; ++i) some_unusable |= m.states[static_cast<size_t>(slots.get(i))] != MOECAP_SLOT_VALID;
+            REQUIRE(some_unusable);
+          }
           break;
         }
-        for (int64_t i = 0; i < t; ++i)
+        // A successful unsigned read without STRICT: all ones is no expert id.
+        if (!strict && out.t.dtype.code == kDLUInt) REQUIRE((int64_t{1} << out.t.dtype.bits) > m.experts);
+        for (int64_t i = 0; i < t; ++i) {
+          if (strict) REQUIRE(m.states[static_cast<size_t>(slots.get(i))] == MOECAP_SLOT_VALID);
           for (int64_t e = 0; e < m.row; ++e) {
-            const int64_t want = m.host_ids[static_cast<size_t>(slots.get(i) * m.row + e)];
             Tensor probe({1}, out.t.dtype);
-            probe.set(0, want);  // the caller's dtype truncates -1 the same way
+            probe.set(0, m.read_id(slots.get(i), e));  // the caller's dtype truncates -1 the same way
             REQUIRE(out.get(i * m.row + e) == probe.get(0));
-            if (with_w) REQUIRE(wout.getf(i * m.row + e) == m.host_w[static_cast<size_t>(slots.get(i) * m.row + e)]);
+            if (with_w) REQUIRE(wout.getf(i * m.row + e) == m.read_weight(slots.get(i), e));
           }
+        }
         break;
       }
       case 4: {  // write
@@ -279,13 +367,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
         s = moecap_write(h, &slots.t, &ids.t, m.weight_elem >= 0 ? &w.t : nullptr, nullptr);
         if (s == MOECAP_OK) {
-          for (int64_t i = 0; i < t; ++i)
+          for (int64_t i = 0; i < t; ++i) {
+            int64_t none = 0;
             for (int64_t e = 0; e < m.row; ++e) {
               const int64_t v = ids.get(i * m.row + e);
               const size_t at = static_cast<size_t>(slots.get(i) * m.row + e);
-              m.host_ids[at] = v == -1 ? m.invalid_readback : v;
+              none += v == -1 ? 1 : 0;
+              m.host_ids[at] = v;
               if (m.weight_elem >= 0) m.host_w[at] = m.round_weight(w.getf(i * m.row + e));
             }
+            m.states[static_cast<size_t>(slots.get(i))] =
+                none == m.row ? static_cast<uint8_t>(MOECAP_SLOT_EMPTY)
+                              : static_cast<uint8_t>(MOECAP_SLOT_VALID | (none > 0 ? MOECAP_SLOT_INVALID_IDS : 0));
+          }
         }
         break;
       }
@@ -307,7 +401,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       case 6: {  // export and release
         DLManagedTensorVersioned* v = nullptr;
         DLManagedTensor* legacy = nullptr;
-        const int32_t which = static_cast<int32_t>(in.range(0, 8));
+        const int32_t which = static_cast<int32_t>(in.range(0, 9));
         const int32_t layer = static_cast<int32_t>(in.range(-1, m.layers));
         s = in.range(0, 1) ? moecap_export(h, which, layer, &v) : moecap_export_legacy(h, which, layer, &legacy);
         if (s == MOECAP_OK) {
@@ -330,6 +424,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         const moecap_status cs = moecap_capture(h, layer, &ids.t, m.weight_elem >= 0 ? &w.t : nullptr, nullptr);
         moecap_commit_args a{sizeof a, 0, nullptr, &slots.t};
         const moecap_status ms = moecap_commit(h, &a, nullptr);
+        Tensor freed = fuzz_slots(in, in.range(0, 3), m.slots, false);
+        const bool with_invalidate = in.range(0, 1) != 0;
+        const moecap_status is = with_invalidate ? moecap_invalidate(h, &freed.t, nullptr) : MOECAP_ERROR_INTERNAL;
         moecap_graph* g = nullptr;
         REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
         REQUIRE(moecap_test::snapshot(h) == before);  // recording ran nothing
@@ -339,9 +436,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           w.setf(i, static_cast<float>(b) / 8.0f);
         }
         for (int64_t i = 0; i < count; ++i) slots.set(i, in.range(0, 15) == 0 ? m.slots + 1 : in.range(-1, m.slots - 1));
+        for (int64_t i = 0; i < freed.shape[0]; ++i) freed.set(i, in.range(0, 15) == 0 ? -2 : in.range(-1, m.slots - 1));
         REQUIRE(moecap_graph_launch(g, nullptr) == MOECAP_OK);
         if (cs == MOECAP_OK) model_capture(m, layer, ids, m.weight_elem >= 0 ? &w : nullptr);
         if (ms == MOECAP_OK) model_commit(m, count, nullptr, 0, slots);
+        if (is == MOECAP_OK) model_commit(m, freed.shape[0], nullptr, 0, freed, true);
         REQUIRE(moecap_graph_destroy(g) == MOECAP_OK);
         s = MOECAP_OK;
         break;
@@ -355,6 +454,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         REQUIRE(e.skipped_rows == m.skipped);
         REQUIRE(e.invalid_ids == m.invalid);
         if (clear) m.skipped = m.invalid = 0;
+        break;
+      }
+      case 10: {  // invalidate (the engine freed these slots' KV)
+        const int64_t count = in.range(0, m.slots + 1);
+        Tensor slots = fuzz_slots(in, count, m.slots, true);
+        s = moecap_invalidate(h, &slots.t, nullptr);
+        if (s == MOECAP_OK) model_commit(m, count, nullptr, 0, slots, true);
+        break;
+      }
+      case 11: {  // a top-k kernel writes one layer straight into its exported view
+        const int32_t layer = static_cast<int32_t>(in.range(0, m.layers - 1));
+        DLManagedTensorVersioned* v = nullptr;
+        REQUIRE(moecap_export(h, MOECAP_BUFFER_LAYER_IDS, layer, &v) == MOECAP_OK);
+        REQUIRE(v->dl_tensor.ndim == 2 && v->dl_tensor.strides[0] == m.k && v->dl_tensor.strides[1] == 1);
+        const int64_t n = in.range(0, m.rows);
+        for (int64_t i = 0; i < n * m.k; ++i) {
+          const uint8_t b = in.byte();
+          const int64_t id = b < 8 ? static_cast<int64_t>(b) - 4 + (b & 1) * m.experts : b % m.experts;
+          moecap::store_int(v->dl_tensor.data, m.device_elem, i, id);
+          m.dev_ids[m.dev_at(layer, i / m.k, i % m.k)] = moecap::load_int(v->dl_tensor.data, m.device_elem, i);
+        }
+        v->deleter(v);
+        s = MOECAP_OK;
         break;
       }
       default: {  // histogram reset
@@ -383,7 +505,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const moecap_status s = moecap_read(h, &all.t, &out.t, nullptr, 0, nullptr);
   REQUIRE(s == MOECAP_OK || (s == MOECAP_ERROR_ROWS_SKIPPED && m.skipped > 0));
   if (s == MOECAP_OK) {
-    for (int64_t i = 0; i < m.slots * m.row; ++i) REQUIRE(out.get(i) == m.host_ids[static_cast<size_t>(i)]);
+    for (int64_t i = 0; i < m.slots * m.row; ++i) REQUIRE(out.get(i) == m.read_id(i / m.row, i % m.row));
   }
   REQUIRE(moecap_destroy(h) == MOECAP_OK);
   return 0;

@@ -284,7 +284,8 @@ TEST_CASE("read into device tensors and write from device tensors match the host
   REQUIRE(moecap_write(p.host, slots.get(), ids.get(), w.get(), nullptr) == MOECAP_OK);
   REQUIRE_MESSAGE(moecap_write(p.cuda, slots.get(), dids.get(), dw.get(), p.stream) == MOECAP_OK,
                   std::string(moecap_last_error()));
-  for (DLDataType out_type : {i32(), i64(), u8()}) {
+  // u8 would hold -1 as 255, a real id with 256 experts: refused without MOECAP_READ_STRICT.
+  for (DLDataType out_type : {i32(), i64(), i16()}) {
     CAPTURE(int(out_type.bits));
     HostTensor want({40, c.num_layers, c.top_k}, out_type);
     HostTensor want_w({40, c.num_layers, c.top_k}, f32());
@@ -340,6 +341,145 @@ TEST_CASE("a moecap graph embedded as a child node of the engine's graph") {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(engine);
   moecap_graph_destroy(g);
+}
+
+TEST_CASE("slots fail closed on CUDA: never committed, invalidated (also by a graph replay) read -1, as on the host") {
+  moecap_config c = small_config();
+  c.weight_dtype = MOECAP_WEIGHTS_F32;
+  c.host_slots = 64;
+  Pair p(c);
+  HostTensor ids({4, c.top_k}, i32());
+  HostTensor w({4, c.top_k}, f32());
+  ids.fill<int32_t>({1, 2, 3, 4, 5, 6, 7, -1});  // token 3 has an id out of range
+  w.fill<float>({0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f});
+  DeviceTensor dids(ids);
+  DeviceTensor dw(w);
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    REQUIRE(moecap_capture(p.host, l, ids.get(), w.get(), nullptr) == MOECAP_OK);
+    REQUIRE(moecap_capture(p.cuda, l, dids.get(), dw.get(), p.stream) == MOECAP_OK);
+  }
+  HostTensor slots({4}, i64());
+  slots.fill<int64_t>({10, 11, 12, 13});
+  moecap_commit_args a{sizeof a, 0, nullptr, slots.get()};
+  REQUIRE(moecap_commit(p.host, &a, nullptr) == MOECAP_OK);
+  REQUIRE(moecap_commit(p.cuda, &a, p.stream) == MOECAP_OK);
+  // Invalidate slot 11 from host memory (staged), slot 12 from device memory.
+  HostTensor freed_host({1}, i64());
+  freed_host.fill<int64_t>({11});
+  HostTensor freed_dev({2}, i64());
+  freed_dev.fill<int64_t>({12, -1});
+  DeviceTensor dfreed(freed_dev);
+  REQUIRE(moecap_invalidate(p.host, freed_host.get(), nullptr) == MOECAP_OK);
+  REQUIRE(moecap_invalidate(p.host, freed_dev.get(), nullptr) == MOECAP_OK);
+  REQUIRE_MESSAGE(moecap_invalidate(p.cuda, freed_host.get(), p.stream) == MOECAP_OK, std::string(moecap_last_error()));
+  REQUIRE_MESSAGE(moecap_invalidate(p.cuda, dfreed.get(), p.stream) == MOECAP_OK, std::string(moecap_last_error()));
+  std::vector<float> hw, cw;
+  const std::vector<int64_t> host = read_slots(p.host, c, c.host_slots, true, &hw);
+  CHECK(read_slots(p.cuda, c, c.host_slots, true, &cw) == host);
+  CHECK(cw == hw);
+  const int64_t row = c.num_layers * c.top_k;
+  CHECK(host[static_cast<size_t>(10 * row)] == 1);
+  CHECK(host[static_cast<size_t>(11 * row)] == -1);       // invalidated through staging
+  CHECK(host[static_cast<size_t>(12 * row)] == -1);       // invalidated from device memory
+  CHECK(host[static_cast<size_t>(13 * row + 1)] == -1);   // out of range at capture
+  CHECK(host[static_cast<size_t>(13 * row)] == 7);
+  CHECK(host[static_cast<size_t>(0)] == -1);              // never committed
+  CHECK(hw[static_cast<size_t>(11 * row)] == 0.0f);
+
+  // A graph that commits and invalidates, replayed with new slot contents.
+  HostTensor gslots({4}, i64());
+  HostTensor gfreed({1}, i64());
+  DeviceTensor dgslots(gslots);
+  DeviceTensor dgfreed(gfreed);
+  moecap_graph* hg = nullptr;
+  moecap_graph* cg = nullptr;
+  for (moecap_capturer* h : {p.host, p.cuda}) {
+    const bool cuda = h == p.cuda;
+    void* s = cuda ? static_cast<void*>(p.stream) : nullptr;
+    REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
+    moecap_commit_args ga{sizeof ga, 0, nullptr, cuda ? dgslots.get() : gslots.get()};
+    REQUIRE_MESSAGE(moecap_commit(h, &ga, s) == MOECAP_OK, std::string(moecap_last_error()));
+    REQUIRE_MESSAGE(moecap_invalidate(h, cuda ? dgfreed.get() : gfreed.get(), s) == MOECAP_OK,
+                    std::string(moecap_last_error()));
+    REQUIRE(moecap_graph_end(h, cuda ? &cg : &hg) == MOECAP_OK);
+  }
+  for (int64_t step = 0; step < 3; ++step) {
+    gslots.fill<int64_t>({20 + step, 30 + step, -1, 40 + step});
+    gfreed.fill<int64_t>({step == 0 ? -1 : 29 + step});  // frees the previous replay's second slot
+    dgslots.upload();
+    dgfreed.upload();
+    REQUIRE(moecap_graph_launch(hg, nullptr) == MOECAP_OK);
+    REQUIRE(moecap_graph_launch(cg, p.stream) == MOECAP_OK);
+    CUDA_OK(cudaStreamSynchronize(p.stream));
+  }
+  const std::vector<int64_t> after = read_slots(p.host, c, c.host_slots, false, nullptr);
+  CHECK(read_slots(p.cuda, c, c.host_slots, false, nullptr) == after);
+  CHECK(after[static_cast<size_t>(30 * row)] == -1);  // invalidated by the second replay
+  CHECK(after[static_cast<size_t>(31 * row)] == -1);  // by the third
+  CHECK(after[static_cast<size_t>(32 * row)] == 3);   // committed by the third (row 1)
+  CHECK(after[static_cast<size_t>(22 * row)] == 1);
+  moecap_graph_destroy(hg);
+  moecap_graph_destroy(cg);
+
+  HostTensor q({2}, i64());
+  q.fill<int64_t>({10, 11});
+  HostTensor out({2, c.num_layers, c.top_k}, i32());
+  CHECK(moecap_read(p.cuda, q.get(), out.get(), nullptr, MOECAP_READ_STRICT, nullptr) == MOECAP_ERROR_NO_ROUTING);
+}
+
+TEST_CASE("a kernel writing the exported CUDA layer views: commit narrows on the GPU as on the host") {
+  moecap_config c = small_config();
+  c.num_experts = 256;
+  c.host_slots = 64;
+  Pair p(c);
+  moecap_plan_info info{};
+  info.struct_size = sizeof info;
+  REQUIRE(moecap_get_plan(p.cuda, &info) == MOECAP_OK);
+  REQUIRE(info.device_id_dtype == MOECAP_IDS_I16);
+  const int64_t n = 6;
+  std::vector<int16_t> layer(static_cast<size_t>(n * c.top_k));
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    for (int64_t i = 0; i < n * c.top_k; ++i) {
+      layer[static_cast<size_t>(i)] = static_cast<int16_t>(i == 5 && l == 1 ? 999 : route(i / c.top_k, l, i % c.top_k, 256));
+    }
+    for (moecap_capturer* h : {p.host, p.cuda}) {
+      DLManagedTensorVersioned* v = nullptr;
+      REQUIRE(moecap_export(h, MOECAP_BUFFER_LAYER_IDS, l, &v) == MOECAP_OK);
+      REQUIRE(v->dl_tensor.strides[0] == c.top_k);
+      CUDA_OK(cudaMemcpy(v->dl_tensor.data, layer.data(), layer.size() * 2,
+                         h == p.cuda ? cudaMemcpyHostToDevice : cudaMemcpyHostToHost));
+      v->deleter(v);
+    }
+  }
+  HostTensor rows({n}, i64());
+  rows.fill<int64_t>({5, 0, 4, 1, 3, 2});
+  HostTensor slots({n}, i64());
+  slots.fill<int64_t>({7, 8, 9, 10, 11, 7});  // slot 7 twice: the last row wins (host twin; see the kernel)
+  DeviceTensor drows(rows);
+  DeviceTensor dslots(slots);
+  moecap_commit_args a{sizeof a, 0, rows.get(), slots.get()};
+  moecap_commit_args da{sizeof da, 0, drows.get(), dslots.get()};
+  REQUIRE(moecap_commit(p.host, &a, nullptr) == MOECAP_OK);
+  REQUIRE_MESSAGE(moecap_commit(p.cuda, &da, p.stream) == MOECAP_OK, std::string(moecap_last_error()));
+  HostTensor q({4}, i64());
+  q.fill<int64_t>({8, 9, 10, 11});  // the slots listed once
+  HostTensor want({4, c.num_layers, c.top_k}, i32());
+  HostTensor got({4, c.num_layers, c.top_k}, i32());
+  REQUIRE(moecap_read(p.host, q.get(), want.get(), nullptr, 0, nullptr) == MOECAP_OK);
+  REQUIRE(moecap_read(p.cuda, q.get(), got.get(), nullptr, 0, nullptr) == MOECAP_OK);
+  CHECK(got.bytes() == want.bytes());
+  // The 999 sits in row 2 of layer 1 (element 5, top_k 2): slot 7's last entry, on the host twin.
+  DLManagedTensorVersioned* hs = nullptr;
+  DLManagedTensorVersioned* cs = nullptr;
+  REQUIRE(moecap_export(p.host, MOECAP_BUFFER_HOST_STATES, 0, &hs) == MOECAP_OK);
+  REQUIRE(moecap_export(p.cuda, MOECAP_BUFFER_HOST_STATES, 0, &cs) == MOECAP_OK);
+  REQUIRE(moecap_synchronize(p.cuda) == MOECAP_OK);
+  for (int64_t s = 8; s <= 11; ++s) {
+    CHECK(static_cast<uint8_t*>(cs->dl_tensor.data)[s] == static_cast<uint8_t*>(hs->dl_tensor.data)[s]);
+  }
+  CHECK(static_cast<uint8_t*>(hs->dl_tensor.data)[7] == (MOECAP_SLOT_VALID | MOECAP_SLOT_INVALID_IDS));
+  hs->deleter(hs);
+  cs->deleter(cs);
 }
 
 int main(int argc, char** argv) {

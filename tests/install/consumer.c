@@ -31,15 +31,12 @@ int main(void) {
     return 1;
   }
   config.struct_size = sizeof config;
-  config.abi_version = MOECAP_ABI_VERSION;
+  if (check(moecap_config_init(&config), "moecap_config_init")) return 1;
   config.num_layers = 1;
   config.top_k = 2;
   config.num_experts = 4;
-  config.dp_size = 1;
-  config.verify_tokens = 1;
   config.max_running_requests = 2;
   config.host_slots = 8;
-  config.device_type = MOECAP_DEVICE_HOST;
   if (check(moecap_create(&config, &cap), "moecap_create")) return 1;
   if (check(moecap_capture(cap, 0, &ids_t, NULL, NULL), "moecap_capture")) return 1;
   if (check(moecap_commit(cap, &commit, NULL), "moecap_commit")) return 1;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <vector>
@@ -15,6 +16,7 @@ inline DLDataType i32() { return DLDataType{kDLInt, 32, 1}; }
 inline DLDataType i64() { return DLDataType{kDLInt, 64, 1}; }
 inline DLDataType u8() { return DLDataType{kDLUInt, 8, 1}; }
 inline DLDataType u16() { return DLDataType{kDLUInt, 16, 1}; }
+inline DLDataType i16() { return DLDataType{kDLInt, 16, 1}; }
 inline DLDataType f32() { return DLDataType{kDLFloat, 32, 1}; }
 inline DLDataType bf16() { return DLDataType{kDLBfloat, 16, 1}; }
 inline DLDataType f16() { return DLDataType{kDLFloat, 16, 1}; }
@@ -80,7 +82,8 @@ class HostTensor {
 // error counters: equal before and after a call means the call changed nothing.
 inline std::vector<uint8_t> snapshot(moecap_capturer* h) {
   std::vector<uint8_t> all;
-  for (int32_t which = MOECAP_BUFFER_DEVICE_IDS; which <= MOECAP_BUFFER_HISTOGRAM; ++which) {
+  for (int32_t which : {MOECAP_BUFFER_DEVICE_IDS, MOECAP_BUFFER_DEVICE_WEIGHTS, MOECAP_BUFFER_HOST_IDS,
+                        MOECAP_BUFFER_HOST_WEIGHTS, MOECAP_BUFFER_HISTOGRAM, MOECAP_BUFFER_HOST_STATES}) {
     DLManagedTensorVersioned* v = nullptr;
     if (moecap_export(h, which, 0, &v) != MOECAP_OK) continue;
     int64_t n = v->dl_tensor.dtype.bits / 8;
@@ -98,25 +101,18 @@ inline std::vector<uint8_t> snapshot(moecap_capturer* h) {
   return all;
 }
 
-inline moecap_config small_config() {
+// `init` is moecap_config_init, or the same function from a dlopen'ed library.
+inline moecap_config small_config(moecap_status (*init)(moecap_config*) = moecap_config_init) {
   moecap_config c{};
   c.struct_size = sizeof c;
-  c.abi_version = MOECAP_ABI_VERSION;
+  if (init(&c) != MOECAP_OK) std::abort();
   c.num_layers = 3;
   c.top_k = 2;
-  c.extra_columns = 0;
   c.num_experts = 8;
-  c.dp_size = 1;
-  c.verify_tokens = 1;
   c.max_running_requests = 4;
   c.chunked_prefill_size = 8;
   c.max_graph_batch = 4;
-  c.max_batch_tokens = 0;
   c.host_slots = 32;
-  c.id_dtype = MOECAP_IDS_AUTO;
-  c.weight_dtype = MOECAP_WEIGHTS_NONE;
-  c.device_type = MOECAP_DEVICE_HOST;
-  c.device_id = 0;
   return c;
 }
 

@@ -2,6 +2,8 @@
 // argument and the limit, and nothing changed (docs/DESIGN.md §4).
 #include <doctest/doctest.h>
 
+#include <climits>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -297,4 +299,62 @@ TEST_CASE("guard canaries report the region something wrote past") {
   CHECK(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
   v->deleter(v);
   moecap_destroy(h);
+}
+
+// The four inputs an independent UBSan host found (issue 11): three
+// undefined behaviours and one false refusal.
+TEST_CASE("extra_columns near INT32_MAX is refused at create, not overflowed at capture") {
+  moecap_config c = small_config();
+  c.extra_columns = INT32_MAX - 1;
+  moecap_capturer* h = nullptr;
+  CHECK(moecap_create(&c, &h) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(moecap_last_error()).find("config->extra_columns is 2147483646; it must be <= 65536") !=
+        std::string::npos);
+  CHECK(h == nullptr);
+  c.extra_columns = 65536;
+  REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
+  HostTensor ids({1, c.top_k + 65536}, i32());
+  CHECK(moecap_capture(h, 0, ids.get(), nullptr, nullptr) == MOECAP_OK);
+  moecap_destroy(h);
+}
+
+TEST_CASE("a DLTensor device_type outside DLDeviceType is refused without loading it as the enum") {
+  Fixture f;
+  HostTensor ids({2, f.cfg.top_k}, i32());
+  HostTensor w({2, f.cfg.top_k}, f32());
+  DLTensor odd = ids.dl();
+  const int32_t raw = 1000;
+  std::memcpy(&odd.device.device_type, &raw, sizeof raw);
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids->device.device_type is 1000; not a DLPack device type",
+            [&] { return moecap_capture(f.h, 0, &odd, w.get(), nullptr); });
+  HostTensor slots({1}, i32());
+  DLTensor odd_slots = slots.dl();
+  std::memcpy(&odd_slots.device.device_type, &raw, sizeof raw);
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "slots->device.device_type is 1000",
+            [&] { return moecap_invalidate(f.h, &odd_slots, nullptr); });
+}
+
+TEST_CASE("a tensor with zero elements is compact whatever its strides, and huge strides overflow nothing") {
+  Fixture f;
+  const int32_t k = f.cfg.top_k;
+  // NumPy's empty array: shape (0,), strides (0,). An idle DP rank commits zero tokens.
+  int64_t zero_shape[1] = {0};
+  int64_t zero_strides[1] = {0};
+  DLTensor empty{nullptr, {kDLCPU, 0}, 1, i64(), zero_shape, zero_strides, 0};
+  moecap_commit_args a{sizeof a, 0, nullptr, &empty};
+  const std::vector<uint8_t> before = snapshot(f.h);
+  CHECK(moecap_commit(f.h, &a, nullptr) == MOECAP_OK);
+  CHECK(moecap_invalidate(f.h, &empty, nullptr) == MOECAP_OK);
+  // Zero rows with strides whose product would overflow int64.
+  int64_t shape[2] = {0, k};
+  int64_t strides[2] = {INT64_MAX, INT64_MAX};
+  DLTensor ids{nullptr, {kDLCPU, 0}, 2, i32(), shape, strides, 0};
+  DLTensor w{nullptr, {kDLCPU, 0}, 2, f32(), shape, strides, 0};
+  CHECK(moecap_capture(f.h, 0, &ids, &w, nullptr) == MOECAP_OK);
+  int64_t out_shape[3] = {0, INT64_MAX / 2, INT64_MAX / 2};
+  int64_t out_strides[3] = {INT64_MAX, INT64_MAX, INT64_MAX};
+  DLTensor out{nullptr, {kDLCPU, 0}, 3, i32(), out_shape, out_strides, 0};
+  CHECK(moecap_read(f.h, &empty, &out, nullptr, 0, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);  // shape[1] wrong
+  CHECK(std::string(moecap_last_error()).find("ids_out->shape[1]") != std::string::npos);
+  CHECK(snapshot(f.h) == before);
 }

@@ -24,23 +24,28 @@ TEST_CASE("versioned and legacy views describe the buffers exactly") {
   CHECK(dev->flags == 0);
   CHECK(dev->dl_tensor.byte_offset == 0);
   CHECK(dev->dl_tensor.device.device_type == kDLCPU);
-  CHECK(dev->dl_tensor.dtype.code == kDLUInt);
-  CHECK(dev->dl_tensor.dtype.bits == 8);
+  // Layer-major, in the device id dtype (AUTO: int16), beside a u8 host cache.
+  CHECK(info.device_id_dtype == MOECAP_IDS_I16);
+  CHECK(info.id_dtype == MOECAP_IDS_U8);
+  CHECK(dev->dl_tensor.dtype.code == kDLInt);
+  CHECK(dev->dl_tensor.dtype.bits == 16);
   REQUIRE(dev->dl_tensor.ndim == 3);
-  CHECK(dev->dl_tensor.shape[0] == info.device_rows);
-  CHECK(dev->dl_tensor.shape[1] == c.num_layers);
+  CHECK(dev->dl_tensor.shape[0] == c.num_layers);
+  CHECK(dev->dl_tensor.shape[1] == info.device_rows);
   CHECK(dev->dl_tensor.shape[2] == c.top_k);
   REQUIRE(dev->dl_tensor.strides != nullptr);
-  CHECK(dev->dl_tensor.strides[0] == c.num_layers * c.top_k);
+  CHECK(dev->dl_tensor.strides[0] == info.device_rows * c.top_k);
+  CHECK(dev->dl_tensor.strides[1] == c.top_k);
 
   DLManagedTensor* layer = nullptr;
   REQUIRE(moecap_export_legacy(h, MOECAP_BUFFER_LAYER_IDS, 2, &layer) == MOECAP_OK);
   CHECK(layer->dl_tensor.ndim == 2);
   CHECK(layer->dl_tensor.shape[0] == info.device_rows);
   CHECK(layer->dl_tensor.shape[1] == c.top_k);
-  CHECK(layer->dl_tensor.strides[0] == c.num_layers * c.top_k);
+  CHECK(layer->dl_tensor.strides[0] == c.top_k);  // compact: a kernel's out= tensor
   CHECK(layer->dl_tensor.strides[1] == 1);
-  CHECK(static_cast<uint8_t*>(layer->dl_tensor.data) == static_cast<uint8_t*>(dev->dl_tensor.data) + 2 * c.top_k);
+  CHECK(static_cast<int16_t*>(layer->dl_tensor.data) ==
+        static_cast<int16_t*>(dev->dl_tensor.data) + 2 * info.device_rows * c.top_k);
 
   DLManagedTensorVersioned* w = nullptr;
   REQUIRE(moecap_export(h, MOECAP_BUFFER_HOST_WEIGHTS, 0, &w) == MOECAP_OK);
@@ -48,7 +53,7 @@ TEST_CASE("versioned and legacy views describe the buffers exactly") {
   CHECK(w->dl_tensor.shape[0] == c.host_slots);
 
   // A top-k kernel writing straight into the layer view (out=): capture is free.
-  uint8_t* l2 = static_cast<uint8_t*>(layer->dl_tensor.data);
+  int16_t* l2 = static_cast<int16_t*>(layer->dl_tensor.data);
   l2[0] = 5;
   l2[1] = 6;
   HostTensor slots({1}, i32());
@@ -59,10 +64,11 @@ TEST_CASE("versioned and legacy views describe the buffers exactly") {
   REQUIRE(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
   CHECK(out.at(2 * c.top_k) == 5);
   CHECK(out.at(2 * c.top_k + 1) == 6);
+  CHECK(out.at(0) == 0);  // layers nobody wrote hold zeros: committed, so read as expert 0
 
   // The views outlive the handle; their deleters free the memory.
   REQUIRE(moecap_destroy(h) == MOECAP_OK);
-  CHECK(static_cast<uint8_t*>(dev->dl_tensor.data)[2 * c.top_k] == 5);
+  CHECK(static_cast<int16_t*>(dev->dl_tensor.data)[2 * info.device_rows * c.top_k] == 5);
   dev->deleter(dev);
   layer->deleter(layer);
   w->deleter(w);

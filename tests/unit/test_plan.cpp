@@ -196,10 +196,11 @@ TEST_CASE("plan bytes: a 61-layer top-8 model at int32 versus moecap's u8") {
   moecap_plan_info info{};
   info.struct_size = sizeof info;
   REQUIRE(moecap_plan(&c, &info) == MOECAP_OK);
-  CHECK(info.host_bytes == 1000000ull * 61 * 8);  // 488 MB, against 1.95 GB as int32
+  // 488 MB of ids plus 1 MB of slot states, against 1.95 GB as int32
+  CHECK(info.host_bytes == 1000000ull * 61 * 8 + 1000000ull);
   c.id_dtype = MOECAP_IDS_I32;
   REQUIRE(moecap_plan(&c, &info) == MOECAP_OK);
-  CHECK(info.host_bytes == 4ull * 1000000 * 61 * 8);
+  CHECK(info.host_bytes == 4ull * 1000000 * 61 * 8 + 1000000ull);
 }
 
 TEST_CASE("nonsense configs are refused with the field's name") {

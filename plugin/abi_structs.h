@@ -1,0 +1,61 @@
+// How structs cross the ABI across minor versions (PJRT's struct_size
+// rules): any struct_size from the struct's 1.0 size up is accepted; a
+// caller's struct is copied into a zeroed current one, so fields an older
+// caller lacks take their defaults (zero); a newer caller's bigger struct is
+// accepted only if every byte this library does not know is zero; a struct
+// the library fills is written up to the smaller of both sizes.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+
+#include "moecap.h"
+#include "base/status.h"
+
+namespace moecap {
+
+// Refuses a NULL struct or a struct_size below the 1.0 size.
+inline void require_struct(const void* ptr, size_t struct_size, size_t size_1_0, const char* name) {
+  if (ptr == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " is NULL");
+  if (struct_size < size_1_0) {
+    fail(MOECAP_ERROR_ABI_MISMATCH, name, "->struct_size is ", struct_size, "; the smallest this library (ABI ",
+         MOECAP_ABI_VERSION_MAJOR, ".", MOECAP_ABI_VERSION_MINOR, ") accepts is ", size_1_0,
+         " (the ABI 1.0 struct)");
+  }
+}
+
+// A struct the caller filled, as this library's current struct.
+template <class T>
+T read_struct(const T* in, size_t size_1_0, const char* name) {
+  require_struct(in, in != nullptr ? in->struct_size : 0, size_1_0, name);
+  const size_t size = in->struct_size;
+  const auto* bytes = reinterpret_cast<const unsigned char*>(in);
+  for (size_t i = sizeof(T); i < size; ++i) {
+    if (bytes[i] != 0) {
+      fail(MOECAP_ERROR_ABI_MISMATCH, name, "->struct_size is ", size, " and byte ", i,
+           " is set, a field this library (ABI ", MOECAP_ABI_VERSION_MAJOR, ".", MOECAP_ABI_VERSION_MINOR, ", ",
+           sizeof(T), " bytes) does not know; use a library as new as the header");
+    }
+  }
+  T out{};
+  std::memcpy(&out, in, std::min(size, sizeof(T)));
+  out.struct_size = sizeof(T);
+  return out;
+}
+
+// Checks a struct the library will fill; call before changing anything.
+template <class T>
+void require_out_struct(const T* out, size_t size_1_0, const char* name) {
+  require_struct(out, out != nullptr ? out->struct_size : 0, size_1_0, name);
+}
+
+// Fills what the caller's struct holds of `value`; struct_size becomes the bytes written.
+template <class T>
+void write_struct(T* out, const T& value) {
+  const size_t size = std::min(out->struct_size, sizeof(T));
+  std::memcpy(out, &value, size);
+  out->struct_size = size;
+}
+
+}  // namespace moecap

@@ -1,0 +1,431 @@
+/*
+ * moecap.h - C ABI of libmoecap.so, the routed-experts capturer for
+ * Mixture-of-Experts inference engines.
+ *
+ * An engine loads libmoecap.so (dlopen, or links it), creates one capturer
+ * per model per engine process (one process per attention-DP rank), and per
+ * forward pass:
+ *   1. moecap_capture(layer, topk_ids[, topk_weights]) in every MoE layer,
+ *      inside or outside the engine's CUDA graph: rows [0, n) of that layer
+ *      in the device buffer;
+ *   2. moecap_local_rows(batch) on the host: where this rank's tokens sit;
+ *   3. moecap_commit(rows, slots) after the forward, on the same stream:
+ *      those rows go to the host cache, indexed by the token's KV slot;
+ * and when a request finishes, moecap_read(its slots) into a caller tensor.
+ *
+ * Conventions for every function:
+ * - Returns a moecap_status. On any status but MOECAP_OK nothing was changed
+ *   (no buffer, no counter, no output) and moecap_last_error() says which
+ *   argument was wrong and what the limit was.
+ * - No C++ exception and no signal crosses this boundary.
+ * - Every struct passed across starts with `struct_size`, which the caller
+ *   sets to sizeof(the struct) as compiled against this header; fields are
+ *   only ever appended. A struct_size the library does not know is refused
+ *   with MOECAP_ERROR_ABI_MISMATCH.
+ * - Tensors passed in are borrowed `DLTensor*`: the struct is only read
+ *   during the call; its *data* is read or written by the operation, on
+ *   `stream`, so the caller keeps that memory valid until the enqueued work
+ *   ran, and for as long as a graph that recorded the call may replay (a
+ *   graph bakes the address and reads the contents at each replay). Shapes
+ *   and strides are in elements; NULL strides means compact row-major;
+ *   byte_offset is honoured.
+ * - `stream` is a CUstream: the engine's stream, on which moecap enqueues its
+ *   work and nothing else (NULL is the legacy default stream, accepted where
+ *   the engine itself runs there; moecap never uses it on its own). The host
+ *   backend ignores it. While recording a moecap graph it must be the
+ *   recording stream.
+ * - Thread safety: every call on one capturer takes that capturer's lock, so
+ *   calls from several threads are safe and serialize; different capturers
+ *   share nothing. A read blocking on commits holds the lock while it waits.
+ *   Using a capturer after moecap_destroy is undefined behaviour (debug builds
+ *   detect it and return MOECAP_ERROR_INVALID_ARGUMENT).
+ */
+#ifndef MOECAP_H_
+#define MOECAP_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moecap_dlpack.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define MOECAP_API
+#else
+#define MOECAP_API __attribute__((visibility("default")))
+#endif
+
+/* ABI version: major in the high 16 bits, minor in the low 16 bits. A major
+ * bump breaks compatibility; a minor bump only appends fields or functions. */
+#define MOECAP_ABI_VERSION_MAJOR 1
+#define MOECAP_ABI_VERSION_MINOR 0
+#define MOECAP_ABI_VERSION ((uint32_t)((MOECAP_ABI_VERSION_MAJOR << 16) | MOECAP_ABI_VERSION_MINOR))
+
+/* ------------------------------------------------------------------------ */
+/* Status codes                                                             */
+/* ------------------------------------------------------------------------ */
+
+typedef enum {
+  MOECAP_OK = 0,
+  MOECAP_ERROR_INVALID_ARGUMENT = 1, /* NULL, wrong dtype/device/ndim/strides, bad enum */
+  MOECAP_ERROR_OUT_OF_RANGE = 2,     /* a layer, rank or slot outside its range */
+  MOECAP_ERROR_CAPACITY = 3,         /* a batch or tensor larger than the plan holds */
+  MOECAP_ERROR_NO_DEVICE = 4,        /* CUDA asked for: no driver library or no GPU */
+  MOECAP_ERROR_DRIVER = 5,           /* the CUDA driver returned an error */
+  MOECAP_ERROR_OUT_OF_MEMORY = 6,    /* an allocation at create failed */
+  MOECAP_ERROR_ABI_MISMATCH = 7,     /* struct_size or major ABI version unknown */
+  MOECAP_ERROR_NOT_READY = 8,        /* non-blocking read: commits still in flight */
+  MOECAP_ERROR_CAPTURE_ILLEGAL = 9,  /* call not allowed while a graph is captured */
+  MOECAP_ERROR_INTERNAL = 10,        /* a bug in moecap; please report */
+  MOECAP_ERROR_ROWS_SKIPPED = 11,    /* earlier in-graph commits skipped rows (see moecap_get_errors) */
+  MOECAP_ERROR_STUB_DRIVER = 12,     /* libcuda.so.1 is the toolkit's stub, not a driver */
+  MOECAP_ERROR_DRIVER_TOO_OLD = 13,  /* the driver lacks an entry point moecap needs */
+  MOECAP_ERROR_CORRUPTION = 14       /* a guard canary was overwritten (MOECAP_FLAG_GUARDS) */
+} moecap_status;
+
+/* ------------------------------------------------------------------------ */
+/* Enumerations used in the structs (stored as int32_t fields)              */
+/* ------------------------------------------------------------------------ */
+
+/* Stored dtype of expert ids. AUTO picks the narrowest that holds
+ * num_experts + extra_columns ids: U8 up to 256, U16 up to 65536, else I32.
+ * An explicit dtype must hold num_experts ids (extra columns are not stored):
+ * U8 serves 256 routed experts plus a fused shared expert. */
+typedef enum {
+  MOECAP_IDS_AUTO = 0,
+  MOECAP_IDS_U8 = 1,
+  MOECAP_IDS_U16 = 2,
+  MOECAP_IDS_I32 = 3
+} moecap_id_dtype;
+
+/* Stored dtype of routing weights; NONE captures no weights. */
+typedef enum {
+  MOECAP_WEIGHTS_NONE = 0,
+  MOECAP_WEIGHTS_F32 = 1,
+  MOECAP_WEIGHTS_BF16 = 2,
+  MOECAP_WEIGHTS_F16 = 3
+} moecap_weight_dtype;
+
+/* Where the device buffer lives; values equal DLPack's DLDeviceType. */
+typedef enum {
+  MOECAP_DEVICE_HOST = 1, /* kDLCPU: the host backend, plain memory */
+  MOECAP_DEVICE_CUDA = 2  /* kDLCUDA: the CUDA backend (Driver API) */
+} moecap_device_type;
+
+/* moecap_config.flags */
+#define MOECAP_FLAG_HISTOGRAM 0x1u /* keep a [layers, num_experts] int64 expert-load histogram */
+#define MOECAP_FLAG_GUARDS 0x2u    /* canary rows after every buffer, checked on host calls */
+#define MOECAP_FLAG_NO_GUARDS 0x4u /* turn off guards where a build enables them by default */
+
+/* ------------------------------------------------------------------------ */
+/* Configuration and plan                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Everything moecap needs to size its buffers once, before any graph.
+ * Owner: the caller; read only during moecap_plan / moecap_create. */
+typedef struct moecap_config {
+  size_t struct_size;    /* sizeof(moecap_config) */
+  uint32_t abi_version;  /* MOECAP_ABI_VERSION as the caller was compiled */
+  uint32_t flags;        /* MOECAP_FLAG_* */
+  int32_t num_layers;    /* MoE layers captured; layer ids are [0, num_layers) */
+  int32_t top_k;         /* routed experts kept per token */
+  int32_t extra_columns; /* columns after top_k that the router emits (fused shared
+                            experts): accepted at capture, then dropped; >= 0 */
+  int32_t num_experts;   /* routed experts; stored ids are [0, num_experts) */
+  int32_t dp_size;       /* attention data-parallel ranks whose tokens the MoE
+                            layers see gathered; 1 without DP attention */
+  int32_t verify_tokens; /* tokens per request in a speculative verify pass; 1 without */
+  int64_t max_running_requests; /* scheduler bound on requests per rank */
+  int64_t chunked_prefill_size; /* tokens per prefill chunk per rank */
+  int64_t max_graph_batch;      /* largest captured CUDA-graph batch, in requests */
+  int64_t max_batch_tokens;     /* engine's own bound on tokens per forward per rank
+                                   where its scheduler exceeds the terms above (prefill
+                                   graphs, mixed prefill+decode); 0 if none */
+  int64_t host_slots;           /* rows of the host cache: KV slots incl. padding slot */
+  int32_t id_dtype;             /* moecap_id_dtype */
+  int32_t weight_dtype;         /* moecap_weight_dtype */
+  int32_t device_type;          /* moecap_device_type */
+  int32_t device_id;            /* CUDA ordinal; 0 for the host backend */
+} moecap_config;
+
+/* What a config costs. Filled by moecap_plan / moecap_get_plan; the caller
+ * owns it and sets struct_size. Bytes exclude guard canaries. */
+typedef struct moecap_plan_info {
+  size_t struct_size;      /* sizeof(moecap_plan_info) */
+  int64_t rows_per_rank;   /* max(chunked_prefill, max_running*verify,
+                              max_graph_batch*verify, max_batch_tokens) */
+  int64_t device_rows;     /* dp_size * rows_per_rank: rows of the device buffer */
+  int64_t row_elements;    /* num_layers * top_k: ids per row */
+  int32_t id_dtype;        /* resolved moecap_id_dtype (never AUTO) */
+  int32_t id_bytes;        /* 1, 2 or 4 */
+  int32_t weight_bytes;    /* 0, 2 or 4 */
+  int32_t reserved;        /* 0 */
+  uint64_t device_bytes;   /* device ids + weights + histogram */
+  uint64_t host_bytes;     /* host cache ids + weights */
+} moecap_plan_info;
+
+/* Opaque handles. */
+typedef struct moecap_capturer moecap_capturer;
+typedef struct moecap_graph moecap_graph;
+
+/* ------------------------------------------------------------------------ */
+/* Library                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* MOECAP_ABI_VERSION of the loaded library. Any thread. */
+MOECAP_API uint32_t moecap_abi_version(void);
+
+/* Message of the last failed call on this thread ("" if none). Thread-local;
+ * valid until the next moecap call on this thread. Never NULL. */
+MOECAP_API const char* moecap_last_error(void);
+
+/* Static name of a status ("MOECAP_ERROR_CAPACITY"). Never NULL. */
+MOECAP_API const char* moecap_status_name(moecap_status status);
+
+/* Computes the layout for `config` without allocating. Any thread. */
+MOECAP_API moecap_status moecap_plan(const moecap_config* config, moecap_plan_info* out);
+
+/* ------------------------------------------------------------------------ */
+/* Capturer lifetime                                                        */
+/* ------------------------------------------------------------------------ */
+
+/* Allocates every buffer of the plan (zeroed) and, for CUDA, loads the
+ * driver and kernels on the primary context of config->device_id. *out is
+ * set only on MOECAP_OK. Call it before capturing graphs: an allocation the
+ * driver refuses because a capture is in progress is reported as
+ * MOECAP_ERROR_CAPTURE_ILLEGAL. Any thread. */
+MOECAP_API moecap_status moecap_create(const moecap_config* config, moecap_capturer** out);
+
+/* Releases the handle. NULL is a no-op returning MOECAP_OK. Memory stays
+ * alive while exported DLPack views of it exist; their deleters free it.
+ * Waits for in-flight commits. Illegal while the capturer records a graph. */
+MOECAP_API moecap_status moecap_destroy(moecap_capturer* capturer);
+
+/* The plan the capturer was created with. */
+MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap_plan_info* out);
+
+/* ------------------------------------------------------------------------ */
+/* Capture path (legal inside a CUDA graph capture)                         */
+/* ------------------------------------------------------------------------ */
+
+/* Copies one layer's routing into device rows [0, n):
+ *   topk_ids     [n, top_k] or [n, top_k + extra_columns], int32 or int64,
+ *                compact row-major, on the capturer's device (host memory
+ *                for the host backend). Extra columns are dropped; ids
+ *                outside [0, num_experts) are stored as "no expert" (all bits
+ *                set, which moecap_read returns as -1 unless that value is
+ *                itself a valid id, as 255 is with 256 experts in u8) and
+ *                counted (moecap_get_errors).
+ *   topk_weights NULL, or the same shape, float32/bfloat16/float16; required
+ *                iff weight_dtype != NONE. Converted to the stored dtype.
+ * n <= device_rows, checked here on the host, so a check made at graph
+ * capture holds for every replay. With MOECAP_FLAG_HISTOGRAM the same kernel
+ * adds each kept id to histogram[layer][id]. Enqueued on `stream`. */
+MOECAP_API moecap_status moecap_capture(moecap_capturer* capturer, int32_t layer,
+                                        const DLTensor* topk_ids, const DLTensor* topk_weights,
+                                        void* stream);
+
+/* How a forward batch lays out the gathered rows the MoE layers see. */
+typedef enum {
+  MOECAP_BATCH_EAGER = 0, /* ranks packed back to back: prefix sum of tokens */
+  MOECAP_BATCH_GRAPH = 1  /* rank r at r * padded_tokens_per_rank */
+} moecap_batch_mode;
+
+/* A forward batch, as the engine's scheduler knows it on the host.
+ * Owner: the caller; read only during the call. */
+typedef struct moecap_batch {
+  size_t struct_size;             /* sizeof(moecap_batch) */
+  int32_t mode;                   /* moecap_batch_mode */
+  int32_t dp_rank;                /* this process's rank, [0, dp_size) */
+  int32_t num_ranks;              /* entries in tokens_per_rank; must equal dp_size */
+  int32_t reserved;               /* 0 */
+  const int64_t* tokens_per_rank; /* host array [num_ranks]: real tokens per rank */
+  int64_t padded_tokens_per_rank; /* GRAPH: rows each rank occupies (the graph's
+                                     token count); every real count <= it. EAGER: 0 */
+} moecap_batch;
+
+/* This rank's slice of a gathered batch. Filled by moecap_local_rows. */
+typedef struct moecap_rows {
+  size_t struct_size; /* sizeof(moecap_rows), set by the caller */
+  int64_t start;      /* first device row of this rank's tokens */
+  int64_t count;      /* this rank's real tokens */
+  int64_t total;      /* rows the gathered batch occupies: the n of moecap_capture */
+} moecap_rows;
+
+/* Computes this rank's rows from `batch`. Pure host arithmetic; fails with
+ * MOECAP_ERROR_CAPACITY when the gathered batch would not fit device_rows.
+ * Legal at any time, also while recording a graph. */
+MOECAP_API moecap_status moecap_local_rows(const moecap_capturer* capturer, const moecap_batch* batch,
+                                           moecap_rows* out);
+
+/* Which device rows go to which host slots. Owner: the caller. */
+typedef struct moecap_commit_args {
+  size_t struct_size;        /* sizeof(moecap_commit_args) */
+  int64_t src_start;         /* with src_rows NULL: rows [src_start, src_start + count) */
+  const DLTensor* src_rows;  /* NULL, or [count] int32/int64 device rows (accepted
+                                speculative tokens, in any order) */
+  const DLTensor* dst_slots; /* [count] int32/int64 host-cache slots; count is its
+                                length. Slot -1 drops the row (padding, rejected
+                                drafts). Host memory, or device memory on CUDA. */
+} moecap_commit_args;
+
+/* Copies rows of the device buffer (all layers, ids and weights) to the host
+ * cache at the given slots, stream-ordered after the forward on `stream`.
+ * Slots whose values the host can see now (host tensors, outside a graph)
+ * are checked here: one outside [-1, host_slots) fails with OUT_OF_RANGE and
+ * nothing is written. Slots read at run time (device tensors, graph replays)
+ * outside that range are skipped and counted; the next moecap_read /
+ * moecap_write / moecap_synchronize then returns MOECAP_ERROR_ROWS_SKIPPED
+ * until moecap_get_errors clears the count. */
+MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_commit_args* args,
+                                       void* stream);
+
+/* ------------------------------------------------------------------------ */
+/* Host side (illegal during graph capture)                                 */
+/* ------------------------------------------------------------------------ */
+
+#define MOECAP_READ_NONBLOCKING 0x1u /* return NOT_READY instead of waiting */
+
+/* Gathers the host cache rows of `slots` ([T] int32/int64, host memory,
+ * every value in [0, host_slots)) into ids_out ([T, num_layers, top_k],
+ * compact, dtype uint8/int8/uint16/int16/int32/int64: stored "no expert"
+ * values read as -1 in signed outputs) and, if non-NULL, weights_out (same
+ * shape, float32/bfloat16/float16). Waits for commits in flight first, unless
+ * MOECAP_READ_NONBLOCKING. Outputs in host memory are filled before the call
+ * returns; outputs on the capturer's GPU (both, or neither) are filled by a
+ * kernel enqueued on `stream` (ready in stream order). */
+MOECAP_API moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTensor* ids_out,
+                                     DLTensor* weights_out, uint32_t flags, void* stream);
+
+/* The inverse of moecap_read: stores rows captured elsewhere (a prefill
+ * instance under prefill/decode disaggregation) at `slots` (host memory).
+ * ids: [T, layers, top_k], any integer dtype moecap_read accepts, values in
+ * [0, num_experts) or -1; weights required iff the capturer keeps weights.
+ * ids and weights may be host memory or on the capturer's GPU; device inputs
+ * are read after `stream` finished writing them (the call synchronizes it).
+ * Every value is checked before anything is stored. Waits for commits in
+ * flight first. */
+MOECAP_API moecap_status moecap_write(moecap_capturer* capturer, const DLTensor* slots, const DLTensor* ids,
+                                      const DLTensor* weights, void* stream);
+
+/* Waits until every enqueued commit has landed in the host cache. */
+MOECAP_API moecap_status moecap_synchronize(moecap_capturer* capturer);
+
+/* Counters of problems found where no status could be returned (inside
+ * kernels and graph replays). Filled by moecap_get_errors. */
+typedef struct moecap_error_counts {
+  size_t struct_size;     /* sizeof(moecap_error_counts), set by the caller */
+  uint64_t skipped_rows;  /* committed rows whose slot was outside [-1, host_slots) or
+                             whose source row was outside [0, device_rows) */
+  uint64_t invalid_ids;   /* captured ids outside [0, num_experts) */
+} moecap_error_counts;
+
+#define MOECAP_ERRORS_CLEAR 0x1u /* reset both counters after reading them */
+
+/* Waits for in-flight commits, then reports (and optionally clears) the counters. */
+MOECAP_API moecap_status moecap_get_errors(moecap_capturer* capturer, moecap_error_counts* out,
+                                           uint32_t flags);
+
+/* Zeroes the histogram, enqueued on `stream` (legal in a graph). Fails with
+ * INVALID_ARGUMENT without MOECAP_FLAG_HISTOGRAM. */
+MOECAP_API moecap_status moecap_histogram_reset(moecap_capturer* capturer, void* stream);
+
+/* ------------------------------------------------------------------------ */
+/* DLPack export                                                            */
+/* ------------------------------------------------------------------------ */
+
+typedef enum {
+  MOECAP_BUFFER_DEVICE_IDS = 1,     /* [device_rows, num_layers, top_k] stored id dtype */
+  MOECAP_BUFFER_DEVICE_WEIGHTS = 2, /* [device_rows, num_layers, top_k] stored weight dtype */
+  MOECAP_BUFFER_HOST_IDS = 3,       /* [host_slots, num_layers, top_k] */
+  MOECAP_BUFFER_HOST_WEIGHTS = 4,   /* [host_slots, num_layers, top_k] */
+  MOECAP_BUFFER_HISTOGRAM = 5,      /* [num_layers, num_experts] int64 */
+  MOECAP_BUFFER_LAYER_IDS = 6,      /* [device_rows, top_k], strides [num_layers*top_k, 1]:
+                                       one layer of the device ids, for a top-k kernel's out= */
+  MOECAP_BUFFER_LAYER_WEIGHTS = 7   /* the same for weights */
+} moecap_buffer;
+
+/* Zero-copy view of a buffer. `layer` selects the layer for LAYER_* and is
+ * ignored otherwise. The view has byte_offset 0 and non-NULL shape and
+ * strides; the device buffers report the capturer's device (kDLCUDA or
+ * kDLCPU), the host cache kDLCPU (pinned on CUDA). The view keeps the
+ * capturer's memory alive: call its deleter exactly once, from any thread,
+ * before or after moecap_destroy. Legal during graph capture (no device work). */
+MOECAP_API moecap_status moecap_export(moecap_capturer* capturer, int32_t which, int32_t layer,
+                                       DLManagedTensorVersioned** out);
+
+/* The same view as a legacy (pre-1.0) DLManagedTensor. */
+MOECAP_API moecap_status moecap_export_legacy(moecap_capturer* capturer, int32_t which, int32_t layer,
+                                              DLManagedTensor** out);
+
+/* ------------------------------------------------------------------------ */
+/* Plugin-owned graphs                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* Starts recording moecap operations issued on this capturer. CUDA: begins a
+ * stream capture on `stream` (thread-local mode; NULL refused); the capture, commit, export,
+ * local_rows and histogram_reset calls that follow are recorded there. Host:
+ * the same calls are recorded with every argument baked (pointers, shapes,
+ * row offsets, slot-tensor addresses) and not run. While recording, create,
+ * destroy, read, write, synchronize, get_errors return CAPTURE_ILLEGAL. */
+MOECAP_API moecap_status moecap_graph_begin(moecap_capturer* capturer, void* stream);
+
+/* Ends recording into a new graph (*out, owned by the caller). A failed call
+ * during recording records nothing. The graph keeps the capturer alive. */
+MOECAP_API moecap_status moecap_graph_end(moecap_capturer* capturer, moecap_graph** out);
+
+/* Replays the graph on `stream`: every recorded operation runs against what
+ * memory holds now, with the arguments baked at record time. */
+MOECAP_API moecap_status moecap_graph_launch(moecap_graph* graph, void* stream);
+
+/* The recorded CUgraph (CUDA backend), owned by the moecap_graph, to embed as
+ * a child graph node. MOECAP_ERROR_INVALID_ARGUMENT on the host backend. */
+MOECAP_API moecap_status moecap_graph_native(moecap_graph* graph, void** cu_graph);
+
+/* Frees the graph. NULL is a no-op. */
+MOECAP_API moecap_status moecap_graph_destroy(moecap_graph* graph);
+
+/* ------------------------------------------------------------------------ */
+/* Single-symbol table                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* Every function above, for hosts that dlsym one symbol. Fields appended only. */
+typedef struct moecap_api {
+  size_t struct_size; /* set by the caller; the library fills what fits */
+  uint32_t abi_version;
+  uint32_t reserved;
+  uint32_t (*abi_version_fn)(void);
+  const char* (*last_error)(void);
+  const char* (*status_name)(moecap_status);
+  moecap_status (*plan)(const moecap_config*, moecap_plan_info*);
+  moecap_status (*create)(const moecap_config*, moecap_capturer**);
+  moecap_status (*destroy)(moecap_capturer*);
+  moecap_status (*get_plan)(const moecap_capturer*, moecap_plan_info*);
+  moecap_status (*capture)(moecap_capturer*, int32_t, const DLTensor*, const DLTensor*, void*);
+  moecap_status (*local_rows)(const moecap_capturer*, const moecap_batch*, moecap_rows*);
+  moecap_status (*commit)(moecap_capturer*, const moecap_commit_args*, void*);
+  moecap_status (*read)(moecap_capturer*, const DLTensor*, DLTensor*, DLTensor*, uint32_t, void*);
+  moecap_status (*write)(moecap_capturer*, const DLTensor*, const DLTensor*, const DLTensor*, void*);
+  moecap_status (*synchronize)(moecap_capturer*);
+  moecap_status (*get_errors)(moecap_capturer*, moecap_error_counts*, uint32_t);
+  moecap_status (*histogram_reset)(moecap_capturer*, void*);
+  moecap_status (*export_versioned)(moecap_capturer*, int32_t, int32_t, DLManagedTensorVersioned**);
+  moecap_status (*export_legacy)(moecap_capturer*, int32_t, int32_t, DLManagedTensor**);
+  moecap_status (*graph_begin)(moecap_capturer*, void*);
+  moecap_status (*graph_end)(moecap_capturer*, moecap_graph**);
+  moecap_status (*graph_launch)(moecap_graph*, void*);
+  moecap_status (*graph_native)(moecap_graph*, void**);
+  moecap_status (*graph_destroy)(moecap_graph*);
+} moecap_api;
+
+/* Fills *out (out->struct_size set by the caller, at least up to `destroy`). */
+MOECAP_API moecap_status moecap_get_api(moecap_api* out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOECAP_H_ */
