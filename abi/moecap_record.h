@@ -71,10 +71,14 @@ typedef struct moecap_record_source {
                               "no expert" and weights 0, whatever the inputs hold there */
 } moecap_record_source;
 
+/* The first size of moecap_record_source (ABI 1.1): the smallest struct_size accepted. */
+#define MOECAP_RECORD_SOURCE_SIZE_1_1 MOECAP_STRUCT_SIZE(moecap_record_source, valid)
+
 /* A record's header, as moecap_record_parse found it. Filled by the library;
  * the caller sets struct_size. */
 typedef struct moecap_record_info {
-  size_t struct_size;     /* sizeof(moecap_record_info), set by the caller */
+  size_t struct_size;     /* sizeof(moecap_record_info), set by the caller; the library
+                             writes min(it, its own size) bytes and sets it to that */
   uint32_t version;       /* MOECAP_RECORD_VERSION */
   uint32_t flags;         /* MOECAP_RECORD_* of the header */
   int32_t id_bits;        /* bits per id code */
@@ -87,6 +91,9 @@ typedef struct moecap_record_info {
   int64_t start_position;
   uint64_t bytes;         /* the record's total size, header included */
 } moecap_record_info;
+
+/* The first size of moecap_record_info (ABI 1.1). */
+#define MOECAP_RECORD_INFO_SIZE_1_1 MOECAP_STRUCT_SIZE(moecap_record_info, bytes)
 
 /* Bytes moecap_record_encode will write for `source` (checks it fully). */
 MOECAP_API moecap_status moecap_record_size(const moecap_record_source* source, uint64_t* bytes);

@@ -8,6 +8,7 @@
 #include "base/status.h"
 #include "graphs/element.h"
 #include "moecap_record.h"
+#include "plugin/abi_structs.h"
 #include "plugin/backend.h"
 #include "plugin/guarded.h"
 #include "plugin/tensor_args.h"
@@ -98,6 +99,7 @@ void require_host(const DLTensor* t, const char* name) {
 }
 
 struct Source {
+  moecap_record_source args{};  // the caller's struct at this library's size
   Layout layout;
   int32_t id_elem = -1;
   const uint8_t* valid = nullptr;  // nullptr: every token valid
@@ -105,13 +107,14 @@ struct Source {
   bool token_valid(int64_t t) const { return valid == nullptr || valid[t] != 0; }
 };
 
-Source check_source(const moecap_record_source* s) {
-  check_struct(s, s ? s->struct_size : 0, sizeof(moecap_record_source), "source");
+Source check_source(const moecap_record_source* caller) {
+  Source out;
+  out.args = read_struct(caller, MOECAP_RECORD_SOURCE_SIZE_1_1, "source");
+  const moecap_record_source* s = &out.args;
   if (s->flags & ~uint32_t{MOECAP_RECORD_PACKED}) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "source->flags is ", s->flags, "; only MOECAP_RECORD_PACKED (1) is defined");
   }
   if (s->num_experts < 1) fail(MOECAP_ERROR_INVALID_ARGUMENT, "source->num_experts is ", s->num_experts, "; must be >= 1");
-  Source out;
   Layout& l = out.layout;
   out.id_elem = check_tensor(s->ids, {"source->ids", {kI8, kI16, kI32, kI64}, 3});
   require_host(s->ids, "source->ids");
@@ -157,7 +160,8 @@ Source check_source(const moecap_record_source* s) {
   return out;
 }
 
-void encode(const moecap_record_source* s, const Source& src, uint8_t* out) {
+void encode(const Source& src, uint8_t* out) {
+  const moecap_record_source* s = &src.args;
   const Layout& l = src.layout;
   std::memset(out, 0, l.total);
   std::memcpy(out, kMagic, 4);
@@ -306,14 +310,14 @@ moecap_status moecap_record_encode(const moecap_record_source* source, void* out
     if (capacity < src.layout.total) {
       fail(MOECAP_ERROR_CAPACITY, "capacity is ", capacity, " bytes; the record needs ", src.layout.total);
     }
-    moecap::encode(source, src, static_cast<uint8_t*>(out));
+    moecap::encode(src, static_cast<uint8_t*>(out));
     if (written != nullptr) *written = src.layout.total;
   });
 }
 
 moecap_status moecap_record_parse(const void* data, uint64_t bytes, moecap_record_info* out) {
   return guarded("moecap_record_parse", [&] {
-    moecap::check_struct(out, out ? out->struct_size : 0, sizeof(moecap_record_info), "out");
+    moecap::require_out_struct(out, MOECAP_RECORD_INFO_SIZE_1_1, "out");
     const moecap::Layout l = moecap::parse(data, bytes);
     moecap_record_info info{};
     info.struct_size = sizeof info;
@@ -327,7 +331,7 @@ moecap_status moecap_record_parse(const void* data, uint64_t bytes, moecap_recor
     info.num_tokens = l.tokens;
     info.start_position = static_cast<int64_t>(moecap::get_le(static_cast<const uint8_t*>(data) + 32, 8));
     info.bytes = l.total;
-    *out = info;
+    moecap::write_struct(out, info);
   });
 }
 

@@ -83,10 +83,30 @@ def test_request_table_reads_a_finished_request_in_token_order():
     assert "a" not in table and len(table) == 0
 
 
+def with_invalidate(cap):
+    """The capturer, able to invalidate: its own method where the binding has
+    one, else moecap_invalidate called through the ctypes binding's handle."""
+    if hasattr(cap, "invalidate"):
+        return cap
+    import ctypes
+    from moecap import _binding
+    fn = _binding.library().moecap_invalidate
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+
+    class Invalidating:
+        config = cap.config
+
+        def __getattr__(self, name):
+            return getattr(cap, name)
+
+        def invalidate(self, slots):
+            borrowed = _binding._Borrowed(np.ascontiguousarray(slots, dtype=np.int64))
+            _binding._check(fn(cap._handle, ctypes.cast(borrowed.ref(), ctypes.c_void_p), None))
+    return Invalidating()
+
+
 def test_finished_slots_are_invalidated():
-    cap = capturer()
-    if not hasattr(cap, "invalidate"):
-        pytest.skip("this libmoecap has no moecap_invalidate yet (issue 11): finish cannot free slots' routing")
+    cap = with_invalidate(capturer())
     table = RequestTable(cap)
     table.start(1)
     capture_rows(cap, 2)
@@ -96,7 +116,13 @@ def test_finished_slots_are_invalidated():
     # A request that reuses slot 9 but whose commit went missing reads an empty slot, not stale routing.
     table.start(2)
     table.append(2, [9])
-    assert table.finish(2).valid.tolist() == [False]
+    routed = table.finish(2)
+    assert routed.valid.tolist() == [False] and (routed.ids == -1).all()
+    # Without the invalidation the same read returns request 1's routing: what the table prevents.
+    stale = capturer()
+    capture_rows(stale, 2)
+    commit_batch(stale, [8, 9])
+    assert (stale.read([9]) >= 0).all()
 
 
 def test_a_record_from_a_prefill_instance_lands_in_the_decode_instances_slots():

@@ -246,3 +246,34 @@ TEST_CASE("every single-byte corruption and truncation is either refused untouch
     }
   }
 }
+
+TEST_CASE("record structs follow the ABI's struct_size rules") {
+  HostTensor ids({1, 1, 1}, moecap_test::i32());
+  ids.fill<int32_t>({2});
+  // A newer caller's longer source: accepted with a zero tail, refused with anything in it.
+  struct Longer {
+    moecap_record_source s;
+    uint64_t tail;
+  } longer{};
+  longer.s = source_of(ids, 4);
+  longer.s.struct_size = sizeof longer;
+  uint64_t bytes = 0;
+  CHECK(moecap_record_size(&longer.s, &bytes) == MOECAP_OK);
+  longer.tail = 1;
+  CHECK(moecap_record_size(&longer.s, &bytes) == MOECAP_ERROR_ABI_MISMATCH);
+  auto shorter = source_of(ids, 4);
+  shorter.struct_size = MOECAP_RECORD_SOURCE_SIZE_1_1 - 1;
+  CHECK(moecap_record_size(&shorter, &bytes) == MOECAP_ERROR_ABI_MISMATCH);
+  // An info struct is written up to the caller's size.
+  const auto r = encode(source_of(ids, 4));
+  struct LongerInfo {
+    moecap_record_info info;
+    uint64_t tail;
+  } out{};
+  out.info.struct_size = sizeof out;
+  out.tail = 0x5555;
+  REQUIRE(moecap_record_parse(r.data(), r.size(), &out.info) == MOECAP_OK);
+  CHECK(out.info.struct_size == sizeof(moecap_record_info));
+  CHECK(out.tail == 0x5555);
+  CHECK(out.info.num_experts == 4);
+}
