@@ -2,7 +2,7 @@
 """Bytes per token of one request's routing in each wire form, measured on
 the bytes each encoder writes (the README's record table).
 
-    PYTHONPATH=python python3 bench/record_sizes.py [layers top_k experts tokens]
+    PYTHONPATH=build/python ~/.cache/moecap/venv/bin/python bench/record_sizes.py [layers top_k experts tokens]
 """
 import base64
 import io

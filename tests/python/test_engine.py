@@ -31,14 +31,14 @@ def test_eager_gathered_batch_commits_this_ranks_rows():
     capture_rows(cap, 2 + 4 + 1)  # ranks hold 2, 4, 1 rows back to back
     slots = [10, -1, 30, 7]        # rank 1's rows; its second is padding
     assert commit_batch(cap, slots, dp_rank=1, tokens_per_rank=[2, 4, 1]) == (2, 4, 7)
-    assert np.array_equal(cap.read([10, 30, 7]), expected([2, 4, 5]))
+    assert np.array_equal(cap.read(np.array([10, 30, 7])), expected([2, 4, 5]))
 
 
 def test_padded_graph_batch():
     cap = capturer(dp_size=2)
     capture_rows(cap, 2 * 4)  # each rank padded to 4 rows
     assert commit_batch(cap, [5, 6, 9], dp_rank=1, tokens_per_rank=[2, 3], padded_tokens_per_rank=4) == (4, 3, 8)
-    assert np.array_equal(cap.read([5, 6, 9]), expected([4, 5, 6]))
+    assert np.array_equal(cap.read(np.array([5, 6, 9])), expected([4, 5, 6]))
 
 
 def test_idle_rank_commits_nothing():
@@ -83,30 +83,8 @@ def test_request_table_reads_a_finished_request_in_token_order():
     assert "a" not in table and len(table) == 0
 
 
-def with_invalidate(cap):
-    """The capturer, able to invalidate: its own method where the binding has
-    one, else moecap_invalidate called through the ctypes binding's handle."""
-    if hasattr(cap, "invalidate"):
-        return cap
-    import ctypes
-    from moecap import _binding
-    fn = _binding.library().moecap_invalidate
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-
-    class Invalidating:
-        config = cap.config
-
-        def __getattr__(self, name):
-            return getattr(cap, name)
-
-        def invalidate(self, slots):
-            borrowed = _binding._Borrowed(np.ascontiguousarray(slots, dtype=np.int64))
-            _binding._check(fn(cap._handle, ctypes.cast(borrowed.ref(), ctypes.c_void_p), None))
-    return Invalidating()
-
-
 def test_finished_slots_are_invalidated():
-    cap = with_invalidate(capturer())
+    cap = capturer()
     table = RequestTable(cap)
     table.start(1)
     capture_rows(cap, 2)
@@ -122,7 +100,7 @@ def test_finished_slots_are_invalidated():
     stale = capturer()
     capture_rows(stale, 2)
     commit_batch(stale, [8, 9])
-    assert (stale.read([9]) >= 0).all()
+    assert (stale.read(np.array([9])) >= 0).all()
 
 
 def test_a_record_from_a_prefill_instance_lands_in_the_decode_instances_slots():
@@ -136,7 +114,7 @@ def test_a_record_from_a_prefill_instance_lands_in_the_decode_instances_slots():
     table.append("r", [3, 1, 4, 15])
     wire = table.finish("r").to_bytes()
     write_routed(decode, [50, 51, 52, 53], RoutedExperts.from_bytes(wire))
-    ids, weights = decode.read([50, 51, 52, 53], weights_out=np.empty((4, LAYERS, TOP_K), dtype=np.float32))
+    ids, weights = decode.read(np.array([50, 51, 52, 53]), weights_out=np.empty((4, LAYERS, TOP_K), dtype=np.float32))
     assert np.array_equal(ids, expected([0, 1, 2, 3])) and (weights == 0.25).all()
     with pytest.raises(ValueError, match="slots has 3 entries; the routing has 4 tokens"):
         write_routed(decode, [1, 2, 3], RoutedExperts.from_bytes(wire))

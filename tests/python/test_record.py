@@ -3,7 +3,6 @@
 refusals, and the shapes each RL consumer takes."""
 import base64
 import ctypes
-import glob
 import os
 
 import numpy as np
@@ -37,13 +36,14 @@ class Source(ctypes.Structure):
 
 
 def _library():
-    """The libmoecap the package uses: MOECAP_LIBRARY, else one shipped inside
-    the installed package, else the loader's libmoecap.so.1."""
+    """The libmoecap.so the moecap package itself loaded (MOECAP_LIBRARY overrides)."""
     path = os.environ.get("MOECAP_LIBRARY")
     if not path:
-        shipped = sorted(glob.glob(os.path.join(os.path.dirname(moecap.__file__), "**", "libmoecap.so*"),
-                                   recursive=True))
-        path = shipped[0] if shipped else "libmoecap.so.1"
+        import moecap._moecap  # noqa: F401  (maps the library into this process)
+        with open("/proc/self/maps") as maps:
+            loaded = {line.split()[-1] for line in maps if "/libmoecap.so" in line}
+        assert len(loaded) == 1, f"expected one libmoecap.so mapped by the moecap package, found {loaded}"
+        path = loaded.pop()
     lib = ctypes.CDLL(path)
     lib.moecap_record_size.argtypes = [ctypes.POINTER(Source), ctypes.POINTER(ctypes.c_uint64)]
     lib.moecap_record_encode.argtypes = [ctypes.POINTER(Source), ctypes.c_void_p, ctypes.c_uint64,
