@@ -118,7 +118,8 @@ TEST_CASE("commit_on_host writes what the per-element kernel operations write, e
             ref_states[static_cast<size_t>(slot)] = committed_state(bad);
           }
           const bool same = ids == ref_ids && w == ref_w && states == ref_states &&
-                            errors.skipped_rows == ref_errors.skipped_rows && errors.skipped_rows > 0;
+                            errors.skipped_rows == ref_errors.skipped_rows && errors.skipped_rows > 0 &&
+                            errors.invalid_ids == ref_errors.invalid_ids;
           if (!same && wrong++ == 0) {
             MESSAGE("first mismatch: device ", s_elem, " host ", d_elem, " top_k ", top_k, " experts ", experts, " mode ",
                     mode, " row list ", row_list, " weights ", weights);
