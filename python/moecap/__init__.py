@@ -147,13 +147,24 @@ class Capturer(_moecap.Capturer):
         return out if weights_out is None else (out, weights_out)
 
     def slot_states(self, slots: Any) -> Any:
-        """SLOT_* bits of each slot (NumPy uint8 ``[T]``), after the commits in flight landed:
-        ``states & SLOT_VALID == 0`` marks the tokens a read returns as -1."""
+        """SLOT_* bits of each slot (NumPy uint8 ``[T]``) once the commits in flight landed:
+        ``states & SLOT_VALID == 0`` marks the tokens a read returns as -1.
+
+        ``slots``: ``[T]`` int32/int64 in host memory (any DLPack producer, or a
+        list), every value in ``[0, host_slots)``; anything else raises
+        MoecapError (INVALID_ARGUMENT / OUT_OF_RANGE) as ``read`` does. Waits
+        for commits like ``synchronize`` but does not raise its sticky
+        ROWS_SKIPPED: ``errors()`` reports skipped rows."""
         import numpy as np
-        self.synchronize()
         if self._states is None:
             self._states = np.from_dlpack(self.export("host_states"))
-        return self._states[np.from_dlpack(slots) if not isinstance(slots, np.ndarray) else slots]
+        index = _host_slots(slots, self._states.shape[0])
+        try:
+            self.synchronize()
+        except MoecapError as e:
+            if e.status != Status.ROWS_SKIPPED:  # the commits have landed; the skipped rows stay counted
+                raise
+        return self._states[index]
 
     def export(self, which: str, layer: int = 0) -> DLPackView:
         """A zero-copy DLPackView of a buffer: 'device_ids', 'host_ids', 'layer_ids', 'histogram', ..."""
@@ -169,6 +180,30 @@ class Capturer(_moecap.Capturer):
             from . import ops
             self._ops = ops.CapturerOps(self)
         return self._ops
+
+
+def _host_slots(slots: Any, host_slots: int) -> Any:
+    """slots as a NumPy int64 index, checked as moecap_read checks its slots (its messages)."""
+    import numpy as np
+    if isinstance(slots, (list, tuple)):
+        slots = np.asarray(slots, dtype=np.int64)
+    elif not isinstance(slots, np.ndarray):
+        try:
+            slots = np.from_dlpack(slots)
+        except (TypeError, RuntimeError, BufferError) as e:
+            raise MoecapError(Status.INVALID_ARGUMENT,
+                              f"slot_states: slots must be host memory (a DLPack producer or a list): {e}") from None
+    if slots.ndim != 1:
+        raise MoecapError(Status.INVALID_ARGUMENT, f"slot_states: slots has ndim {slots.ndim}; expected 1")
+    if slots.dtype not in (np.int32, np.int64):
+        raise MoecapError(Status.INVALID_ARGUMENT,
+                          f"slot_states: slots has dtype {slots.dtype}; expected one of int32, int64")
+    bad = np.flatnonzero((slots < 0) | (slots >= host_slots))
+    if bad.size:
+        i = int(bad[0])
+        raise MoecapError(Status.OUT_OF_RANGE,
+                          f"slot_states: slots[{i}] is {int(slots[i])}; it must be in [0, {host_slots})")
+    return slots
 
 
 def _torch_if_imported() -> Any:
