@@ -212,8 +212,23 @@ def _torch_if_imported() -> Any:
     return sys.modules.get("torch")
 
 
-# The consumers' layer: engine-step helpers, the routing record, transformers models
-# (hf imports torch and transformers only when called).
-from . import engine, hf, record  # noqa: E402,F401
-from .engine import RequestTable, batch_slots, commit_batch, write_routed  # noqa: E402,F401
-from .record import RecordError, RoutedExperts  # noqa: E402,F401
+# The consumers' layer (engine-step helpers, the routing record, transformers models) is
+# imported on first use: it needs NumPy (and hf torch and transformers), while `import moecap`
+# needs nothing but the extension.
+_LAZY = {
+    "engine": ("engine", None), "hf": ("hf", None), "record": ("record", None),
+    "RequestTable": ("engine", "RequestTable"), "batch_slots": ("engine", "batch_slots"),
+    "commit_batch": ("engine", "commit_batch"), "write_routed": ("engine", "write_routed"),
+    "RecordError": ("record", "RecordError"), "RoutedExperts": ("record", "RoutedExperts"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'moecap' has no attribute {name!r}")
+    import importlib
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(f".{module_name}", __name__)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
