@@ -196,6 +196,14 @@ moecap_status moecap_invalidate(moecap_capturer* capturer, const DLTensor* slots
   });
 }
 
+moecap_status moecap_join(moecap_capturer* capturer, void* stream) {
+  return guarded("moecap_join", [&] {
+    Capturer& c = live(capturer);
+    std::lock_guard<std::mutex> lock(c.mutex());
+    c.join(EngineStream::from_abi(stream));
+  });
+}
+
 moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTensor* ids_out,
                           DLTensor* weights_out, uint32_t flags, void* stream) {
   return guarded("moecap_read", [&] {
@@ -345,6 +353,7 @@ moecap_status moecap_get_api(moecap_api* out) {
     api.graph_destroy = moecap_graph_destroy;
     api.config_init = moecap_config_init;
     api.invalidate = moecap_invalidate;
+    api.join = moecap_join;
     // A caller compiled against an older header gets the prefix it knows.
     moecap::write_struct(out, api);
   });
