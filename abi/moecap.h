@@ -439,8 +439,9 @@ MOECAP_API moecap_status moecap_invalidate(moecap_capturer* capturer, const DLTe
  * edge of the engine's graph). Call it before the engine next writes, frees
  * or reuses a tensor a forked call read, e.g. once per forward after
  * moecap_commit, and before ending a capture that contains forked calls.
- * Legal in graphs; a no-op (MOECAP_OK) without the flag or with nothing
- * forked since the last join on this capture or stream. (1.1) */
+ * Legal in graphs (an edge from moecap's branch back to `stream`); a no-op
+ * (MOECAP_OK) without the flag, and inside a capture that forked nothing
+ * since its last join. (1.1) */
 MOECAP_API moecap_status moecap_join(moecap_capturer* capturer, void* stream);
 
 /* Waits until every enqueued commit has landed in the host cache. */
