@@ -181,3 +181,21 @@ TEST_CASE("side stream: a moecap graph joins at moecap_graph_end; replays and ea
   standin_drain_callbacks();
   CHECK(standin_violations() == 0);
 }
+
+TEST_CASE("side stream: a forked invalidate is ordered after the forked commit, and read waits for both") {
+  moecap_capturer* h = make_side_capturer(true);
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  forward(ids, 5, 2);
+  capture_layers(h, ids.get(), 2, s);
+  Tensor slots = index_tensor({10, 11}, kDLCPU);
+  commit(h, slots.get(), s);
+  Tensor freed = index_tensor({11}, kDLCPU);
+  REQUIRE(moecap_invalidate(h, freed.get(), s) == MOECAP_OK);
+  REQUIRE(standin_pending(s) > 0);  // nothing ran: the host has not waited
+  const std::vector<int64_t> got = read_rows(h, {10, 11});
+  CHECK(row_of(got, 0) == expected_row(5, 0));
+  CHECK(row_of(got, 1) == std::vector<int64_t>(row_of(got, 1).size(), -1));
+  REQUIRE(moecap_join(h, s) == MOECAP_OK);
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}

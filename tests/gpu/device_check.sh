@@ -33,8 +33,11 @@ if [ -n "$sanitizer" ]; then
   memcheck() { "$sanitizer" --tool memcheck --error-exitcode 1 --leak-check no "$@"; }
   step "memcheck gpu_backend" memcheck "$build/tests/gpu/moecap_gpu_tests"
   step "memcheck gpu_scenarios" memcheck "$build/tests/gpu/moecap_gpu_scenarios"
+  step "memcheck gpu_topk_views" memcheck "$build/tests/gpu/moecap_gpu_topk_views"
   if [ -x "$build/examples/engine_sim" ]; then
     step "memcheck engine_sim" memcheck "$build/examples/engine_sim" --backend cuda --requests 2000
+    step "memcheck engine_sim --side-stream" memcheck "$build/examples/engine_sim" --backend cuda --requests 2000 \
+      --side-stream
   fi
   if [ -n "${MOECAP_PYTHON:-$(command -v python3)}" ]; then
     step "memcheck torch" env MOECAP_LIBRARY="$build/libmoecap.so" PYTHONDONTWRITEBYTECODE=1 \
