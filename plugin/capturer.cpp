@@ -307,7 +307,8 @@ void Capturer::invalidate(const DLTensor* slots, EngineStream stream) {
   if (!graph && Backend::host_can_read(slots->device)) check_host_slots(slots, "slots", true, plan_.config.host_slots);
   if (!graph) check_guards(on_host());
   const int64_t count = slots->shape[0];
-  // Staged slots go through a staging area of device_rows entries: a longer
+  // Host slots are copied at the call into one of the backend's snapshot
+  // entries, which hold a commit's lists (device_rows entries each): a longer
   // list (a long request's KV) is enqueued in pieces, in order.
   const int64_t piece = slots_on_host ? plan_.device_rows : count;
   for (int64_t first = 0; first < count; first += piece) {

@@ -21,7 +21,9 @@ class DeviceMemory {
  public:
   explicit DeviceMemory(bool cuda) : cuda_(cuda) {
     if (!cuda_) return;
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    // The driver moecap uses: MOECAP_LIBCUDA when set (the tests' stand-in driver).
+    const char* path = std::getenv("MOECAP_LIBCUDA");
+    void* lib = dlopen(path != nullptr && *path != '\0' ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) throw std::runtime_error("engine_sim: --backend cuda needs libcuda.so.1");
     load(lib, init_, "cuInit");
     load(lib, device_get_, "cuDeviceGet");

@@ -40,8 +40,9 @@
 //   separate callback thread, where any driver call is a violation.
 // - cuLaunchKernel dispatches moecap's kernels by name to their host twins
 //   (graphs/), with the parameter struct copied at the launch. The commit
-//   kernel's rows run in reverse order, one legal GPU schedule, so a result
-//   that depends on the order of duplicate slots shows.
+//   kernel's rows run in reverse order (one-row host-twin commits, skipping
+//   rows whose slot a later entry claimed), one legal GPU schedule, so a
+//   result that depends on the order of duplicate slots shows.
 // - Freed device and pinned memory is never reused: a kernel whose parameters
 //   point into it is skipped and recorded as a violation.
 //

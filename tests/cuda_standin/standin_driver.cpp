@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -19,7 +20,7 @@
 #include "graphs/kernel_ops.h"
 #include "graphs/kernel_params.h"
 
-namespace {
+namespace standin_impl {
 
 using CUresult = int;
 constexpr CUresult kOk = 0, kInvalidValue = 1, kOutOfMemory = 2, kInvalidHandle = 400, kIllegalState = 401,
@@ -113,32 +114,24 @@ struct Kernel {
   std::vector<const void*> (*pointers)(const void* params);
 };
 
-std::recursive_mutex g_mu;
-// Every stream from cuStreamCreate; those never destroyed go at exit.
-struct Streams : std::vector<Stream*> {
-  ~Streams() {
-    for (Stream* s : *this) delete s;
-  }
-};
-Streams g_streams;
-Streams g_branches;  // the queues of graph branches, one per branch per launch, kept to exit
-std::map<uintptr_t, Alloc> g_allocs;
-std::vector<Capture*> g_captures;  // active captures, any thread
-Stream g_legacy;
+// The driver's state lives as long as the process, as a real driver's does:
+// calls that come late (a capturer released on another thread while the
+// process exits) find it intact. Never freed; reachable, so not a leak.
+std::recursive_mutex& g_mu = *new std::recursive_mutex;
+std::vector<Stream*>& g_streams = *new std::vector<Stream*>;  // every stream from cuStreamCreate
+std::vector<Stream*>& g_branches = *new std::vector<Stream*>;  // graph branches' queues, one per branch per launch
+std::map<uintptr_t, Alloc>& g_allocs = *new std::map<uintptr_t, Alloc>;
+std::vector<Capture*>& g_captures = *new std::vector<Capture*>;  // active captures, any thread
+Stream& g_legacy = *new Stream;
 int64_t g_violations = 0;
-std::string g_first_violation;
+std::string& g_first_violation = *new std::string;
 int64_t g_spin_waits = 0;
 std::atomic<void (*)(void*)> g_wait_hook{nullptr};
 std::atomic<void*> g_wait_hook_arg{nullptr};
 int64_t g_live_user_objects = 0;
-// Destructor threads the driver started; joined by standin_drain_callbacks, or at exit.
-struct CallbackThreads : std::vector<std::thread> {
-  ~CallbackThreads() {
-    for (std::thread& t : *this)
-      if (t.joinable()) t.join();
-  }
-};
-CallbackThreads g_callback_threads;
+// User-object destructors running on their own (detached) threads.
+int64_t g_running_callbacks = 0;
+std::condition_variable_any& g_callbacks_done = *new std::condition_variable_any;
 thread_local int t_capture_mode = kModeGlobal;
 thread_local bool t_in_callback = false;
 thread_local std::vector<void*> t_contexts;
@@ -279,23 +272,25 @@ void run_gather(const void* p) { gather_on_host(*static_cast<const GatherParams*
 void run_claim(const void* p) { claim_on_host(*static_cast<const CommitParams*>(p)); }
 void run_release(const void* p) { release_on_host(*static_cast<const CommitParams*>(p)); }
 void run_take_errors(const void* p) { take_errors_on_host(*static_cast<const TakeErrorsParams*>(p)); }
-// One warp per row on the GPU, rows in any order: here the last row first.
+// One warp per row on the GPU, rows in any order: here the last row first,
+// each through the host twin as a one-row commit. A row whose slot another
+// entry claimed (CommitParams::claims) is the kernel's to skip.
 void run_commit(const void* v) {
   const CommitParams& p = *static_cast<const CommitParams*>(v);
   for (int64_t j = p.count - 1; j >= 0; --j) {
     int64_t src = 0, slot = 0;
-    if (!commit_target(p, j, &src, &slot)) continue;
-    if (p.mode == kInvalidate) {
-      p.dst_states[slot] = kSlotEmpty;
-      continue;
+    commit_source(p, j, &src, &slot);
+    if (p.claims != nullptr && commit_in_range(p, src, slot) && p.claims[slot] != j + 1) continue;
+    CommitParams row = p;
+    row.count = 1;
+    row.claims = nullptr;
+    row.dst_slots = static_cast<const uint8_t*>(p.dst_slots) + j * elem_bytes(p.dst_slots_elem);
+    if (p.src_rows != nullptr) {
+      row.src_rows = static_cast<const uint8_t*>(p.src_rows) + j * elem_bytes(p.src_rows_elem);
+    } else {
+      row.src_start = p.src_start + j;
     }
-    const int64_t row = static_cast<int64_t>(p.num_layers) * p.top_k;
-    bool bad = false;
-    for (int64_t e = 0; e < row; ++e) {
-      bad = narrow_element(p, src, e, p.dst_ids, slot * row + e) || bad;
-      if (p.weight_elem >= 0) commit_weight(p, src, slot, e);
-    }
-    p.dst_states[slot] = committed_state(bad);
+    commit_on_host(row);
   }
 }
 
@@ -333,11 +328,15 @@ void release_user_object(UserObject* u, int64_t count) {
   if (u->refs > 0) return;
   --g_live_user_objects;
   // CUDA runs destructors on an internal thread, where no driver call is allowed.
-  g_callback_threads.emplace_back([u] {
+  ++g_running_callbacks;
+  std::thread([u] {
     t_in_callback = true;
     u->destroy(u->ptr);
     delete u;
-  });
+    std::lock_guard<std::recursive_mutex> lock(g_mu);
+    --g_running_callbacks;
+    g_callbacks_done.notify_all();
+  }).detach();
 }
 
 void retain_all(const std::map<UserObject*, int64_t>& refs) {
@@ -798,7 +797,9 @@ const Entry kEntries[] = {
     ENTRY(cuUserObjectRelease), ENTRY(cuGraphRetainUserObject), ENTRY(cuGraphReleaseUserObject),
 };
 
-}  // namespace
+}  // namespace standin_impl
+
+using namespace standin_impl;
 
 extern "C" {
 
@@ -832,6 +833,20 @@ __attribute__((visibility("default"))) int cuGetProcAddress_v2(const char* name,
 __attribute__((visibility("default"))) int cuGetProcAddress(const char* name, void** pfn, int v, uint64_t f) {
   return cuGetProcAddress_v2(name, pfn, v, f, nullptr);
 }
+
+// What an engine that dlsym()s libcuda itself (examples/engine_sim) finds.
+#define STANDIN_EXPORT(name, impl, params, args) \
+  __attribute__((visibility("default"))) int name params { return standin_impl::impl args; }
+STANDIN_EXPORT(cuDeviceGet, cuDeviceGet, (int* d, int ordinal), (d, ordinal))
+STANDIN_EXPORT(cuDevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain, (void** ctx, int d), (ctx, d))
+STANDIN_EXPORT(cuMemAlloc_v2, cuMemAlloc, (unsigned long long* p, size_t n), (p, n))
+STANDIN_EXPORT(cuMemFree_v2, cuMemFree, (unsigned long long p), (p))
+STANDIN_EXPORT(cuMemcpyHtoDAsync_v2, cuMemcpyHtoDAsync, (unsigned long long d, const void* s, size_t n, void* st),
+               (d, s, n, st))
+STANDIN_EXPORT(cuStreamCreate, cuStreamCreate, (void** s, unsigned f), (s, f))
+STANDIN_EXPORT(cuStreamSynchronize, cuStreamSynchronize, (void* s), (s))
+// One context: making it current changes nothing.
+__attribute__((visibility("default"))) int cuCtxSetCurrent(void*) { return 0; }
 
 // Tests reach the driver directly too, as an engine would (its own streams,
 // pinned buffers, captures and graphs).
@@ -878,12 +893,8 @@ __attribute__((visibility("default"))) int64_t standin_spin_waits(void) {
   return g_spin_waits;
 }
 __attribute__((visibility("default"))) void standin_drain_callbacks(void) {
-  std::vector<std::thread> threads;
-  {
-    std::lock_guard<std::recursive_mutex> lock(g_mu);
-    threads.swap(g_callback_threads);
-  }
-  for (std::thread& t : threads) t.join();
+  std::unique_lock<std::recursive_mutex> lock(g_mu);
+  g_callbacks_done.wait(lock, [] { return g_running_callbacks == 0; });
 }
 __attribute__((visibility("default"))) int64_t standin_live_user_objects(void) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);

@@ -166,16 +166,19 @@ TEST_CASE("defect 6: a module the driver cannot load reports NO_DEVICE or DRIVER
   struct Case {
     const char* error;
     moecap_status expect;
+    const char* says;
   };
   // CUDA_ERROR_NO_BINARY_FOR_GPU: no SASS or PTX for this GPU; CUDA_ERROR_UNSUPPORTED_PTX_VERSION
   // and CUDA_ERROR_INVALID_PTX: PTX newer than the driver's JIT.
-  for (Case k : {Case{"209", MOECAP_ERROR_NO_DEVICE}, Case{"222", MOECAP_ERROR_DRIVER_TOO_OLD},
-                 Case{"218", MOECAP_ERROR_DRIVER_TOO_OLD}}) {
+  for (Case k : {Case{"209", MOECAP_ERROR_NO_DEVICE, "no code for this GPU (built for sm_"},
+                 Case{"222", MOECAP_ERROR_DRIVER_TOO_OLD, "cannot compile the kernels' PTX"},
+                 Case{"218", MOECAP_ERROR_DRIVER_TOO_OLD, "cannot compile the kernels' PTX"}}) {
     CAPTURE(k.error);
     setenv("STANDIN_MODULE_LOAD_ERROR", k.error, 1);
     moecap_config c = cuda_config();
     moecap_capturer* h = nullptr;
     CHECK_MESSAGE(moecap_create(&c, &h) == k.expect, std::string(moecap_last_error()));
+    CHECK_MESSAGE(std::string(moecap_last_error()).find(k.says) != std::string::npos, std::string(moecap_last_error()));
     CHECK(h == nullptr);
     unsetenv("STANDIN_MODULE_LOAD_ERROR");
   }
