@@ -419,16 +419,20 @@ class CudaBackend final : public Backend {
     return UniqueStream(d_, ctx(), s);
   }
 
-  // The id of the capture `s` belongs to, or 0.
-  uint64_t capture_id(CUstream s) {
-    int status = kCaptureStatusNone;
+  // The capture `s` takes part in: its id (0 if none) and the graph being built.
+  struct CaptureInfo {
     uint64_t id = 0;
     CUgraph graph = nullptr;
+  };
+  CaptureInfo capture_info(CUstream s) {
+    int status = kCaptureStatusNone;
+    CaptureInfo info;
     const CUgraphNode* deps = nullptr;
     size_t ndeps = 0;
-    check(d_, d_.cuStreamGetCaptureInfo(s, &status, &id, &graph, &deps, &ndeps), "cuStreamGetCaptureInfo");
-    return status == kCaptureStatusActive ? id : 0;
+    check(d_, d_.cuStreamGetCaptureInfo(s, &status, &info.id, &info.graph, &deps, &ndeps), "cuStreamGetCaptureInfo");
+    return status == kCaptureStatusActive ? info : CaptureInfo{};
   }
+  uint64_t capture_id(CUstream s) { return capture_info(s).id; }
 
   // Where forked work goes: with MOECAP_FLAG_SIDE_STREAM, a side stream made
   // to wait for what `engine` holds so far (an event record and a wait; in a
@@ -574,13 +578,8 @@ class CudaBackend final : public Backend {
   // built takes a reference to the capturer, once per capture.
   void keep_owner_in_capture(CUstream s) {
     if (owner_.expired()) return;
-    int status = kCaptureStatusNone;
-    uint64_t id = 0;
-    CUgraph graph = nullptr;
-    const CUgraphNode* deps = nullptr;
-    size_t ndeps = 0;
-    check(d_, d_.cuStreamGetCaptureInfo(s, &status, &id, &graph, &deps, &ndeps), "cuStreamGetCaptureInfo");
-    if (status != kCaptureStatusActive || id == kept_in_capture_) return;
+    const auto [id, graph] = capture_info(s);
+    if (id == 0 || id == kept_in_capture_) return;
     auto* held = new std::shared_ptr<void>(owner_.lock());
     CUuserObject object = nullptr;
     CUresult r = d_.cuUserObjectCreate(&object, held, &release_owner, 1, kUserObjectNoDestructorSync);

@@ -7,7 +7,7 @@
 // contract (join before the write) is what keeps the rows right.
 #include <doctest/doctest.h>
 
-#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "tests/cuda_standin/engine.h"
@@ -15,12 +15,8 @@
 using namespace standin;
 using namespace moecap_scenarios;
 
+// MOECAP_LIBCUDA names the stand-in: set for the whole binary by test_scenarios.cpp.
 namespace {
-
-struct Setup {
-  Setup() { setenv("MOECAP_LIBCUDA", MOECAP_STANDIN_DRIVER, 1); }
-};
-const Setup setup;
 
 constexpr CUresult kCaptureUnjoined = 904;
 

@@ -207,12 +207,4 @@ TEST_CASE("the same with MOECAP_FLAG_SIDE_STREAM: the commit is a branch joined 
   run_case<int16_t>(MOECAP_IDS_I16, true);
 }
 
-int main(int argc, char** argv) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device: GPU tests skipped\n");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
-}
+#include "tests/gpu/gpu_main.h"
