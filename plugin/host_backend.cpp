@@ -85,9 +85,14 @@ class HostBackend final : public Backend {
   std::unique_ptr<BackendGraph> end_graph() override { return graphs_.end(); }
 
  private:
+  // 64-byte aligned (a cache line; what JAX and XLA need to take a DLPack view
+  // without copying it), zeroed.
   static void* allocate(size_t bytes) {
-    void* p = std::calloc(1, bytes == 0 ? 1 : bytes);
+    constexpr size_t kAlign = 64;
+    const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+    void* p = rounded < bytes ? nullptr : std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
     if (p == nullptr) fail(MOECAP_ERROR_OUT_OF_MEMORY, "host backend: cannot allocate ", bytes, " bytes");
+    std::memset(p, 0, rounded == 0 ? kAlign : rounded);
     return p;
   }
 

@@ -1,8 +1,9 @@
 """moecap from Python: capture a router's top-k in two layers, commit the
-tokens to their KV slots, read a finished request back, and look at the host
-cache zero-copy through NumPy and PyTorch.
+tokens to their KV slots, read a finished request back, invalidate a freed
+slot, and look at the host cache zero-copy through NumPy.
 
-    MOECAP_LIBRARY=build/libmoecap.so PYTHONPATH=abi/python python3 examples/python/quickstart.py
+    pip install .                      # once: the wheel (libmoecap.so.1 + the extension)
+    python examples/python/quickstart.py
 """
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ with moecap.Capturer(num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS, host_s
                             weights_out=np.zeros((2, LAYERS, TOP_K), dtype=np.float32))
     print("request rows [token, layer, k]:", ids.tolist())
     print("routing weights (bf16-stored):", np.round(weights.astype(np.float64), 3).tolist())
+
+    cap.invalidate(np.array([11]))                           # its KV freed: slot 11 reads -1 from now on
+    print("slot 11 after invalidate:", cap.read(np.array([11]))[0].tolist())
 
     host = np.from_dlpack(cap.export("host_ids"))            # the whole host cache, zero-copy
     print("host cache", host.shape, host.dtype, "slot 10:", host[10].tolist())

@@ -1,13 +1,31 @@
-"""NumPy and PyTorch read moecap's buffers zero-copy through DLPack, and the
-ctypes binding passes their arrays in without copies."""
+"""DLPack both ways: moecap's buffers go out to NumPy 2, PyTorch and JAX
+(versioned capsules when asked, copies on copy=True, refused capsules
+released), and every tensor argument takes any DLPack producer in place."""
+import ctypes
+import gc
+
 import numpy as np
 import pytest
 import torch
 
 import moecap
+from moecap import _moecap
 
 CONFIG = dict(num_layers=3, top_k=2, num_experts=16, host_slots=32, max_running_requests=8,
               chunked_prefill_size=8)
+
+_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_pointer.restype = ctypes.c_void_p
+_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_get_name = ctypes.pythonapi.PyCapsule_GetName
+_get_name.restype = ctypes.c_char_p
+_get_name.argtypes = [ctypes.py_object]
+READ_ONLY, IS_COPIED = 1, 2
+
+
+def capsule_flags(capsule):
+    """DLManagedTensorVersioned.flags (offset 24) of an unconsumed versioned capsule."""
+    return ctypes.c_uint64.from_address(_get_pointer(capsule, b"dltensor_versioned") + 24).value
 
 
 def test_numpy_view_sees_commits_zero_copy():
@@ -22,25 +40,81 @@ def test_numpy_view_sees_commits_zero_copy():
         # The view taken before the commit sees it: same memory.
         assert host[5].tolist() == [[1, 2], [2, 3], [3, 4]]
         assert host[9, 2].tolist() == [5, 6]
-        # And moecap sees a write through a view (NumPy's are read-only, so torch's).
-        torch.from_dlpack(cap.export("host_ids"))[7] = 11
-        assert host[7, 0, 0] == 11
-        assert cap.read(np.array([7]))[0].tolist() == [[11, 11]] * 3
+        # NumPy 2 asked for a versioned capsule, so the view is writable, and moecap sees the write.
+        assert host.flags.writeable
+        host[5] = 11
+        assert cap.read(np.array([5]))[0].tolist() == [[11, 11]] * 3
+
+
+def test_versioned_capsule_only_when_asked():
+    with moecap.Capturer(**CONFIG) as cap:
+        legacy = cap.export("host_ids").__dlpack__()
+        assert _get_name(legacy) == b"dltensor"
+        versioned = cap.export("host_ids").__dlpack__(max_version=(1, 0))
+        assert _get_name(versioned) == b"dltensor_versioned"
+        assert capsule_flags(versioned) & READ_ONLY == 0  # moecap's buffers are writable
+        assert _get_name(cap.export("host_ids").__dlpack__(max_version=(0, 8))) == b"dltensor"
+        view = cap.export("device_ids")
+        view.__dlpack__()
+        assert view.consumed
+        with pytest.raises(BufferError, match="already consumed"):
+            view.__dlpack__()
+        # Unconsumed capsules (legacy, versioned) are released by their destructors.
+        del legacy, versioned
+        gc.collect()
+
+
+def test_copy_true_copies():
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.capture(1, np.array([[3, 4]], dtype=np.int32))
+        capsule = cap.export("layer_ids", layer=1).__dlpack__(max_version=(1, 0), copy=True)
+        assert capsule_flags(capsule) & IS_COPIED
+        copy = np.from_dlpack(cap.export("layer_ids", layer=1), copy=True)
+        alias = np.from_dlpack(cap.export("layer_ids", layer=1))
+        assert copy.shape == (8, 2) and copy.flags.c_contiguous  # the strided layer view, compacted
+        assert copy[0].tolist() == [3, 4]
+        assert not np.shares_memory(copy, alias)
+        assert copy.ctypes.data % 64 == 0
+        copy[0] = 9
+        assert alias[0].tolist() == [3, 4]
+        with pytest.raises(BufferError, match="dl_device"):
+            cap.export("host_ids").__dlpack__(dl_device=(2, 0))
+
+
+def test_refused_capsule_is_released():
+    # NumPy has no bfloat16: it refuses the view. The error must be NumPy's
+    # (not a SystemError) and the capsule must free the view, which holds the
+    # capturer's memory (64 MiB of host cache here) after close().
+    def resident_bytes():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    config = dict(CONFIG, host_slots=(64 << 20) // (3 * 2 * 2), weight_dtype="bf16")
+    cap = moecap.Capturer(**config)
+    before = resident_bytes()
+    view = cap.export("host_weights")
+    with pytest.raises((BufferError, TypeError, RuntimeError)) as e:
+        np.from_dlpack(view)
+    assert not isinstance(e.value, SystemError)
+    del view, e
+    cap.close()
+    gc.collect()
+    assert resident_bytes() < before - (48 << 20)  # the host cache went back to the OS
 
 
 def test_torch_view_and_torch_inputs():
     with moecap.Capturer(weight_dtype="bf16", **CONFIG) as cap:
         dev = torch.from_dlpack(cap.export("device_ids"))
-        assert dev.shape == (8, 3, 2)
-        assert dev.dtype == torch.uint8
+        assert dev.shape == (3, 8, 2)  # layer-major: one layer's rows are contiguous
+        assert dev.dtype == torch.int16  # the device buffer's own dtype (AUTO: int16)
         layer1 = torch.from_dlpack(cap.export("layer_ids", layer=1))
         assert layer1.shape == (8, 2)
-        assert layer1.stride() == (6, 1)
+        assert layer1.stride() == (2, 1)
         ids = torch.tensor([[7, 8], [9, 10], [11, 12]], dtype=torch.int32)
         weights = torch.tensor([[0.5, 0.25], [0.125, 0.75], [1.0, 0.0]], dtype=torch.float32)
         cap.capture(1, ids, weights)
         assert layer1[:3].tolist() == ids.tolist()
-        assert dev[2, 1].tolist() == [11, 12]
+        assert dev[1, 2].tolist() == [11, 12]
         w = torch.from_dlpack(cap.export("device_weights"))
         assert w.dtype == torch.bfloat16
         assert w[1, 1].float().tolist() == [0.125, 0.75]
@@ -51,12 +125,35 @@ def test_torch_view_and_torch_inputs():
         assert wout[0, 1].tolist() == [0.5, 0.25]
 
 
+@pytest.mark.parametrize("exchange_api,torch_attributes", [(True, True), (False, True), (False, False)])
+def test_every_torch_path_describes_the_same_tensor(exchange_api, torch_attributes):
+    # The C exchange API, the attribute reads and nanobind's __dlpack__ import
+    # must agree, including on a strided view and a storage offset.
+    try:
+        _moecap._fast_paths(exchange_api, torch_attributes)
+        with moecap.Capturer(**CONFIG) as cap:
+            base = torch.arange(40, dtype=torch.int64).reshape(10, 4) % 16
+            cap.capture(0, base[2:5, 1:3].contiguous())
+            cap.capture(1, base[3:6, :2].contiguous())
+            cap.commit(torch.tensor([0, 1, 2], dtype=torch.int32)[torch.tensor([2, 1, 0])])
+            out = cap.read(torch.tensor([2, 1, 0]))
+            assert out[:, 0].tolist() == base[2:5, 1:3].tolist()
+            assert out[:, 1].tolist() == base[3:6, :2].tolist()
+            with pytest.raises(moecap.MoecapError, match="not compact"):
+                cap.capture(0, base[:3, ::2])
+    finally:
+        _moecap._fast_paths(True, True)
+
+
 def test_view_outlives_close():
     cap = moecap.Capturer(**CONFIG)
     cap.capture(0, np.array([[3, 4]], dtype=np.int32))
     view = torch.from_dlpack(cap.export("device_ids"))
     cap.close()
+    assert cap.closed
     assert view[0, 0].tolist() == [3, 4]  # memory held by the view's deleter
+    with pytest.raises(ValueError, match="closed"):
+        cap.capture(0, np.array([[3, 4]], dtype=np.int32))
 
 
 def test_errors_raise_with_the_message():
@@ -74,6 +171,14 @@ def test_errors_raise_with_the_message():
         with pytest.raises(moecap.MoecapError) as e:
             cap.capture(0, np.zeros((2, 4), dtype=np.int32)[:, ::2])  # a strided view
         assert "not compact" in str(e.value)
+        with pytest.raises(TypeError, match="argument 'topk_ids' must be a tensor"):
+            cap.capture(0, [[1, 2]])
+        with pytest.raises(TypeError, match="argument 'out' must be a writable tensor"):
+            ro = np.zeros((1, 3, 2), dtype=np.int32)
+            ro.flags.writeable = False
+            cap.read(np.array([0]), out=ro)
+        with pytest.raises(TypeError, match="argument 'stream' must be None, an int"):
+            cap.capture(0, np.zeros((1, 2), dtype=np.int32), stream="the default one")
     with pytest.raises(moecap.MoecapError) as e:
         moecap.Capturer(**dict(CONFIG, top_k=0))
     assert "top_k" in str(e.value)
@@ -86,24 +191,51 @@ def test_plan_without_allocating():
     assert p["id_bytes"] == 1
 
 
+def test_host_buffers_are_64_byte_aligned():
+    with moecap.Capturer(weight_dtype="f16", histogram=True, **CONFIG) as cap:
+        for which in ("device_ids", "device_weights", "host_ids", "host_weights", "histogram"):
+            assert np.from_dlpack(cap.export(which)).ctypes.data % 64 == 0, which
+
+
 class OnlyDLPack:
-    """A producer known only through the DLPack protocol (as CuPy or JAX arrays are)."""
+    """A producer known only through the DLPack protocol (as CuPy or tvm-ffi tensors are): no len()."""
 
     def __init__(self, array):
         self.array = array
 
-    def __dlpack__(self, stream=None):
-        return self.array.__dlpack__()
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
 
     def __dlpack_device__(self):
         return self.array.__dlpack_device__()
 
 
-def test_any_dlpack_producer_is_borrowed_without_copies():
-    with moecap.Capturer(**CONFIG) as cap:
+def test_every_argument_takes_any_dlpack_producer():
+    with moecap.Capturer(weight_dtype="f32", **CONFIG) as cap:
         ids = np.array([[9, 8], [7, 6]], dtype=np.int32)
-        cap.capture(0, OnlyDLPack(ids))
-        cap.commit(OnlyDLPack(np.array([3, 4], dtype=np.int64)))
+        weights = np.array([[0.5, 0.5], [0.25, 0.75]], dtype=np.float32)
+        cap.capture(0, OnlyDLPack(ids), OnlyDLPack(weights))
+        cap.commit(OnlyDLPack(np.array([3, 4], dtype=np.int64)), src_rows=OnlyDLPack(np.array([0, 1])))
         out = np.zeros((2, 3, 2), dtype=np.int16)
-        cap.read(OnlyDLPack(np.array([4, 3], dtype=np.int64)), out=OnlyDLPack(out))
+        wout = np.zeros((2, 3, 2), dtype=np.float32)
+        cap.read(OnlyDLPack(np.array([4, 3], dtype=np.int64)), out=OnlyDLPack(out), weights_out=OnlyDLPack(wout))
         assert out[:, 0].tolist() == [[7, 6], [9, 8]]  # written in place through the borrowed DLTensor
+        assert wout[1, 0].tolist() == [0.5, 0.5]
+        allocated = cap.read(OnlyDLPack(np.array([3])))  # no len(): the length comes from the DLTensor
+        assert allocated.shape == (1, 3, 2) and allocated[0, 0].tolist() == [9, 8]
+        cap.write(OnlyDLPack(np.array([5])), OnlyDLPack(np.full((1, 3, 2), 2, dtype=np.int32)),
+                  OnlyDLPack(np.ones((1, 3, 2), dtype=np.float32)))
+        assert cap.read(np.array([5]))[0].tolist() == [[2, 2]] * 3
+
+
+def test_jax_both_ways():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.capture(0, jnp.array([[1, 2], [3, 4]], dtype=jnp.int32))  # a JAX array in
+        cap.commit(jnp.array([6, 7], dtype=jnp.int32))
+        host = jax.dlpack.from_dlpack(cap.export("host_ids"))  # and the host cache out
+        assert host.shape == (32, 3, 2)
+        assert host[7, 0].tolist() == [3, 4]
+        # Zero-copy: JAX took moecap's (64-byte aligned) memory instead of copying it.
+        assert host.unsafe_buffer_pointer() == np.from_dlpack(cap.export("host_ids")).ctypes.data

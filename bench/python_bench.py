@@ -1,0 +1,103 @@
+"""Each step-path call of the Python binding beside the PyTorch code it
+replaces, in one process, one thread: a markdown table of ratios.
+
+    capture  moecap Capturer.capture       vs  buf[:n, layer].copy_(ids)          (int32 device buffer)
+    commit   moecap Capturer.commit(slots) vs  cache[slots] = buf[:n]             (index_put, int32 cache)
+    read     moecap Capturer.read(out=)    vs  torch.index_select(cache, 0, slots, out=)
+
+Model: 61 layers, top-8 of 256 experts (DeepSeek-V3; moecap stores u8), host
+backend. Also the binding's own cost: capture of 1 row minus the C call
+alone (borrowing done once). Run: cmake --build build --target bench, or
+PYTHONPATH=build/python <venv>/bin/python bench/python_bench.py [--quick].
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+import moecap
+
+LAYERS, TOP_K, EXPERTS, HOST_SLOTS, ROWS = 61, 8, 256, 1 << 16, 8192
+
+
+def per_call(fn, min_time, repeats=5):
+    """Median over `repeats` of seconds per call, each run at least min_time long."""
+    fn()
+    n = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time / 10:
+            break
+        n *= 4
+    n = max(1, int(n * min_time / max(elapsed, 1e-9) / 1.0))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - start) / n)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short runs (a smoke test, not numbers to quote)")
+    args = parser.parse_args()
+    min_time = 0.02 if args.quick else 0.2
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+
+    cap = moecap.Capturer(num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS, host_slots=HOST_SLOTS,
+                          max_running_requests=256, chunked_prefill_size=ROWS)
+    device_buffer = torch.zeros(ROWS, LAYERS, TOP_K, dtype=torch.int32)  # what an engine keeps without moecap
+    host_cache = torch.zeros(HOST_SLOTS, LAYERS, TOP_K, dtype=torch.int32)
+    rows = []
+
+    for n in (1, 64, 512):
+        ids = torch.randint(0, EXPERTS, (n, TOP_K), dtype=torch.int32, generator=gen)
+        ours = per_call(lambda: cap.capture(7, ids), min_time)
+        theirs = per_call(lambda: device_buffer[:n, 7].copy_(ids), min_time)
+        rows.append((f"capture {n} row{'s' if n > 1 else ''}", f"{ours * 1e6:.2f} us", f"{theirs * 1e6:.2f} us",
+                     theirs / ours, ">= 2x"))
+        if n == 1:
+            c_call = cap._time_capture(7, ids, max(1000, int(min_time / 1e-7)))
+            overhead = ours - c_call
+
+    for layer in range(LAYERS):  # real routing in every row, for commit and read
+        cap.capture(layer, torch.randint(0, EXPERTS, (ROWS, TOP_K), dtype=torch.int32, generator=gen))
+    device_buffer.copy_(torch.randint(0, EXPERTS, (ROWS, LAYERS, TOP_K), dtype=torch.int32, generator=gen))
+    for n, target in ((64, ">= 1x"), (4096, ">= 10x")):
+        slots = torch.randperm(HOST_SLOTS, generator=gen)[:n]
+        ours = per_call(lambda: cap.commit(slots), min_time)
+        theirs = per_call(lambda: host_cache.index_put_((slots,), device_buffer[:n]), min_time)
+        rows.append((f"commit {n} rows, random slots", f"{n / ours / 1e6:.2f} M tok/s",
+                     f"{n / theirs / 1e6:.2f} M tok/s", theirs / ours, target))
+
+    for n, target in ((128, ">= 1x"), (4096, ">= 4x")):
+        slots = torch.randperm(HOST_SLOTS, generator=gen)[:n]
+        out_ours = torch.empty(n, LAYERS, TOP_K, dtype=torch.int32)
+        out_theirs = torch.empty(n, LAYERS, TOP_K, dtype=torch.int32)
+        ours = per_call(lambda: cap.read(slots, out=out_ours), min_time)
+        theirs = per_call(lambda: torch.index_select(host_cache, 0, slots, out=out_theirs), min_time)
+        rows.append((f"read {n} tokens", f"{n / ours / 1e6:.2f} M tok/s", f"{n / theirs / 1e6:.2f} M tok/s",
+                     theirs / ours, target))
+    cap.close()
+
+    print(f"moecap Python binding vs torch {torch.__version__}, one thread; {LAYERS} layers, top-{TOP_K} of "
+          f"{EXPERTS} experts, host backend")
+    print()
+    print("| call | moecap | torch | ratio | target |")
+    print("|---|---|---|---|---|")
+    for name, ours, theirs, ratio, target in rows:
+        print(f"| {name} | {ours} | {theirs} | {ratio:.2f}x | {target} |")
+    print()
+    print(f"binding overhead per call (capture 1 row {rows[0][1]} minus the C call alone "
+          f"{c_call * 1e6:.2f} us): {overhead * 1e6:.2f} us (target <= 2 us)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+// Shared pieces of the moecap._moecap extension: borrowing Python tensors as
+// DLTensors, resolving streams, raising MoecapError, and the DLPackView type.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+
+#include "moecap.h"
+
+namespace moecap_python {
+
+namespace nb = nanobind;
+
+// Raises moecap.MoecapError(status, moecap_last_error()) unless status is OK.
+void check(moecap_status status);
+
+// A DLTensor describing a Python tensor's memory in place (no copy). `keep`
+// holds the Python object, so the memory lives at least as long as this.
+struct Borrowed {
+  static constexpr int kMaxDims = 8;
+  DLTensor dl{};
+  int64_t shape[kMaxDims]{};
+  int64_t strides[kMaxDims]{};
+  nb::object keep;
+  nb::ndarray<nb::ro> array;  // the nanobind import holding the producer's capsule
+  Py_buffer buffer{};         // the buffer-protocol view, released with this
+  bool has_buffer = false;
+  const void* producer_api = nullptr;  // the producer's DLPack exchange API, if it came through one
+
+  Borrowed() = default;
+  Borrowed(const Borrowed&) = delete;
+  Borrowed& operator=(const Borrowed&) = delete;
+  ~Borrowed() { release_buffer(); }  // with the GIL held, as every caller destroys it
+  void release_buffer();
+
+  const DLTensor* get() const { return &dl; }
+  DLTensor* get_mut() { return &dl; }
+};
+
+// Fills `out` from a PyTorch tensor (attributes read directly: no DLPack
+// round trip, no stream synchronization) or from anything nanobind's ndarray
+// accepts (NumPy's buffer protocol, any __dlpack__ producer, a capsule).
+// `name` names the argument in the TypeError; `writable` refuses read-only
+// arrays (outputs).
+void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out);
+
+// Borrows `obj` unless it is None; returns the DLTensor or nullptr.
+const DLTensor* borrow_optional(nb::handle obj, const char* name, bool writable, Borrowed& out);
+
+// The CUstream for a call: an int, an object with .cuda_stream (torch, CuPy),
+// or None: NULL for the host backend; for the CUDA backend the current stream
+// of the producer of `tensor` (through its DLPack exchange API), else
+// torch's current stream on the capturer's GPU; never silently the legacy
+// stream.
+void* resolve_stream(nb::handle stream, int32_t device_type, int32_t device_id, const Borrowed* tensor = nullptr);
+
+// Test hook: turn the DLPack C exchange API and PyTorch attribute paths off
+// to exercise the slower ones.
+void set_fast_paths(bool exchange_api, bool torch_attributes);
+
+// Wraps a DLManagedTensorVersioned from moecap_export (ownership moves in).
+nb::object make_dlpack_view(DLManagedTensorVersioned* managed);
+void bind_dlpack_view(nb::module_& m);
+
+}  // namespace moecap_python

@@ -1,0 +1,320 @@
+// Python tensors in, as borrowed DLTensors; streams; errors out.
+//
+// The step path calls capture once per MoE layer, so describing a tensor must
+// cost well under a microsecond. In order of preference:
+//  1. the producer's DLPack C exchange API (`type(x).__dlpack_c_exchange_api__`,
+//     PyTorch >= 2.10): a C call fills the DLTensor, no Python, no sync;
+//  2. PyTorch without it: data_ptr(), shape, stride(), dtype read directly
+//     (its __dlpack__ costs ~20 us and synchronizes streams, illegal while a
+//     CUDA graph is captured);
+//  3. the buffer protocol (NumPy and anything like it), read-only when allowed;
+//  4. nanobind's ndarray import: any other __dlpack__ producer (JAX, CuPy, ...).
+#include <cstring>
+#include <string>
+
+#include "binding.h"
+
+namespace moecap_python {
+namespace {
+
+// DLPack 1.x's exchange API table (dlpack.h >= 1.2), declared here because
+// the dlpack.h this project builds against predates it. Layout per the spec.
+struct ExchangeApi {
+  DLPackVersion version;
+  void* prev_api;
+  void* managed_tensor_allocator;
+  void* managed_tensor_from_py_object_no_sync;
+  void* managed_tensor_to_py_object_no_sync;
+  int (*dltensor_from_py_object_no_sync)(void* py_object, DLTensor* out);
+  int (*current_work_stream)(DLDeviceType device_type, int32_t device_id, void** out_stream);
+};
+
+// Types seen, with their exchange API or nullptr. Types are never freed while
+// instances exist, and a type the cache keeps is one the process imported.
+struct TypeCache {
+  static constexpr int kSize = 16;
+  PyTypeObject* type[kSize]{};
+  const ExchangeApi* api[kSize]{};
+  int used = 0;
+};
+TypeCache type_cache;
+
+const ExchangeApi* exchange_api(PyTypeObject* type) {
+  for (int i = 0; i < type_cache.used; ++i) {
+    if (type_cache.type[i] == type) return type_cache.api[i];
+  }
+  const ExchangeApi* api = nullptr;
+  PyObject* capsule = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), "__dlpack_c_exchange_api__");
+  if (capsule == nullptr) {
+    PyErr_Clear();
+  } else {
+    auto* table = static_cast<const ExchangeApi*>(PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
+    if (table == nullptr) PyErr_Clear();
+    if (table != nullptr && table->version.major == 1 && table->dltensor_from_py_object_no_sync != nullptr) api = table;
+    Py_DECREF(capsule);  // the table lives as long as the process (per the spec)
+  }
+  if (type_cache.used < TypeCache::kSize) {
+    type_cache.type[type_cache.used] = type;
+    type_cache.api[type_cache.used] = api;
+    ++type_cache.used;
+  }
+  return api;
+}
+
+// What we know about PyTorch once it is imported (moecap never imports it).
+// Plain pointers, never released: a static nb::object would be destroyed
+// after the interpreter finalized.
+struct TorchTypes {
+  bool known = false;
+  PyTypeObject* tensor = nullptr;
+  const ExchangeApi* api = nullptr;  // torch.Tensor's, when it has one
+  struct Dtype {
+    PyObject* object;
+    DLDataType dl;
+  };
+  Dtype dtypes[12]{};
+  int num_dtypes = 0;
+  PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream(device) -> int
+};
+TorchTypes torch_types;
+
+bool torch_ready() {
+  if (torch_types.known) return true;
+  PyObject* torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");  // borrowed; no import
+  if (torch == nullptr) return false;
+  nb::handle t(torch);
+  if (!nb::hasattr(t, "Tensor") || !nb::hasattr(t, "bfloat16") || !nb::hasattr(t, "_C")) return false;  // mid-import
+  torch_types.tensor = reinterpret_cast<PyTypeObject*>(t.attr("Tensor").ptr());
+  torch_types.api = exchange_api(torch_types.tensor);
+  struct {
+    const char* name;
+    uint8_t code, bits;
+  } table[] = {{"int8", kDLInt, 8},       {"int16", kDLInt, 16},       {"int32", kDLInt, 32},
+               {"int64", kDLInt, 64},     {"uint8", kDLUInt, 8},       {"uint16", kDLUInt, 16},
+               {"uint32", kDLUInt, 32},   {"float16", kDLFloat, 16},   {"float32", kDLFloat, 32},
+               {"float64", kDLFloat, 64}, {"bfloat16", kDLBfloat, 16}, {"bool", 6 /* kDLBool, DLPack >= 0.8 */, 8}};
+  for (const auto& d : table) {
+    if (!nb::hasattr(t, d.name)) continue;
+    torch_types.dtypes[torch_types.num_dtypes++] = {t.attr(d.name).ptr(), DLDataType{d.code, d.bits, 1}};
+  }
+  nb::object c = t.attr("_C");
+  if (nb::hasattr(c, "_cuda_getCurrentRawStream")) {
+    torch_types.raw_stream = nb::object(c.attr("_cuda_getCurrentRawStream")).release().ptr();
+  }
+  torch_types.known = true;  // torch is never unloaded: the type and dtype objects stay valid
+  return true;
+}
+
+// Test hook (_moecap._fast_paths): which of paths 1 and 2 are tried.
+bool use_exchange_api = true;
+bool use_torch_attributes = true;
+
+[[noreturn]] void type_error(const char* name, nb::handle obj, const char* why) {
+  std::string type = nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())))));
+  throw nb::type_error(("moecap: argument '" + std::string(name) + "' " + why + ", not " + type).c_str());
+}
+
+void copy_dims(const int64_t* shape, const int64_t* strides, Borrowed& out, const char* name, nb::handle obj) {
+  if (out.dl.ndim < 0 || out.dl.ndim > Borrowed::kMaxDims) type_error(name, obj, "has more than 8 dimensions");
+  int64_t compact = 1;
+  for (int i = out.dl.ndim - 1; i >= 0; --i) {
+    out.shape[i] = shape[i];
+    out.strides[i] = strides != nullptr ? strides[i] : compact;
+    compact *= shape[i];
+  }
+  out.dl.shape = out.shape;
+  out.dl.strides = out.strides;
+}
+
+bool borrow_exchange(const ExchangeApi* api, nb::handle obj, const char* name, Borrowed& out) {
+  DLTensor t{};
+  if (api->dltensor_from_py_object_no_sync(obj.ptr(), &t) != 0) {
+    PyErr_Clear();
+    return false;  // let a slower path try, or name the argument in its error
+  }
+  out.dl = t;
+  copy_dims(t.shape, t.strides, out, name, obj);
+  return true;
+}
+
+int copy_tuple(PyObject* tuple, int64_t* out, const char* name, nb::handle obj) {
+  Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+  if (n > Borrowed::kMaxDims) type_error(name, obj, "has more than 8 dimensions");
+  for (Py_ssize_t i = 0; i < n; ++i) out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, i));
+  return static_cast<int>(n);
+}
+
+void borrow_torch_attributes(nb::handle obj, const char* name, Borrowed& out) {
+  static PyObject *data_ptr = PyUnicode_InternFromString("data_ptr"), *shape = PyUnicode_InternFromString("shape"),
+                  *stride = PyUnicode_InternFromString("stride"), *dtype = PyUnicode_InternFromString("dtype"),
+                  *is_cuda = PyUnicode_InternFromString("is_cuda"),
+                  *get_device = PyUnicode_InternFromString("get_device");
+  nb::object dt = nb::steal(PyObject_GetAttr(obj.ptr(), dtype));
+  const TorchTypes::Dtype* found = nullptr;
+  for (int i = 0; i < torch_types.num_dtypes; ++i) {
+    if (torch_types.dtypes[i].object == dt.ptr()) found = &torch_types.dtypes[i];
+  }
+  if (found == nullptr) type_error(name, obj, "has a dtype DLPack cannot describe");
+  out.dl.dtype = found->dl;
+  nb::object sizes = nb::steal(PyObject_GetAttr(obj.ptr(), shape));
+  nb::object steps = nb::steal(PyObject_CallMethodNoArgs(obj.ptr(), stride));
+  nb::object address = nb::steal(PyObject_CallMethodNoArgs(obj.ptr(), data_ptr));
+  nb::object cuda = nb::steal(PyObject_GetAttr(obj.ptr(), is_cuda));
+  if (!sizes.is_valid() || !steps.is_valid() || !address.is_valid() || !cuda.is_valid()) throw nb::python_error();
+  out.dl.ndim = copy_tuple(sizes.ptr(), out.shape, name, obj);
+  copy_tuple(steps.ptr(), out.strides, name, obj);
+  out.dl.shape = out.shape;
+  out.dl.strides = out.strides;
+  out.dl.data = reinterpret_cast<void*>(static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(address.ptr())));
+  out.dl.device = DLDevice{kDLCPU, 0};
+  if (cuda.ptr() == Py_True) {
+    nb::object index = nb::steal(PyObject_CallMethodNoArgs(obj.ptr(), get_device));
+    if (!index.is_valid()) throw nb::python_error();
+    out.dl.device = DLDevice{kDLCUDA, static_cast<int32_t>(PyLong_AsLong(index.ptr()))};
+  }
+}
+
+// struct-module format characters of the buffer protocol, native byte order.
+bool dtype_of_format(const char* format, Py_ssize_t itemsize, DLDataType& out) {
+  if (format == nullptr) format = "B";
+  if (*format == '@' || *format == '=' || *format == '<') ++format;  // little-endian host
+  if (format[0] == '\0' || format[1] != '\0') return false;
+  const uint8_t bits = static_cast<uint8_t>(itemsize * 8);
+  switch (format[0]) {
+    case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': out = DLDataType{kDLInt, bits, 1}; return true;
+    case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': out = DLDataType{kDLUInt, bits, 1}; return true;
+    case 'e': case 'f': case 'd': out = DLDataType{kDLFloat, bits, 1}; return true;
+    case '?': out = DLDataType{6 /* kDLBool */, 8, 1}; return true;
+    default: return false;
+  }
+}
+
+bool borrow_buffer(nb::handle obj, const char* name, bool writable, Borrowed& out) {
+  if (PyObject_GetBuffer(obj.ptr(), &out.buffer, writable ? PyBUF_RECORDS : PyBUF_RECORDS_RO) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  out.has_buffer = true;
+  const Py_buffer& b = out.buffer;
+  if (!dtype_of_format(b.format, b.itemsize, out.dl.dtype) || b.ndim > Borrowed::kMaxDims) {
+    out.release_buffer();
+    return false;
+  }
+  out.dl.data = b.buf;
+  out.dl.device = DLDevice{kDLCPU, 0};
+  out.dl.ndim = b.ndim;
+  for (int i = 0; i < b.ndim; ++i) {
+    if (b.strides[i] % b.itemsize != 0) {  // not expressible in elements: let nanobind refuse it
+      out.release_buffer();
+      return false;
+    }
+    out.shape[i] = b.shape[i];
+    out.strides[i] = b.strides[i] / b.itemsize;
+  }
+  out.dl.shape = out.shape;
+  out.dl.strides = out.strides;
+  (void)name;
+  return true;
+}
+
+template <class Array>
+void borrow_ndarray(const Array& a, Borrowed& out, const char* name, nb::handle obj) {
+  out.dl.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  out.dl.ndim = static_cast<int32_t>(a.ndim());
+  auto dt = a.dtype();
+  out.dl.dtype = DLDataType{dt.code, dt.bits, dt.lanes};
+  out.dl.device = DLDevice{static_cast<DLDeviceType>(a.device_type()), static_cast<int32_t>(a.device_id())};
+  copy_dims(a.shape_ptr(), a.stride_ptr(), out, name, obj);
+}
+
+}  // namespace
+
+void Borrowed::release_buffer() {
+  if (has_buffer) PyBuffer_Release(&buffer);
+  has_buffer = false;
+}
+
+void check(moecap_status status) {
+  if (status == MOECAP_OK) return;
+  std::string message = moecap_last_error();
+  nb::object cls = nb::module_::import_("moecap._errors").attr("MoecapError");
+  nb::object error = cls(static_cast<int>(status), message);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+  throw nb::python_error();
+}
+
+void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out) {
+  out.keep = nb::borrow(obj);
+  out.dl.byte_offset = 0;
+  PyTypeObject* type = Py_TYPE(obj.ptr());
+  if (use_exchange_api) {
+    const ExchangeApi* api = exchange_api(type);
+    if (api != nullptr && borrow_exchange(api, obj, name, out)) {
+      out.producer_api = api;
+      return;
+    }
+  }
+  if (use_torch_attributes && torch_ready() && PyObject_TypeCheck(obj.ptr(), torch_types.tensor)) {
+    borrow_torch_attributes(obj, name, out);
+    return;
+  }
+  if (PyObject_CheckBuffer(obj.ptr()) && borrow_buffer(obj, name, writable, out)) return;
+  if (writable) {
+    nb::ndarray<> array;
+    if (!nb::try_cast(obj, array, false)) {
+      type_error(name, obj, "must be a writable tensor (NumPy, PyTorch, JAX, CuPy or any DLPack producer)");
+    }
+    borrow_ndarray(array, out, name, obj);
+    out.array = nb::ndarray<nb::ro>(array);
+  } else {
+    if (!nb::try_cast(obj, out.array, false)) {
+      type_error(name, obj, "must be a tensor (NumPy, PyTorch, JAX, CuPy or any DLPack producer)");
+    }
+    borrow_ndarray(out.array, out, name, obj);
+  }
+}
+
+const DLTensor* borrow_optional(nb::handle obj, const char* name, bool writable, Borrowed& out) {
+  if (obj.is_none()) return nullptr;
+  borrow(obj, name, writable, out);
+  return out.get();
+}
+
+void* resolve_stream(nb::handle stream, int32_t device_type, int32_t device_id, const Borrowed* tensor) {
+  if (stream.is_none()) {
+    if (device_type != MOECAP_DEVICE_CUDA) return nullptr;  // the host backend has no streams
+    const ExchangeApi* api = tensor != nullptr ? static_cast<const ExchangeApi*>(tensor->producer_api) : nullptr;
+    if (api == nullptr && torch_ready()) api = torch_types.api;
+    if (api != nullptr && api->current_work_stream != nullptr) {
+      void* current = nullptr;
+      if (api->current_work_stream(kDLCUDA, device_id, &current) != 0) throw nb::python_error();
+      return current;
+    }
+    if (torch_ready() && torch_types.raw_stream != nullptr) {
+      nb::object current = nb::handle(torch_types.raw_stream)(device_id);
+      return reinterpret_cast<void*>(static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(current.ptr())));
+    }
+    throw nb::value_error(
+        "moecap: stream=None on a CUDA capturer means torch's current stream, and torch (with CUDA) is not "
+        "imported: pass stream= (a CUstream as int, or an object with .cuda_stream)");
+  }
+  PyObject* value = stream.ptr();
+  nb::object attribute;
+  if (!PyLong_Check(value)) {
+    if (!nb::hasattr(stream, "cuda_stream")) {
+      type_error("stream", stream, "must be None, an int (CUstream) or an object with .cuda_stream");
+    }
+    attribute = stream.attr("cuda_stream");
+    value = attribute.ptr();
+  }
+  unsigned long long handle = PyLong_AsUnsignedLongLong(value);
+  if (PyErr_Occurred()) throw nb::python_error();
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(handle));
+}
+
+void set_fast_paths(bool exchange_api_enabled, bool torch_attributes_enabled) {
+  use_exchange_api = exchange_api_enabled;
+  use_torch_attributes = torch_attributes_enabled;
+}
+
+}  // namespace moecap_python

@@ -1,0 +1,347 @@
+// moecap._moecap: the C ABI as a Python extension. Every tensor argument is
+// borrowed in place (see borrow.cpp) and handed to libmoecap.so in the same
+// call; the Python package (moecap/__init__.py) adds keyword configuration,
+// output allocation and the torch ops on top.
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "binding.h"
+
+namespace moecap_python {
+namespace {
+
+[[noreturn]] void closed() {
+  throw nb::value_error("moecap: the capturer is closed");
+}
+
+nb::dict plan_dict(const moecap_plan_info& p) {
+  nb::dict d;
+  d["rows_per_rank"] = p.rows_per_rank;
+  d["device_rows"] = p.device_rows;
+  d["row_elements"] = p.row_elements;
+  d["id_dtype"] = p.id_dtype;
+  d["id_bytes"] = p.id_bytes;
+  d["weight_bytes"] = p.weight_bytes;
+  d["device_bytes"] = p.device_bytes;
+  d["host_bytes"] = p.host_bytes;
+  d["device_id_dtype"] = p.device_id_dtype;
+  d["device_id_bytes"] = p.device_id_bytes;
+  return d;
+}
+
+// The tensors a recording graph baked the addresses of: alive while it lives.
+void keep_alive(nb::list* recording, const Borrowed& a, const Borrowed& b) {
+  if (recording == nullptr) return;
+  if (a.keep.is_valid()) recording->append(a.keep);
+  if (b.keep.is_valid()) recording->append(b.keep);
+}
+
+class Graph {
+ public:
+  Graph(moecap_graph* graph, nb::list keep, int32_t device_type, int32_t device_id)
+      : graph_(graph), keep_(std::move(keep)), device_type_(device_type), device_id_(device_id) {}
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  ~Graph() { moecap_graph_destroy(graph_); }
+
+  void launch(nb::handle stream) {
+    void* s = resolve_stream(stream, device_type_, device_id_);
+    check(moecap_graph_launch(live(), s));
+  }
+  uintptr_t native() {
+    void* cu_graph = nullptr;
+    check(moecap_graph_native(live(), &cu_graph));
+    return reinterpret_cast<uintptr_t>(cu_graph);
+  }
+  void close() {
+    check(moecap_graph_destroy(graph_));
+    graph_ = nullptr;
+    keep_ = nb::list();
+  }
+
+ private:
+  moecap_graph* live() {
+    if (graph_ == nullptr) throw nb::value_error("moecap: the graph is closed");
+    return graph_;
+  }
+  moecap_graph* graph_;
+  nb::list keep_;
+  int32_t device_type_, device_id_;
+};
+
+class Capturer {
+ public:
+  explicit Capturer(const moecap_config& config) : device_type_(config.device_type), device_id_(config.device_id) {
+    check(moecap_create(&config, &handle_));
+  }
+  Capturer(const Capturer&) = delete;
+  Capturer& operator=(const Capturer&) = delete;
+  ~Capturer() { moecap_destroy(handle_); }
+
+  void capture(int32_t layer, nb::handle topk_ids, nb::handle topk_weights, nb::handle stream) {
+    Borrowed ids, weights;
+    borrow(topk_ids, "topk_ids", false, ids);
+    const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights);
+    void* s = resolve_stream(stream, device_type_, device_id_, &ids);
+    check(moecap_capture(live(), layer, ids.get(), w, s));
+    keep_alive(recording(), ids, weights);
+  }
+
+  // The C call's own time, for bench/python_bench.py: borrow once, call
+  // moecap_capture `iterations` times; seconds per call.
+  double time_capture(int32_t layer, nb::handle topk_ids, int64_t iterations) {
+    Borrowed ids;
+    borrow(topk_ids, "topk_ids", false, ids);
+    moecap_capturer* h = live();
+    auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < iterations; ++i) check(moecap_capture(h, layer, ids.get(), nullptr, nullptr));
+    std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+    return elapsed.count() / static_cast<double>(iterations);
+  }
+
+  void commit(nb::handle dst_slots, int64_t src_start, nb::handle src_rows, nb::handle stream) {
+    Borrowed slots, rows;
+    borrow(dst_slots, "dst_slots", false, slots);
+    moecap_commit_args args{sizeof(moecap_commit_args), src_start,
+                            borrow_optional(src_rows, "src_rows", false, rows), slots.get()};
+    void* s = resolve_stream(stream, device_type_, device_id_, &slots);
+    moecap_capturer* h = live();
+    moecap_status status;
+    {
+      nb::gil_scoped_release unlocked;
+      status = moecap_commit(h, &args, s);
+    }
+    check(status);
+    keep_alive(recording(), slots, rows);
+  }
+
+  void read_into(nb::handle slots, nb::handle out, nb::handle weights_out, bool nonblocking, bool strict,
+                 nb::handle stream) {
+    Borrowed s, ids, weights;
+    borrow(slots, "slots", false, s);
+    borrow(out, "out", true, ids);
+    DLTensor* w = const_cast<DLTensor*>(borrow_optional(weights_out, "weights_out", true, weights));
+    void* st = resolve_stream(stream, device_type_, device_id_, &ids);
+    moecap_capturer* h = live();
+    moecap_status status;
+    {
+      nb::gil_scoped_release unlocked;
+      const uint32_t flags = (nonblocking ? MOECAP_READ_NONBLOCKING : 0u) | (strict ? MOECAP_READ_STRICT : 0u);
+      status = moecap_read(h, s.get(), ids.get_mut(), w, flags, st);
+    }
+    check(status);
+  }
+
+  void write(nb::handle slots, nb::handle ids, nb::handle weights, nb::handle stream) {
+    Borrowed s, i, w;
+    borrow(slots, "slots", false, s);
+    borrow(ids, "ids", false, i);
+    const DLTensor* wp = borrow_optional(weights, "weights", false, w);
+    void* st = resolve_stream(stream, device_type_, device_id_, &i);
+    moecap_capturer* h = live();
+    moecap_status status;
+    {
+      nb::gil_scoped_release unlocked;
+      status = moecap_write(h, s.get(), i.get(), wp, st);
+    }
+    check(status);
+  }
+
+  void invalidate(nb::handle slots, nb::handle stream) {
+    Borrowed s;
+    borrow(slots, "slots", false, s);
+    void* st = resolve_stream(stream, device_type_, device_id_, &s);
+    check(moecap_invalidate(live(), s.get(), st));
+    keep_alive(recording(), s, Borrowed{});
+  }
+
+  void synchronize() {
+    moecap_capturer* h = live();
+    moecap_status status;
+    {
+      nb::gil_scoped_release unlocked;
+      status = moecap_synchronize(h);
+    }
+    check(status);
+  }
+
+  nb::dict errors(bool clear) {
+    moecap_error_counts e{sizeof(moecap_error_counts), 0, 0};
+    check(moecap_get_errors(live(), &e, clear ? MOECAP_ERRORS_CLEAR : 0u));
+    nb::dict d;
+    d["skipped_rows"] = e.skipped_rows;
+    d["invalid_ids"] = e.invalid_ids;
+    return d;
+  }
+
+  void histogram_reset(nb::handle stream) {
+    check(moecap_histogram_reset(live(), resolve_stream(stream, device_type_, device_id_)));
+  }
+
+  std::tuple<int64_t, int64_t, int64_t> local_rows(int32_t dp_rank, const std::vector<int64_t>& tokens_per_rank,
+                                                   nb::handle padded_tokens_per_rank) {
+    const bool graph = !padded_tokens_per_rank.is_none();
+    moecap_batch batch{sizeof(moecap_batch),
+                       graph ? MOECAP_BATCH_GRAPH : MOECAP_BATCH_EAGER,
+                       dp_rank,
+                       static_cast<int32_t>(tokens_per_rank.size()),
+                       0,
+                       tokens_per_rank.data(),
+                       graph ? nb::cast<int64_t>(padded_tokens_per_rank) : 0};
+    moecap_rows rows{sizeof(moecap_rows), 0, 0, 0};
+    check(moecap_local_rows(live(), &batch, &rows));
+    return {rows.start, rows.count, rows.total};
+  }
+
+  nb::object export_view(int32_t which, int32_t layer) {
+    DLManagedTensorVersioned* managed = nullptr;
+    check(moecap_export(live(), which, layer, &managed));
+    return make_dlpack_view(managed);
+  }
+
+  nb::dict plan() {
+    moecap_plan_info info{};
+    info.struct_size = sizeof info;
+    check(moecap_get_plan(live(), &info));
+    return plan_dict(info);
+  }
+
+  void graph_begin(nb::handle stream) {
+    check(moecap_graph_begin(live(), resolve_stream(stream, device_type_, device_id_)));
+    recording_ = nb::list();
+    recording_on_ = true;
+  }
+
+  Graph* graph_end() {
+    moecap_graph* graph = nullptr;
+    check(moecap_graph_end(live(), &graph));
+    nb::list keep = std::move(recording_);
+    recording_ = nb::list();
+    recording_on_ = false;
+    return new Graph(graph, std::move(keep), device_type_, device_id_);
+  }
+
+  void close() {
+    check(moecap_destroy(handle_));
+    handle_ = nullptr;
+  }
+
+  bool is_closed() const { return handle_ == nullptr; }
+  int32_t device_type() const { return device_type_; }
+  int32_t device_id() const { return device_id_; }
+
+ private:
+  moecap_capturer* live() {
+    if (handle_ == nullptr) closed();
+    return handle_;
+  }
+  nb::list* recording() { return recording_on_ ? &recording_ : nullptr; }
+
+  moecap_capturer* handle_ = nullptr;
+  int32_t device_type_, device_id_;
+  nb::list recording_;
+  bool recording_on_ = false;
+};
+
+void bind_config(nb::module_& m) {
+  nb::class_<moecap_config>(m, "Config", "moecap_config (abi/moecap.h documents every field).")
+      .def("__init__",
+           [](moecap_config* c) {
+             new (c) moecap_config{};
+             c->struct_size = sizeof(moecap_config);
+             check(moecap_config_init(c));  // the library's defaults (dp_size 1, AUTO ids, host, ...)
+           })
+      .def_rw("flags", &moecap_config::flags)
+      .def_rw("num_layers", &moecap_config::num_layers)
+      .def_rw("top_k", &moecap_config::top_k)
+      .def_rw("extra_columns", &moecap_config::extra_columns)
+      .def_rw("num_experts", &moecap_config::num_experts)
+      .def_rw("dp_size", &moecap_config::dp_size)
+      .def_rw("verify_tokens", &moecap_config::verify_tokens)
+      .def_rw("max_running_requests", &moecap_config::max_running_requests)
+      .def_rw("chunked_prefill_size", &moecap_config::chunked_prefill_size)
+      .def_rw("max_graph_batch", &moecap_config::max_graph_batch)
+      .def_rw("max_batch_tokens", &moecap_config::max_batch_tokens)
+      .def_rw("host_slots", &moecap_config::host_slots)
+      .def_rw("id_dtype", &moecap_config::id_dtype)
+      .def_rw("weight_dtype", &moecap_config::weight_dtype)
+      .def_rw("device_type", &moecap_config::device_type)
+      .def_rw("device_id", &moecap_config::device_id)
+      .def_rw("device_id_dtype", &moecap_config::device_id_dtype);
+}
+
+}  // namespace
+}  // namespace moecap_python
+
+using namespace moecap_python;
+
+NB_MODULE(_moecap, m) {
+  m.doc() = "libmoecap.so's C ABI, called directly (the moecap package wraps it).";
+  m.attr("ABI_VERSION") = MOECAP_ABI_VERSION;
+  m.def("abi_version", &moecap_abi_version, "MOECAP_ABI_VERSION of the loaded library (major << 16 | minor).");
+  m.def("status_name", [](int status) { return std::string(moecap_status_name(static_cast<moecap_status>(status))); });
+  m.def(
+      "plan",
+      [](const moecap_config& config) {
+        moecap_plan_info info{};
+        info.struct_size = sizeof info;
+        check(moecap_plan(&config, &info));
+        return plan_dict(info);
+      },
+      "The layout for a config, without allocating.");
+  m.def(
+      "leading_dim",
+      [](nb::handle tensor) {
+        Borrowed b;
+        borrow(tensor, "slots", false, b);
+        if (b.dl.ndim < 1) throw nb::value_error("moecap: argument 'slots' must be 1-D");
+        return b.shape[0];
+      },
+      "Length of the first dimension of any tensor (DLPack producers need not have len()).");
+  m.def("_fast_paths", &set_fast_paths, nb::arg("exchange_api"), nb::arg("torch_attributes"),
+        "Test hook: which tensor-description fast paths borrow() tries.");
+  bind_config(m);
+  bind_dlpack_view(m);
+
+  nb::class_<Graph>(m, "Graph", "A moecap-owned graph: replay with launch(); close() frees it.")
+      .def("launch", &Graph::launch, nb::arg("stream") = nb::none())
+      .def("native", &Graph::native, "The CUgraph (CUDA backend) to embed as a child graph node.")
+      .def("close", &Graph::close);
+
+  nb::class_<Capturer>(m, "Capturer", "One routed-experts capturer over libmoecap.so (abi/moecap.h).")
+      .def(nb::init<const moecap_config&>(), nb::arg("config"))
+      .def("capture", &Capturer::capture, nb::arg("layer"), nb::arg("topk_ids"),
+           nb::arg("topk_weights") = nb::none(), nb::arg("stream") = nb::none(),
+           "One layer's [n, top_k(+extra)] ids (and weights) into device rows [0, n).")
+      .def("_time_capture", &Capturer::time_capture, nb::arg("layer"), nb::arg("topk_ids"), nb::arg("iterations"),
+           "Seconds per moecap_capture call with the borrowing done once (the C call's own cost).")
+      .def("commit", &Capturer::commit, nb::arg("dst_slots"), nb::arg("src_start") = 0,
+           nb::arg("src_rows") = nb::none(), nb::arg("stream") = nb::none(),
+           "Device rows (src_start.. or src_rows) to host-cache slots; slot -1 drops the row.")
+      .def("read_into", &Capturer::read_into, nb::arg("slots"), nb::arg("out"), nb::arg("weights_out") = nb::none(),
+           nb::arg("nonblocking") = false, nb::arg("strict") = false, nb::arg("stream") = nb::none())
+      .def("invalidate", &Capturer::invalidate, nb::arg("slots"), nb::arg("stream") = nb::none(),
+           "Mark slots empty (their KV was freed): they read -1 until committed again; -1 entries are ignored.")
+      .def("write", &Capturer::write, nb::arg("slots"), nb::arg("ids"), nb::arg("weights") = nb::none(),
+           nb::arg("stream") = nb::none(), "Store rows captured elsewhere (the inverse of read).")
+      .def("synchronize", &Capturer::synchronize, "Wait until every enqueued commit landed.")
+      .def("errors", &Capturer::errors, nb::arg("clear") = false,
+           "{'skipped_rows', 'invalid_ids'}: problems found where no status could be returned.")
+      .def("histogram_reset", &Capturer::histogram_reset, nb::arg("stream") = nb::none())
+      .def("local_rows", &Capturer::local_rows, nb::arg("dp_rank"), nb::arg("tokens_per_rank"),
+           nb::arg("padded_tokens_per_rank") = nb::none(),
+           "(start, count, total) of this rank's rows; graph layout when padded_tokens_per_rank is given.")
+      .def("export_view", &Capturer::export_view, nb::arg("which"), nb::arg("layer") = 0)
+      .def("get_plan", &Capturer::plan)
+      .def("graph_begin", &Capturer::graph_begin, nb::arg("stream") = nb::none())
+      .def("graph_end", &Capturer::graph_end, nb::rv_policy::take_ownership)
+      .def("close", &Capturer::close, "Release the handle (views and graphs keep the memory alive).")
+      .def_prop_ro("closed", &Capturer::is_closed)
+      .def_prop_ro("device_type", &Capturer::device_type)
+      .def_prop_ro("device_id", &Capturer::device_id);
+}

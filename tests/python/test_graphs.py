@@ -1,0 +1,42 @@
+"""moecap-owned graphs from Python: a replay reads what the recorded tensors
+hold now, and the graph keeps those tensors alive after the caller drops them."""
+import gc
+
+import numpy as np
+import pytest
+
+import moecap
+
+CONFIG = dict(num_layers=2, top_k=2, num_experts=16, host_slots=32, max_running_requests=8,
+              chunked_prefill_size=8)
+
+
+def test_replay_reads_the_recorded_tensors_now():
+    with moecap.Capturer(**CONFIG) as cap:
+        ids = np.zeros((3, 2), dtype=np.int32)
+        slots = np.full(3, -1, dtype=np.int64)
+        cap.graph_begin()
+        for layer in range(2):
+            cap.capture(layer, ids)
+        cap.commit(slots)
+        graph = cap.graph_end()
+        with pytest.raises(moecap.MoecapError, match="no moecap_graph_begin"):
+            cap.graph_end()
+        ids[:] = [[1, 2], [3, 4], [5, 6]]
+        slots[:] = [7, -1, 9]
+        del ids, slots  # the graph holds them: their addresses are baked into it
+        gc.collect()
+        graph.launch()
+        assert cap.read(np.array([7, 9]))[:, 1].tolist() == [[1, 2], [5, 6]]
+        graph.close()
+        with pytest.raises(ValueError, match="closed"):
+            graph.launch()
+
+
+def test_calls_that_cannot_be_recorded_are_refused_while_recording():
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.graph_begin()
+        with pytest.raises(moecap.MoecapError) as e:
+            cap.read(np.array([0]))
+        assert e.value.status == moecap.Status.CAPTURE_ILLEGAL
+        cap.graph_end().close()

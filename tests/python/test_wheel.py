@@ -1,0 +1,51 @@
+"""`pip install <repo>` into a fresh venv, then `import moecap` and the
+quick-start example from another directory with no environment variables.
+
+Run by the ctest `python_wheel`, which names a build directory that survives
+between runs (MOECAP_WHEEL_BUILD_DIR), so the wheel build is incremental. The
+wheel is built without build isolation, from this venv's scikit-build-core
+and nanobind (no network), and without the CUDA kernels (nvcc takes minutes;
+the rest of the suite covers them)."""
+import os
+import pathlib
+import site
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BUILD_DIR = os.environ.get("MOECAP_WHEEL_BUILD_DIR")
+
+pytestmark = pytest.mark.skipif(not BUILD_DIR, reason="run by the ctest python_wheel (MOECAP_WHEEL_BUILD_DIR)")
+
+
+def run(*args, **kwargs):
+    result = subprocess.run(args, capture_output=True, text=True, **kwargs)
+    assert result.returncode == 0, f"{' '.join(map(str, args))}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def test_pip_install_then_import_anywhere(tmp_path):
+    wheels = tmp_path / "wheels"
+    run(sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-q",
+        "-w", str(wheels), f"-Cbuild-dir={BUILD_DIR}", "-Ccmake.define.MOECAP_CUDA=OFF", str(ROOT))
+    (wheel,) = wheels.glob("moecap-*.whl")
+
+    fresh = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", "--without-pip", str(fresh))
+    python = fresh / "bin" / "python"
+    run(sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index", "--no-deps", "-q", str(wheel))
+
+    clean_env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no PYTHONPATH, no MOECAP_*
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = run(str(python), "-c", "import moecap; print(moecap.__file__, moecap.abi_version())",
+              cwd=elsewhere, env=clean_env)
+    assert out.startswith(str(fresh)), out  # the installed package, not the source tree
+
+    # The quick start needs NumPy and PyTorch: lend them from this venv by a .pth file, not an env var.
+    (fresh_site,) = (fresh / "lib").glob("python3*/site-packages")
+    (fresh_site / "lend_numpy_torch.pth").write_text(site.getsitepackages()[0] + "\n")
+    out = run(str(python), str(ROOT / "examples" / "python" / "quickstart.py"), cwd=elsewhere, env=clean_env)
+    assert "refused as it should be: OUT_OF_RANGE" in out
