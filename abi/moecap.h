@@ -153,7 +153,13 @@ typedef enum {
  * and invalidate, the MOECAP_BUFFER_LAYER_* views commit reads. Host index
  * tensors are copied at the call as without the flag. A capture of the
  * engine's must call moecap_join before it ends (CUDA refuses to end a
- * capture with an unjoined branch); moecap_graph_end joins by itself. Host
+ * capture with an unjoined branch); moecap_graph_end joins by itself.
+ * Eager forked calls and the forked calls of a graph replay run on
+ * different streams of moecap's: moecap_graph_launch joins the eager ones
+ * into `stream` first, and an engine launching its own graph that contains
+ * forked calls calls moecap_join on that stream before the launch if it made
+ * eager forked calls since its last join (e.g. moecap_invalidate of slots
+ * the replay commits to). Host
  * calls (read, write, synchronize, get_errors, destroy) wait for forked
  * work as for any commit. The host backend models the ordering: forked work
  * runs at the join (or at a host call), never at the call. */
@@ -521,7 +527,8 @@ MOECAP_API moecap_status moecap_graph_begin(moecap_capturer* capturer, void* str
 MOECAP_API moecap_status moecap_graph_end(moecap_capturer* capturer, moecap_graph** out);
 
 /* Replays the graph on `stream`: every recorded operation runs against what
- * memory holds now, with the arguments baked at record time. */
+ * memory holds now, with the arguments baked at record time. With
+ * MOECAP_FLAG_SIDE_STREAM, `stream` first joins the eager forked work. */
 MOECAP_API moecap_status moecap_graph_launch(moecap_graph* graph, void* stream);
 
 /* The recorded CUgraph (CUDA backend), owned by the moecap_graph, to embed as

@@ -325,6 +325,12 @@ void Capturer::join(EngineStream stream) {
   backend_->join(stream);
 }
 
+void Capturer::join_before_replay(EngineStream stream) {
+  // A replay on CUDA's legacy default stream is refused by the launch; nothing is enqueued before.
+  if (!on_host() && stream.is_legacy_default()) return;
+  backend_->join(stream);
+}
+
 void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,
                     std::unique_lock<std::mutex>* lock) {
   const moecap_config& c = plan_.config;

@@ -294,6 +294,7 @@ moecap_status moecap_graph_launch(moecap_graph* graph, void* stream) {
     if (g.owner->recording()) {
       fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "the capturer is recording a graph; replay after moecap_graph_end");
     }
+    g.owner->join_before_replay(EngineStream::from_abi(stream));
     g.graph->launch(EngineStream::from_abi(stream));
   });
 }

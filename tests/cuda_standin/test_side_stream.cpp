@@ -195,3 +195,27 @@ TEST_CASE("side stream: a forked invalidate is ordered after the forked commit, 
   REQUIRE(moecap_join(h, s) == MOECAP_OK);
   CHECK(moecap_destroy(h) == MOECAP_OK);
 }
+
+TEST_CASE("side stream: an eager invalidate, then a replay committing the same slot: the replay's commit lands last") {
+  // Eager forks and a graph's branch are different streams: moecap_graph_launch
+  // joins the eager side stream first, so the branch forks after the invalidate.
+  moecap_capturer* h = make_side_capturer(true);
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  Tensor slots = index_tensor({12}, kDLCUDA);
+  REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slots.get(), s);
+  moecap_graph* g = nullptr;
+  REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+  Tensor freed = index_tensor({12}, kDLCPU);
+  for (int64_t batch : {1, 2}) {
+    forward(ids, batch, 1);
+    REQUIRE(moecap_invalidate(h, freed.get(), s) == MOECAP_OK);  // the slot's previous request finished
+    REQUIRE(moecap_graph_launch(g, s) == MOECAP_OK);              // a new request's token lands there
+    REQUIRE(driver().stream_sync(s) == 0);
+    CHECK(read_rows(h, {12}, MOECAP_OK, MOECAP_READ_STRICT) == expected_row(batch, 0));
+  }
+  CHECK(moecap_graph_destroy(g) == MOECAP_OK);
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
