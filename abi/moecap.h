@@ -159,10 +159,11 @@ typedef enum {
  * into `stream` first, and an engine launching its own graph that contains
  * forked calls calls moecap_join on that stream before the launch if it made
  * eager forked calls since its last join (e.g. moecap_invalidate of slots
- * the replay commits to). Host
- * calls (read, write, synchronize, get_errors, destroy) wait for forked
- * work as for any commit. The host backend models the ordering: forked work
- * runs at the join (or at a host call), never at the call. */
+ * the replay commits to). Host calls (read, write, synchronize,
+ * get_errors, destroy) wait for forked work as for any commit. The host
+ * backend models the ordering: forked work runs at the join (or at a host
+ * call), never at the call. A library without this flag (1.0) refuses it as
+ * an unknown bit of config->flags. */
 #define MOECAP_FLAG_SIDE_STREAM 0x8u
 
 /* ------------------------------------------------------------------------ */
