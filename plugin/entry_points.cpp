@@ -11,6 +11,7 @@
 #include "base/status.h"
 #include "plugin/abi_structs.h"
 #include "base/stream.h"
+#include "plugin/guarded.h"
 #include "plugin/handles.h"
 #include "plugin/plan.h"
 
@@ -18,26 +19,6 @@ namespace moecap {
 namespace {
 
 thread_local std::string t_last_error;
-
-template <class Body>
-moecap_status guarded(const char* function, Body&& body) noexcept {
-  try {
-    body();
-    return MOECAP_OK;
-  } catch (const Error& e) {
-    set_last_error(cat(function, ": ", e.what()));
-    return e.code();
-  } catch (const std::bad_alloc&) {
-    set_last_error(cat(function, ": out of host memory"));
-    return MOECAP_ERROR_OUT_OF_MEMORY;
-  } catch (const std::exception& e) {
-    set_last_error(cat(function, ": internal error: ", e.what()));
-    return MOECAP_ERROR_INTERNAL;
-  } catch (...) {
-    set_last_error(cat(function, ": internal error: unknown exception"));
-    return MOECAP_ERROR_INTERNAL;
-  }
-}
 
 Capturer& live(const moecap_capturer* h) {
   if (h == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, "capturer is NULL");

@@ -22,8 +22,9 @@ from . import _moecap
 from ._errors import MoecapError, Status
 from ._moecap import DLPackView, Graph
 
-__all__ = ["BUFFERS", "Capturer", "DLPackView", "Graph", "MoecapError", "SLOT_EMPTY", "SLOT_INVALID_IDS",
-           "SLOT_VALID", "Status", "abi_version", "plan"]
+__all__ = ["BUFFERS", "Capturer", "DLPackView", "Graph", "MoecapError", "RecordError", "RequestTable",
+           "RoutedExperts", "SLOT_EMPTY", "SLOT_INVALID_IDS", "SLOT_VALID", "Status", "abi_version", "batch_slots",
+           "commit_batch", "engine", "hf", "plan", "record", "write_routed"]
 
 #: moecap_buffer values by name, for Capturer.export.
 BUFFERS = {
@@ -177,3 +178,10 @@ class Capturer(_moecap.Capturer):
 def _torch_if_imported() -> Any:
     import sys
     return sys.modules.get("torch")
+
+
+# The consumers' layer: engine-step helpers, the routing record, transformers models
+# (hf imports torch and transformers only when called).
+from . import engine, hf, record  # noqa: E402,F401
+from .engine import RequestTable, batch_slots, commit_batch, write_routed  # noqa: E402,F401
+from .record import RecordError, RoutedExperts  # noqa: E402,F401

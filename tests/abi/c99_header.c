@@ -1,8 +1,9 @@
-/* abi/moecap.h must compile as strict C99 (-std=c99 -pedantic -Werror) and
-   link against libmoecap.so. */
+/* abi/moecap.h and abi/moecap_record.h must compile as strict C99
+   (-std=c99 -pedantic -Werror) and link against libmoecap.so. */
 #include <stdio.h>
 
 #include "moecap.h"
+#include "moecap_record.h"
 
 int main(void) {
   moecap_config config = {0};
@@ -25,6 +26,36 @@ int main(void) {
   if (moecap_plan(&config, &info) != MOECAP_OK || info.device_rows != 2 || info.id_bytes != 1) {
     fprintf(stderr, "plan failed: %s\n", moecap_last_error());
     return 1;
+  }
+  {
+    /* One token, one layer, top-2 of 4 experts, as a C engine would emit it. */
+    int32_t ids[2] = {3, 1};
+    int64_t shape[3] = {1, 1, 2};
+    DLTensor t;
+    moecap_record_source src = {0};
+    moecap_record_info parsed = {0};
+    unsigned char record[64];
+    uint64_t written = 0;
+    t.data = ids;
+    t.device.device_type = kDLCPU;
+    t.device.device_id = 0;
+    t.ndim = 3;
+    t.dtype.code = kDLInt;
+    t.dtype.bits = 32;
+    t.dtype.lanes = 1;
+    t.shape = shape;
+    t.strides = NULL;
+    t.byte_offset = 0;
+    src.struct_size = sizeof src;
+    src.flags = MOECAP_RECORD_PACKED;
+    src.num_experts = 4;
+    src.ids = &t;
+    parsed.struct_size = sizeof parsed;
+    if (moecap_record_encode(&src, record, sizeof record, &written) != MOECAP_OK || written != 41 ||
+        moecap_record_parse(record, written, &parsed) != MOECAP_OK || parsed.id_bits != 3) {
+      fprintf(stderr, "record failed: %s\n", moecap_last_error());
+      return 1;
+    }
   }
   return 0;
 }

@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Bytes per token of one request's routing in each wire form, measured on
+the bytes each encoder writes (the README's record table).
+
+    PYTHONPATH=build/python ~/.cache/moecap/venv/bin/python bench/record_sizes.py [layers top_k experts tokens]
+"""
+import base64
+import io
+import sys
+
+import numpy as np
+
+from moecap.record import RoutedExperts
+
+
+def main(layers=61, top_k=8, experts=256, tokens=4096):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, experts, size=(tokens, layers, top_k))
+    weights = rng.random((tokens, layers, top_k), dtype=np.float32)
+    r = RoutedExperts(ids, experts, weights=weights)
+    ids_only = RoutedExperts(ids, experts)
+    npy = io.BytesIO()
+    np.save(npy, ids.astype(np.int32))
+    rows = [
+        ("SGLang: base64 of int32 (the baseline)", len(ids_only.to_sglang("int32")["routed_experts"])),
+        ("vLLM: base64 of np.save int32", len(base64.b64encode(npy.getvalue()))),
+        ("SGLang newer: base64 of uint8 (no room for 'none')", len(ids_only.to_sglang("uint8")["routed_experts"])
+         if experts <= 256 else None),
+        ("moecap record, plain ids", len(ids_only.to_bytes(packed=False))),
+        ("moecap record, packed ids", len(ids_only.to_bytes(packed=True))),
+        ("moecap record, packed ids, base64 (JSON field)", len(base64.b64encode(ids_only.to_bytes(packed=True)))),
+        ("moecap record, packed ids + bf16 weights", len(r.to_bytes(weights="bf16"))),
+    ]
+    base = rows[0][1]
+    print(f"{layers} layers, top-{top_k} of {experts} experts, a {tokens}-token request (header included)\n")
+    print("| form | bytes per token | SGLang int32 base64 / this |")
+    print("|---|---|---|")
+    for name, size in rows:
+        if size is not None:
+            print(f"| {name} | {size / tokens:.1f} | {base / size:.2f}x |")
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:]))

@@ -1,0 +1,143 @@
+"""Routing replay for RL, end to end, on a transformers MoE model.
+
+Rollout side (the inference engine): serve a few requests with greedy decode
+and a KV cache; moecap.hf captures every MoE layer's routing inside the
+forward, commit_batch moves each step's rows to the tokens' KV slots, and
+RequestTable reads a finished request's routing. Each request's routing
+leaves as a routing record (bytes).
+
+Trainer side: decode the record, run the policy over the whole sequence with
+every router forced to the recorded experts (moecap.hf.replay, fed the
+Megatron-LM per-layer layout), and check that the outputs equal what the
+rollout computed. Then simulate a policy update that moves the routers: the
+free-running forward now routes differently, the replayed one does not.
+
+    python examples/python/rl_replay.py      # needs torch >= 2.4 and transformers
+"""
+import inspect
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import moecap  # noqa: E402
+from moecap import hf  # noqa: E402
+from moecap.engine import RequestTable, commit_batch  # noqa: E402
+from moecap.record import RoutedExperts  # noqa: E402
+
+
+def tiny_model():
+    """A random-weight Qwen3-MoE (Mixtral where this transformers lacks it)."""
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=2, pad_token_id=0,
+                  eos_token_id=1, bos_token_id=2)
+    if hasattr(transformers, "Qwen3MoeConfig"):
+        config = transformers.Qwen3MoeConfig(num_experts=16, moe_intermediate_size=32, head_dim=16, **common)
+    else:
+        config = transformers.MixtralConfig(num_local_experts=16, **common)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def rollout(model, capturer, prompts, new_tokens, rng):
+    """Serves each prompt: prefill, then greedy decode with the cache. Returns
+    per request (token ids forwarded, logits at each, routing record bytes)."""
+    table = RequestTable(capturer)
+    free = list(rng.permutation(capturer.config["host_slots"]))
+    results = []
+    # transformers 5 renames past_key_values to cache
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with hf.attach(model, capturer), torch.no_grad():
+        for rid, prompt in enumerate(prompts):
+            table.start(rid)
+            cache = transformers.DynamicCache(config=model.config)
+            tokens, logits = list(prompt), []
+            step_input = torch.tensor([prompt])
+            for _ in range(new_tokens):
+                out = model(input_ids=step_input, use_cache=True, **{cache_arg: cache})
+                slots = [int(free.pop()) for _ in range(step_input.shape[1])]
+                commit_batch(capturer, slots)        # this step's rows -> the tokens' KV slots
+                table.append(rid, slots)
+                logits.append(out.logits[0])
+                tokens.append(int(out.logits[0, -1].argmax()))
+                step_input = torch.tensor([[tokens[-1]]])
+            slots = table.slots(rid)
+            routed = table.finish(rid)               # read the request's routing, free its slots
+            free.extend(int(s) for s in slots)       # the KV pool reuses them
+            forwarded = tokens[:-1]                  # the last token is never forwarded
+            results.append((forwarded, torch.cat(logits), routed.to_bytes()))
+    return results
+
+
+def train_side(model, forwarded, record):
+    """Decodes the record and replays it over the whole sequence in one
+    forward. Returns the replayed logits and, per (token, layer), whether the
+    replayed and the free-running forwards routed unlike the rollout."""
+    routed = RoutedExperts.from_bytes(record)
+    assert routed.valid.all() and routed.shape[0] == len(forwarded)
+    recorded = torch.from_numpy(routed.ids.astype(np.int64)).sort(-1)[0]
+    ids = torch.tensor([forwarded])
+    seen = []
+    spy = lambda module, inputs, output: seen.append(output[2].reshape(-1, output[2].shape[-1]))  # noqa: E731
+    with torch.no_grad(), hf.replay(model, routed.to_megatron()) as layers:
+        hooks = [layer.router.register_forward_hook(spy) for layer in layers]  # after replay's: sees forced ids
+        replayed = model(input_ids=ids).logits[0]
+        for h in hooks:
+            h.remove()
+    replay_differs = (torch.stack(seen, 1).sort(-1)[0] != recorded).any(-1)
+    seen.clear()
+    with torch.no_grad():
+        hooks = [layer.router.register_forward_hook(spy) for layer in layers]
+        model(input_ids=ids)
+        for h in hooks:
+            h.remove()
+    free_differs = (torch.stack(seen, 1).sort(-1)[0] != recorded).any(-1)
+    return replayed, replay_differs, free_differs
+
+
+def main():
+    model = tiny_model()
+    layers = hf.find_moe_layers(model)
+    router = layers[0].router
+    capturer = moecap.Capturer(num_layers=len(layers), top_k=router.top_k, num_experts=router.num_experts,
+                               host_slots=512, max_running_requests=1, chunked_prefill_size=64, weight_dtype="f32")
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 128, size=n)) for n in (7, 12, 5)]
+    results = rollout(model, capturer, prompts, new_tokens=6, rng=rng)
+    print(f"rollout: {len(results)} requests on {type(model).__name__}, {len(layers)} MoE layers, "
+          f"top-{router.top_k} of {router.num_experts} experts")
+
+    worst = 0.0
+    for rid, (forwarded, served_logits, record) in enumerate(results):
+        replayed, replay_differs, free_differs = train_side(model, forwarded, record)
+        gap = (replayed - served_logits).abs().max().item()
+        worst = max(worst, gap)
+        same_tokens = torch.equal(replayed.argmax(-1), served_logits.argmax(-1))
+        print(f"  request {rid}: {len(forwarded)} tokens, record {len(record)} bytes; replayed logits within "
+              f"{gap:.1e} of the rollout's, greedy tokens equal: {same_tokens}")
+        assert same_tokens and gap < 1e-4, "the replayed forward must reproduce the rollout"
+        assert not replay_differs.any() and not free_differs.any(), "unchanged weights route as recorded"
+
+    # A policy update moves the routers: free-running routing drifts, replay holds it.
+    with torch.no_grad():
+        for layer in layers:
+            layer.router.weight.add_(torch.randn_like(layer.router.weight) * 0.01)
+    drifted = held = 0
+    for forwarded, _, record in results:
+        _, replay_differs, free_differs = train_side(model, forwarded, record)
+        drifted += int(free_differs.sum())
+        held += int(replay_differs.sum())
+    total = sum(len(f) * len(layers) for f, _, _ in results)
+    print(f"after a policy update: {drifted} of {total} (token, layer) routings differ from the rollout's "
+          f"without replay, {held} with replay")
+    assert drifted > 0 and held == 0
+    print(f"replayed outputs equal the recorded ones (max |logit difference| {worst:.1e})")
+    capturer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Engine-step helpers: what every integration writes around a Capturer.
+
+``commit_batch`` commits this rank's rows of a gathered (eager or padded)
+batch in one call; ``RequestTable`` keeps each running request's KV slots and,
+when the request finishes, reads its routing and frees the slots' routing so
+a reused slot can never hand the next request stale experts;
+``write_routed`` stores routing that arrived as a record (prefill/decode
+disaggregation: the prefill instance sends the prompt's record along with
+its KV).
+"""
+import numpy as np
+
+from .record import RoutedExperts
+
+
+def _index_array(slots):
+    if hasattr(slots, "__dlpack__") and not isinstance(slots, np.ndarray):
+        return slots  # a tensor: handed to the capturer as is (device slots stay on device)
+    return np.ascontiguousarray(np.asarray(slots, dtype=np.int64).reshape(-1))
+
+
+def _length(slots):
+    shape = getattr(slots, "shape", None)
+    return int(shape[0]) if shape is not None else len(slots)
+
+
+def commit_batch(capturer, slots, dp_rank=0, tokens_per_rank=None, padded_tokens_per_rank=None, stream=None):
+    """Commits this rank's rows of the batch the MoE layers just saw.
+
+    slots: one KV slot per row this rank put into the batch (padding rows -1,
+    their routing is dropped). tokens_per_rank: every attention-DP rank's row
+    count (default: this rank alone). padded_tokens_per_rank: the graph's
+    per-rank row count for a padded (CUDA-graph) batch; None for eager batches
+    packed back to back. A rank with no rows commits nothing. Returns
+    (start, count, total) of this rank's rows.
+    """
+    n = _length(slots)
+    if tokens_per_rank is None:
+        tokens_per_rank = [n]
+    tokens_per_rank = [int(t) for t in tokens_per_rank]
+    if not 0 <= dp_rank < len(tokens_per_rank):
+        raise ValueError(f"dp_rank is {dp_rank}; tokens_per_rank has {len(tokens_per_rank)} ranks")
+    if tokens_per_rank[dp_rank] != n:
+        raise ValueError(f"slots has {n} entries; tokens_per_rank[{dp_rank}] says this rank has "
+                         f"{tokens_per_rank[dp_rank]} rows")
+    start, count, total = capturer.local_rows(dp_rank, tokens_per_rank, padded_tokens_per_rank)
+    if count:
+        capturer.commit(_index_array(slots), src_start=start, stream=stream)
+    return start, count, total
+
+
+def batch_slots(attention_mask, slots_per_row):
+    """dst slots for a [batch, seq] forward flattened row-major, as the MoE
+    layers see it: row b's real tokens (mask 1) take slots_per_row[b] in
+    order, padding (mask 0) takes -1."""
+    mask = np.asarray(attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask).astype(bool)
+    out = np.full(mask.shape, -1, dtype=np.int64)
+    for b, row_slots in enumerate(slots_per_row):
+        row_slots = np.asarray(row_slots, dtype=np.int64)
+        if row_slots.shape[0] != int(mask[b].sum()):
+            raise ValueError(f"row {b} has {int(mask[b].sum())} real tokens but {row_slots.shape[0]} slots")
+        out[b, mask[b]] = row_slots
+    return out.reshape(-1)
+
+
+class RequestTable:
+    """Which KV slots hold each running request's tokens, in token order.
+
+    finish(rid) reads the request's routing (a RoutedExperts) and invalidates
+    its slots where the capturer can (moecap_invalidate), so the engine may
+    hand them to the next request; abort(rid) only invalidates.
+    """
+
+    def __init__(self, capturer, num_experts=None):
+        self.capturer = capturer
+        config = getattr(capturer, "config", {})
+        self.num_experts = int(num_experts if num_experts is not None else config["num_experts"])
+        self.num_layers = int(config["num_layers"])
+        self.top_k = int(config["top_k"])
+        self.weights = config.get("weight_dtype") is not None
+        self._slots = {}
+        self._start = {}
+
+    def __contains__(self, rid):
+        return rid in self._slots
+
+    def __len__(self):
+        return len(self._slots)
+
+    def start(self, rid, position=0):
+        """A new request whose first captured token sits at `position`."""
+        if rid in self._slots:
+            raise KeyError(f"request {rid!r} is already running")
+        self._slots[rid] = []
+        self._start[rid] = int(position)
+
+    def append(self, rid, slots):
+        """The slots of the request's next tokens (in order)."""
+        self._slots[rid].append(np.asarray(slots, dtype=np.int64).reshape(-1))
+
+    def slots(self, rid):
+        parts = self._slots[rid]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    def finish(self, rid):
+        """Reads the request's routing, invalidates its slots, forgets it."""
+        slots = self.slots(rid)
+        shape = (slots.shape[0], self.num_layers, self.top_k)
+        ids = np.empty(shape, dtype=np.int32)
+        weights = np.empty(shape, dtype=np.float32) if self.weights else None
+        if weights is None:
+            self.capturer.read(slots, out=ids)
+        else:
+            self.capturer.read(slots, out=ids, weights_out=weights)
+        slot_states = getattr(self.capturer, "slot_states", None)
+        if slot_states is None:  # a library before 1.1: a token whose ids all read -1 had no routing
+            routed = RoutedExperts.from_read(ids, self.num_experts, weights=weights, start=self._start[rid])
+        else:  # which slots held committed routing, also where every id of a token was out of range
+            from . import SLOT_VALID
+            valid = (np.asarray(slot_states(slots)) & SLOT_VALID) != 0
+            routed = RoutedExperts(ids, self.num_experts, weights=weights, valid=valid, start=self._start[rid])
+        self.abort(rid)
+        return routed
+
+    def abort(self, rid):
+        """Frees the request's slots' routing without reading it."""
+        slots = self.slots(rid)
+        invalidate = getattr(self.capturer, "invalidate", None)
+        if invalidate is not None and slots.shape[0]:
+            invalidate(slots)
+        del self._slots[rid], self._start[rid]
+
+
+def write_routed(capturer, slots, routed):
+    """Stores a RoutedExperts (e.g. RoutedExperts.from_bytes of a prefill
+    instance's record) at `slots`, one per token; its invalid tokens leave
+    their slots empty. Weights go along iff the capturer keeps them."""
+    slots = _index_array(slots)
+    if _length(slots) != routed.shape[0]:
+        raise ValueError(f"slots has {_length(slots)} entries; the routing has {routed.shape[0]} tokens")
+    ids = np.where(routed.valid[:, None, None], routed.ids, -1).astype(np.int32)
+    config = getattr(capturer, "config", {})
+    weights = None
+    if config.get("weight_dtype") is not None:
+        if routed.weights is None:
+            raise ValueError("the capturer keeps weights but the routing has none")
+        weights = np.ascontiguousarray(routed.weights, dtype=np.float32)
+    capturer.write(slots, ids, weights)

@@ -1,0 +1,315 @@
+"""Attach a Capturer to a Hugging Face transformers MoE model.
+
+    handle = moecap.hf.attach(model, capturer)   # every MoE layer captures its routing
+    ...                                          # serve: forwards, commit_batch, RequestTable
+    handle.detach()
+
+transformers >= 5 gives every MoE block a router module that returns
+``(router_logits, top_k_weights, top_k_index)``: the experts the model itself
+picked, whatever its rule (softmax then top-k for Mixtral, Qwen2/3-MoE and
+OLMoE; top-k then softmax for GraniteMoE; PhiMoE's sparsemixer; DeepSeek-V3's
+grouped top-k over biased sigmoid scores). attach hooks those modules'
+outputs, so nothing is re-derived, numbers the MoE layers in order (dense
+layers in between are skipped), and captures each layer's ids (and weights,
+if the capturer keeps them) inside the forward. A model's shared expert can
+ride along as an extra column (id num_experts), the fused-shared-expert
+layout engines use; the capturer accepts and drops it.
+
+An architecture not verified here is refused with an error that says what to
+pass: ``selector=fn(router, inputs, output) -> (ids [n, k], weights [n, k] or
+None)`` and, where the model declares no router class, ``routers=[modules]``.
+"""
+import contextlib
+
+# model_type -> how its router is found; each was checked against the model's own
+# output_router_logits top-k (tests/python/test_hf_models.py).
+KNOWN = {
+    "mixtral": "MixtralTopKRouter: softmax, top-k, renormalized",
+    "qwen2_moe": "Qwen2MoeTopKRouter: softmax, top-k; shared expert with a sigmoid gate; dense layers in between",
+    "qwen3_moe": "Qwen3MoeTopKRouter: softmax, top-k",
+    "olmoe": "OlmoeTopKRouter: softmax, top-k",
+    "granitemoe": "GraniteMoeTopKRouter: top-k of logits, then softmax",
+    "phimoe": "PhimoeTopKRouter: sparsemixer",
+    "deepseek_v3": "DeepseekV3TopkRouter: grouped top-k of sigmoid + correction bias; shared experts; dense first layers",
+}
+
+# Where a block keeps its shared expert (and the gate that scales it, if any).
+_SHARED = (("shared_expert", "shared_expert_gate"), ("shared_experts", None))
+
+
+class UnknownArchitecture(TypeError):
+    """attach cannot tell how this model picks its experts: pass a selector."""
+
+
+def _router_class(model):
+    recorders = getattr(model, "_can_record_outputs", None) or {}
+    for candidate in (model, getattr(model, "model", None)):
+        recorders = getattr(candidate, "_can_record_outputs", None) or recorders
+        if "router_logits" in recorders:
+            return getattr(recorders["router_logits"], "target_class", None)
+    return None
+
+
+def _model_type(model):
+    return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+
+
+def default_selector(router, inputs, output):
+    """The transformers >= 5 router contract: (logits, weights, indices)."""
+    if not (isinstance(output, tuple) and len(output) == 3 and hasattr(output[2], "dtype")
+            and not output[2].dtype.is_floating_point):
+        raise UnknownArchitecture(
+            f"{type(router).__name__} returned {type(output).__name__}, not (logits, weights, indices); "
+            "pass selector=fn(router, inputs, output) -> (ids, weights)")
+    return output[2], output[1]
+
+
+class MoELayer:
+    """One MoE layer as attach found it."""
+
+    def __init__(self, index, name, router, block):
+        self.index = index      # the capturer's layer number
+        self.name = name        # qualified name of the router module
+        self.router = router
+        self.block = block      # the module that owns the router (the sparse MoE block)
+        self.shared = self.shared_gate = None
+        for expert_attr, gate_attr in _SHARED:
+            if hasattr(block, expert_attr):
+                self.shared = getattr(block, expert_attr)
+                self.shared_gate = getattr(block, gate_attr) if gate_attr else None
+                break
+
+    def __repr__(self):
+        return f"MoELayer({self.index}, {self.name!r}, shared={self.shared is not None})"
+
+
+def find_moe_layers(model, routers=None):
+    """The model's MoE layers in forward order. routers: the router modules
+    (or their class) where the model does not declare one."""
+    names = dict((id(m), n) for n, m in model.named_modules())
+    if routers is None:
+        cls = _router_class(model)
+        if cls is None:
+            raise UnknownArchitecture(
+                f"{type(model).__name__} ({_model_type(model)!r}) declares no router module "
+                "(no 'router_logits' output recorder); pass routers=[the router modules] and selector=")
+        routers = cls
+    if isinstance(routers, type):
+        routers = [m for m in model.modules() if isinstance(m, routers)]
+    parents = {}
+    for parent_name, parent in model.named_modules():
+        for child in parent.children():
+            parents.setdefault(id(child), parent)
+    layers = []
+    for i, r in enumerate(routers):
+        if id(r) not in names:
+            raise ValueError(f"routers[{i}] ({type(r).__name__}) is not a module of this model")
+        layers.append(MoELayer(i, names[id(r)], r, parents.get(id(r), r)))
+    if not layers:
+        raise UnknownArchitecture(f"{type(model).__name__} has no router modules to capture")
+    return layers
+
+
+class Attached:
+    """What attach returns: the layers it hooks; detach() removes every hook."""
+
+    def __init__(self, layers, hooks, runner):
+        self.layers = layers
+        self._hooks = hooks
+        self._runner = runner
+
+    num_layers = property(lambda self: len(self.layers))
+    num_experts = property(lambda self: self._runner.num_experts)
+    top_k = property(lambda self: self._runner.top_k)
+    shared_column = property(lambda self: self._runner.shared_column, doc="1 if the shared expert rides as column top_k")
+
+    def idle_step(self):
+        """For an attention-DP rank with no tokens this step: joins each MoE
+        layer's gather with zero rows and captures the gathered batch, as
+        the rank's dummy forward would."""
+        for layer in self.layers:
+            self._runner.deliver(layer, None, None)
+
+    def detach(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.detach()
+
+
+class _Runner:
+    """Turns one layer's routing into a capture call (after the DP gather)."""
+
+    def __init__(self, capturer, gather, keep_weights, shared_column, num_experts, top_k, stream):
+        self.capturer = capturer
+        self.gather = gather
+        self.keep_weights = keep_weights
+        self.shared_column = shared_column
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.stream = stream
+        self.pending = {}  # block id -> (ids, weights) waiting for the shared gate
+
+    def deliver(self, layer, ids, weights):
+        import torch
+        if ids is None:  # an idle rank: zero rows, on the device the layer's routing lives on
+            device = next(layer.router.parameters(), torch.empty(0)).device
+            ids = torch.empty((0, self.top_k + self.shared_column), dtype=torch.int64, device=device)
+            weights = torch.empty(ids.shape, dtype=torch.float32, device=device) if self.keep_weights else None
+        if self.gather is not None:
+            ids, weights = self.gather(layer.index, ids, weights)
+        ids = ids.contiguous()
+        weights = weights.contiguous() if self.keep_weights else None
+        self.capturer.capture(layer.index, ids, weights, stream=self.stream)
+
+
+def attach(model, capturer, *, selector=None, routers=None, shared_expert=None, gather=None, stream=None):
+    """Hooks every MoE layer of `model` to capture its routing into `capturer`.
+
+    The capturer's num_layers, top_k and num_experts must match the model;
+    weights are captured iff the capturer keeps them (weight_dtype).
+    shared_expert: append the shared expert as column top_k (id num_experts,
+    weight its gate, or 1.0 without a gate); default: iff the capturer has
+    extra_columns and the model has a shared expert. gather: for attention
+    data parallelism, fn(layer, ids, weights) -> (ids, weights) that
+    all-gathers every rank's rows back to back (the engine's DP gather).
+    selector: fn(router, inputs, output) -> (ids, weights) for a model whose
+    routers do not return (logits, weights, indices); required for a
+    model_type outside KNOWN.
+    """
+    model_type = _model_type(model)
+    if selector is None and model_type not in KNOWN:
+        raise UnknownArchitecture(
+            f"moecap.hf does not know how {type(model).__name__} (model_type {model_type!r}) picks its experts; "
+            f"it knows {', '.join(sorted(KNOWN))}. Pass selector=fn(router, inputs, output) -> "
+            "(ids [tokens, top_k] int, weights [tokens, top_k] float or None) returning the experts the "
+            "router picked (and routers=[router modules] if the model declares no router class)")
+    selector = selector or default_selector
+    layers = find_moe_layers(model, routers)
+    r0 = layers[0].router
+    num_experts = int(getattr(r0, "num_experts", 0) or getattr(model.config, "num_local_experts", 0)
+                      or model.config.num_experts)
+    top_k = int(getattr(r0, "top_k", 0) or model.config.num_experts_per_tok)
+    config = getattr(capturer, "config", {})
+    extra = int(config.get("extra_columns", 0))
+    has_shared = any(layer.shared is not None for layer in layers)
+    if shared_expert is None:
+        shared_expert = extra >= 1 and has_shared
+    if shared_expert and not has_shared:
+        raise ValueError(f"shared_expert=True but {type(model).__name__} has no shared expert")
+    for name, want in (("num_layers", len(layers)), ("top_k", top_k), ("num_experts", num_experts)):
+        if name in config and int(config[name]) != want:
+            raise ValueError(f"capturer has {name}={config[name]}; the model has {want} "
+                             f"({len(layers)} MoE layers, top-{top_k} of {num_experts} experts)")
+    if shared_expert and extra < 1:
+        raise ValueError("shared_expert=True needs a capturer with extra_columns >= 1")
+    keep_weights = config.get("weight_dtype") is not None
+    runner = _Runner(capturer, gather, keep_weights, int(bool(shared_expert)), num_experts, top_k, stream)
+    hooks = []
+    for layer in layers:
+        hooks.append(layer.router.register_forward_hook(_router_hook(layer, runner, selector, shared_expert)))
+        if shared_expert:
+            hooks.append(layer.block.register_forward_hook(_block_hook(layer, runner)))
+            if layer.shared_gate is not None:
+                hooks.append(layer.shared_gate.register_forward_hook(_gate_hook(layer, runner)))
+    return Attached(layers, hooks, runner)
+
+
+def _router_hook(layer, runner, selector, shared_expert):
+    def hook(module, inputs, output):
+        ids, weights = selector(module, inputs, output)
+        ids = ids.reshape(-1, ids.shape[-1])
+        weights = None if weights is None else weights.reshape(ids.shape)
+        if runner.keep_weights and weights is None:
+            raise ValueError(f"the capturer keeps weights but the selector gave none for layer {layer.index}")
+        if shared_expert:  # completed by the block hook, once the shared gate ran
+            runner.pending[id(layer.block)] = [ids, weights, None]
+        else:
+            runner.deliver(layer, ids, weights)
+    return hook
+
+
+def _gate_hook(layer, runner):
+    def hook(module, inputs, output):
+        runner.pending[id(layer.block)][2] = output.reshape(-1, 1).float().sigmoid()
+    return hook
+
+
+def _block_hook(layer, runner):
+    def hook(module, inputs, output):
+        import torch
+        ids, weights, gate = runner.pending.pop(id(layer.block))
+        column = torch.full((ids.shape[0], 1), runner.num_experts, dtype=ids.dtype, device=ids.device)
+        ids = torch.cat([ids, column], dim=1)
+        if weights is not None:
+            gate = torch.ones((ids.shape[0], 1), device=ids.device) if gate is None else gate
+            weights = torch.cat([weights.float(), gate.to(weights.device)], dim=1)
+        runner.deliver(layer, ids, weights)
+    return hook
+
+
+# --- replay: force routers to recorded experts ----------------------------------
+
+def _recomputed_weights(router, logits, ids):
+    """The weights `router` gives experts `ids` from its own logits: what
+    Megatron-style router replay trains through."""
+    import torch
+    kind = type(router).__name__
+    logits = logits.reshape(-1, logits.shape[-1])
+    if kind.startswith(("Mixtral",)):
+        w = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+        return w / w.sum(dim=-1, keepdim=True)
+    if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe")):
+        w = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
+        if router.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w.to(logits.dtype)
+    if kind.startswith("GraniteMoe"):
+        return torch.softmax(logits.float().gather(1, ids), dim=-1)
+    if kind.startswith("DeepseekV3"):
+        w = logits.sigmoid().gather(1, ids)
+        if router.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * router.routed_scaling_factor
+    raise UnknownArchitecture(f"replay cannot recompute {kind}'s weights for forced experts; pass weights=")
+
+
+@contextlib.contextmanager
+def replay(model, ids, weights=None, routers=None):
+    """Within the block, every MoE layer routes to the recorded experts.
+
+    ids: per MoE layer an int [tokens, top_k] (RoutedExperts.to_megatron()),
+    tokens in the order the forward flattens them. weights: None, to take the
+    router's own weights for those experts from its logits (how router replay
+    trains), or per layer [tokens, top_k] to force those too.
+    """
+    import torch
+    layers = find_moe_layers(model, routers)
+    if len(ids) != len(layers):
+        raise ValueError(f"ids has {len(ids)} layers; the model has {len(layers)} MoE layers")
+
+    def make(layer):
+        def hook(module, inputs, output):
+            logits, own_weights, own_ids = output
+            forced = torch.as_tensor(ids[layer.index], device=own_ids.device).to(own_ids.dtype)
+            if forced.shape != own_ids.reshape(-1, own_ids.shape[-1]).shape:
+                raise ValueError(f"layer {layer.index}: recorded ids {tuple(forced.shape)}, the forward routes "
+                                 f"{tuple(own_ids.shape)}")
+            if weights is not None:
+                w = torch.as_tensor(weights[layer.index], device=own_weights.device)
+            else:
+                w = _recomputed_weights(module, logits, forced)
+            return logits, w.to(own_weights.dtype).reshape(own_weights.shape), forced.reshape(own_ids.shape)
+        return hook
+
+    hooks = [layer.router.register_forward_hook(make(layer)) for layer in layers]
+    try:
+        yield layers
+    finally:
+        for h in hooks:
+            h.remove()

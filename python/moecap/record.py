@@ -1,0 +1,271 @@
+"""RoutedExperts: one request's routing as a read returns it, its bytes, and
+the shapes RL trainers take.
+
+``to_bytes()`` writes the routing record of ``abi/moecap_record.h`` (specified
+in ``docs/RECORD_FORMAT.md``), byte for byte what ``moecap_record_encode``
+writes from C; ``from_bytes()`` reads either. The converters give what each
+consumer takes: SGLang's base64 fields, Megatron-LM's per-layer router-replay
+indices, verl's left-padded batch, NeMo-RL's narrow signed ids.
+"""
+import base64
+import struct
+
+import numpy as np
+
+MAGIC = b"MCRT"
+VERSION = 1
+HEADER_BYTES = 40
+PACKED, HAS_WEIGHTS, HAS_VALIDITY = 0x1, 0x2, 0x4
+_HEADER = struct.Struct("<4sHHBBBBIIIQq")
+_WEIGHT_DTYPES = {1: "f32", 2: "bf16", 3: "f16"}
+_WEIGHT_CODES = {v: k for k, v in _WEIGHT_DTYPES.items()}
+_WEIGHT_NUMPY = {"f32": np.dtype("<f4"), "bf16": np.dtype("<u2"), "f16": np.dtype("<f2")}
+
+
+class RecordError(ValueError):
+    """Bytes that are not a well-formed routing record of a version this code reads."""
+
+
+def id_bits(num_experts, packed):
+    """Width of one id code: the narrowest whose all-ones value is no expert."""
+    if packed:
+        return int(num_experts).bit_length()  # 2**bits - 1 >= num_experts
+    return 8 if num_experts <= 0xFF else 16 if num_experts <= 0xFFFF else 32
+
+
+def signed_dtype(num_experts):
+    """The narrowest signed dtype that holds every expert id and -1 (NeMo-RL's convention)."""
+    return np.dtype(np.int8 if num_experts <= 128 else np.int16 if num_experts <= 32768 else np.int32)
+
+
+def _f32_to_bf16_bits(w):
+    # Round to nearest even, NaN kept quiet: what PyTorch and moecap's C code do.
+    u = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    return np.where(nan, (u >> 16) | 0x40, rounded).astype("<u2")
+
+
+def _bf16_bits_to_f32(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _to_numpy(x):
+    if x is None or isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach"):  # a torch tensor
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+class RoutedExperts:
+    """One request's routed experts.
+
+    ids      [tokens, layers, top_k], signed; -1 where a token has no expert
+             (an empty slot, or an id out of range at capture)
+    weights  None, or the same shape, float32 (float16 kept as is)
+    valid    [tokens] bool: False where the token's slot held no committed routing
+    num_experts  routed experts of the model; ids are [0, num_experts)
+    start    position in its sequence of the first token (a prefix-cache hit or
+             a continued request starts past 0)
+    """
+
+    def __init__(self, ids, num_experts, weights=None, valid=None, start=0):
+        ids = _to_numpy(ids)
+        if ids.ndim != 3 or ids.dtype.kind not in "iu":
+            raise ValueError(f"ids must be an integer [tokens, layers, top_k] array, not {ids.dtype} {ids.shape}")
+        num_experts = int(num_experts)
+        if num_experts < 1:
+            raise ValueError(f"num_experts is {num_experts}; must be >= 1")
+        ids = ids.astype(np.int64)
+        out_of_range = (ids < -1) | (ids >= num_experts)
+        if out_of_range.any():
+            bad = tuple(int(i) for i in np.argwhere(out_of_range)[0])
+            raise ValueError(f"ids[{', '.join(map(str, bad))}] is {ids[bad]}; expected [0, {num_experts}) or -1")
+        self.ids = ids.astype(signed_dtype(num_experts))
+        self.num_experts = num_experts
+        w = _to_numpy(weights)
+        if w is not None:
+            if w.shape != ids.shape:
+                raise ValueError(f"weights has shape {w.shape}; ids has {ids.shape}")
+            w = w if w.dtype in (np.float32, np.float16) else w.astype(np.float32)
+        self.weights = w
+        v = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(_to_numpy(valid)).astype(bool)
+        if v.shape != (ids.shape[0],):
+            raise ValueError(f"valid has shape {v.shape}; expected ({ids.shape[0]},)")
+        self.valid = v
+        self.start = int(start)
+
+    @classmethod
+    def from_read(cls, ids, num_experts, weights=None, start=0):
+        """A read's output: a token whose every id is -1 was an empty slot (never
+        committed, or invalidated), which moecap_read reports as -1 ids."""
+        ids = _to_numpy(ids)
+        valid = ~(ids < 0).all(axis=(1, 2)) if ids.size else np.ones(ids.shape[0], dtype=bool)
+        return cls(ids, num_experts, weights=weights, valid=valid, start=start)
+
+    @property
+    def shape(self):
+        return self.ids.shape
+
+    def __len__(self):
+        return self.ids.shape[0]
+
+    def __eq__(self, other):
+        if not isinstance(other, RoutedExperts):
+            return NotImplemented
+        same_w = (self.weights is None) == (other.weights is None) and (
+            self.weights is None or np.array_equal(self.weights[self.valid], other.weights[other.valid]))
+        return (self.num_experts == other.num_experts and self.start == other.start
+                and np.array_equal(self.valid, other.valid) and same_w
+                and np.array_equal(self.ids[self.valid], other.ids[other.valid]))
+
+    def __repr__(self):
+        return (f"RoutedExperts(tokens={self.shape[0]}, layers={self.shape[1]}, top_k={self.shape[2]}, "
+                f"num_experts={self.num_experts}, start={self.start}, weights={self.weights is not None}, "
+                f"invalid={int((~self.valid).sum())})")
+
+    # --- the record ---------------------------------------------------------
+
+    def to_bytes(self, packed=True, weights="keep"):
+        """The routing record. packed: ids at ceil(log2(num_experts + 1)) bits
+        (else 8/16/32). weights: "keep" (as held), None (leave out), or a
+        dtype to store them in ("f32", "bf16", "f16")."""
+        tokens, layers, top_k = self.shape
+        if layers < 1 or top_k < 1:
+            raise ValueError(f"ids has shape {self.shape}; layers and top_k must be >= 1")
+        bits = id_bits(self.num_experts, packed)
+        sentinel = (1 << bits) - 1
+        invalid = not self.valid.all()
+        w_name, w_bytes = None, b""
+        if self.weights is not None and weights is not None:
+            w_name = ("f16" if self.weights.dtype == np.float16 else "f32") if weights == "keep" else weights
+            if w_name not in _WEIGHT_NUMPY:
+                raise ValueError(f"weights must be 'keep', None, 'f32', 'bf16' or 'f16', not {weights!r}")
+            w = np.where(self.valid[:, None, None], self.weights, 0).astype(np.float32)
+            stored = _f32_to_bf16_bits(w) if w_name == "bf16" else w.astype(_WEIGHT_NUMPY[w_name])
+            w_bytes = np.where(self.valid[:, None, None], stored, 0).astype(_WEIGHT_NUMPY[w_name]).tobytes()
+        flags = (PACKED if packed else 0) | (HAS_WEIGHTS if w_name else 0) | (HAS_VALIDITY if invalid else 0)
+        header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, bits, flags, _WEIGHT_CODES.get(w_name, 0), 0,
+                              layers, top_k, self.num_experts, tokens, self.start)
+        validity = np.packbits(self.valid, bitorder="little").tobytes() if invalid else b""
+        ids = np.where(self.valid[:, None, None], self.ids.astype(np.int64), -1)
+        codes = np.where(ids < 0, sentinel, ids).astype(np.uint64).reshape(-1)
+        if packed:
+            # Bit j of code i is stream bit i * bits + j, LSB first.
+            stream = ((codes[:, None] >> np.arange(bits, dtype=np.uint64)) & 1).astype(np.uint8).reshape(-1)
+            id_bytes = np.packbits(stream, bitorder="little").tobytes()
+        else:
+            id_bytes = codes.astype(f"<u{bits // 8}").tobytes()
+        return header + validity + id_bytes + w_bytes
+
+    @classmethod
+    def from_bytes(cls, data):
+        """Reads a record (from to_bytes or moecap_record_encode), checking all of it."""
+        data = bytes(data)
+        if len(data) < HEADER_BYTES:
+            raise RecordError(f"{len(data)} bytes; a record is at least {HEADER_BYTES}")
+        (magic, version, header_bytes, bits, flags, w_code, zero, layers, top_k, experts, tokens,
+         start) = _HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise RecordError("not a routing record (magic is not b'MCRT')")
+        if version != VERSION:
+            raise RecordError(f"record version {version}; this code reads version {VERSION}")
+        if header_bytes != HEADER_BYTES or zero != 0 or flags & ~(PACKED | HAS_WEIGHTS | HAS_VALIDITY):
+            raise RecordError(f"malformed header (header bytes {header_bytes}, flags {flags}, byte 11 {zero})")
+        if layers < 1 or top_k < 1 or not 1 <= experts < 2 ** 31:
+            raise RecordError(f"layers {layers}, top_k {top_k}, num_experts {experts} out of range")
+        packed = bool(flags & PACKED)
+        if bits != id_bits(experts, packed):
+            raise RecordError(f"id_bits {bits}; {experts} experts take {id_bits(experts, packed)}")
+        if bool(flags & HAS_WEIGHTS) != (w_code != 0) or w_code not in (0, 1, 2, 3):
+            raise RecordError(f"weight dtype {w_code} does not match the weights flag")
+        count = tokens * layers * top_k
+        v_len = (tokens + 7) // 8 if flags & HAS_VALIDITY else 0
+        id_len = (count * bits + 7) // 8
+        w_name = _WEIGHT_DTYPES.get(w_code)
+        w_len = count * _WEIGHT_NUMPY[w_name].itemsize if w_name else 0
+        if len(data) != HEADER_BYTES + v_len + id_len + w_len:
+            raise RecordError(f"{len(data)} bytes; the header says {HEADER_BYTES + v_len + id_len + w_len}")
+        at = HEADER_BYTES
+        if v_len:
+            bitmap = np.frombuffer(data, np.uint8, v_len, at)
+            valid = np.unpackbits(bitmap, bitorder="little")[:tokens].astype(bool)
+            if np.unpackbits(bitmap, bitorder="little")[tokens:].any():
+                raise RecordError("validity padding bits are not 0")
+        else:
+            valid = np.ones(tokens, dtype=bool)
+        at += v_len
+        raw = np.frombuffer(data, np.uint8, id_len, at)
+        if packed:
+            stream = np.unpackbits(raw, bitorder="little")
+            if stream[count * bits:].any():
+                raise RecordError("id padding bits are not 0")
+            codes = (stream[:count * bits].reshape(count, bits).astype(np.uint64)
+                     << np.arange(bits, dtype=np.uint64)).sum(axis=1)
+        else:
+            codes = raw.view(f"<u{bits // 8}").astype(np.uint64)
+        sentinel = (1 << bits) - 1
+        bad = (codes >= experts) & (codes != sentinel)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise RecordError(f"id {i} is {int(codes[i])}; expected [0, {experts}) or {sentinel}")
+        ids = np.where(codes == sentinel, -1, codes.astype(np.int64)).reshape(tokens, layers, top_k)
+        weights = None
+        if w_name:
+            stored = np.frombuffer(data, _WEIGHT_NUMPY[w_name], count, at + id_len).reshape(tokens, layers, top_k)
+            if (stored[~valid] != 0).any():
+                raise RecordError("an invalid token holds weights")
+            weights = _bf16_bits_to_f32(stored) if w_name == "bf16" else stored.copy()
+        if (ids[~valid] != -1).any():
+            raise RecordError("an invalid token holds routing")
+        return cls(ids, experts, weights=weights, valid=valid, start=start)
+
+    # --- what consumers take ----------------------------------------------------
+
+    def to_sglang(self, dtype="int32"):
+        """SGLang's response fields: base64 of the ids as `dtype` (int32 in SGLang's
+        first versions, which consumers decode as np.int32 reshaped to
+        (-1, layers, top_k); newer ones send uint8/uint16 and name the dtype).
+        SGLang leaves out the last token (never forwarded); so does the record."""
+        dt = np.dtype(dtype)
+        if dt.kind == "u" and not self.valid.all():
+            raise ValueError(f"{dtype} cannot say 'no expert' and some tokens are invalid; use a signed dtype")
+        if self.num_experts - 1 > np.iinfo(dt).max:
+            raise ValueError(f"{dtype} cannot hold expert {self.num_experts - 1}")
+        ids = np.where(self.valid[:, None, None], self.ids, -1)
+        return {"routed_experts": base64.b64encode(ids.astype(dt).tobytes()).decode("ascii"),
+                "routed_experts_dtype": dt.name, "routed_experts_shape": list(self.shape)}
+
+    def to_megatron(self):
+        """Megatron-LM router replay: one int64 [tokens, top_k] tensor per layer
+        (torch if installed, else numpy), the indices each layer's router is forced to."""
+        per_layer = [np.ascontiguousarray(self.ids[:, layer, :]).astype(np.int64) for layer in range(self.shape[1])]
+        try:
+            import torch
+        except ImportError:
+            return per_layer
+        return [torch.from_numpy(x) for x in per_layer]
+
+    def to_verl(self, total_len, pad_value=0):
+        """verl's routed_experts: (1, total_len, layers, top_k) int64, the request's
+        tokens at the right end (left padding, as verl pads its prompts), pad_value
+        elsewhere; invalid tokens also pad_value (verl masks by attention_mask)."""
+        tokens, layers, top_k = self.shape
+        if total_len < tokens:
+            raise ValueError(f"total_len is {total_len}; the request has {tokens} tokens")
+        out = np.full((1, total_len, layers, top_k), pad_value, dtype=np.int64)
+        out[0, total_len - tokens:] = np.where(self.valid[:, None, None], self.ids, pad_value)
+        return out
+
+    def to_nemo_rl(self):
+        """NeMo-RL: the narrowest signed dtype holding every id, -1 for 'none'."""
+        return np.where(self.valid[:, None, None], self.ids, -1).astype(signed_dtype(self.num_experts))
+
+
+def sglang_base64_bytes_per_token(layers, top_k, dtype_bytes=4):
+    """Bytes of SGLang's base64 field per token (int32 unless said otherwise)."""
+    return layers * top_k * dtype_bytes * 4 / 3

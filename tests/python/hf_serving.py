@@ -1,0 +1,303 @@
+"""A small engine over transformers MoE models, for the tests: what an
+inference engine does around moecap, in miniature.
+
+Each attention-DP rank is a thread with its own model replica and capturer;
+the MoE layers see every rank's rows gathered back to back (an all-gather
+over threads). A rank serves waves of requests as left-padded batches:
+chunked prefill, then greedy decode with the model's KV cache. Every token it
+forwards gets a KV slot drawn at random from the rank's free list (so
+requests hold non-contiguous slots, and finished requests' slots are reused
+by the next wave); padding and finished rows commit to slot -1. Each forward
+also asks the model for output_router_logits, from which `reference` derives
+the model's top-k: the expected routing of every token.
+"""
+import copy
+import inspect
+import threading
+
+import numpy as np
+import torch
+import transformers
+
+import moecap
+from moecap import hf
+from moecap.engine import RequestTable, batch_slots, commit_batch
+
+VOCAB = 64
+# transformers renamed past_key_values to cache (the old name is deprecated from 5.x).
+CACHE_ARG = "past_key_values"
+
+
+def tiny_config(model_type):
+    """A random-weight config of each architecture: small, fast, no downloads.
+    None if the installed transformers lacks the config class."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
+                  bos_token_id=2, tie_word_embeddings=False)
+    moe = dict(num_experts_per_tok=2)
+    specs = {
+        "mixtral": ("MixtralConfig", dict(num_local_experts=8)),
+        # dense layer 1 between MoE layers 0 and 2; a gated shared expert
+        "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                             mlp_only_layers=[1])),
+        "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, moe_intermediate_size=16, head_dim=16)),
+        "olmoe": ("OlmoeConfig", dict(num_experts=8)),
+        "granitemoe": ("GraniteMoeConfig", dict(num_local_experts=8)),
+        "phimoe": ("PhimoeConfig", dict(num_local_experts=8)),
+        # 8 experts in 2 groups, 1 group kept; dense first layer; a shared expert
+        "deepseek_v3": ("DeepseekV3Config", dict(n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=1,
+                                                 n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                                                 kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                                 num_key_value_heads=2)),
+    }
+    class_name, extra = specs[model_type]
+    cls = getattr(transformers, class_name, None)
+    if cls is None:
+        return class_name, None
+    config = cls(**{**common, **moe, **extra})
+    config._attn_implementation = "eager"
+    return class_name, config
+
+
+def build(config, seed=0, dtype=torch.float32):
+    global CACHE_ARG
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
+    if "cache" in inspect.signature(model.model.forward).parameters:
+        CACHE_ARG = "cache"
+    if config.model_type == "deepseek_v3":  # a non-zero correction bias, so it matters
+        for layer in hf.find_moe_layers(model):
+            layer.router.e_score_correction_bias.copy_(torch.randn(layer.router.num_experts) * 0.5)
+    return model
+
+
+def reference(router, logits):
+    """The model's own top-k from its output_router_logits: (ids, weights)."""
+    kind = type(router).__name__
+    logits = logits.reshape(-1, logits.shape[-1])
+    if kind.startswith("Mixtral"):
+        w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), router.top_k, dim=-1)
+        return ids, w / w.sum(dim=-1, keepdim=True)
+    if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe")):
+        w, ids = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), router.top_k, dim=-1)
+        if router.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return ids, w.to(logits.dtype)
+    if kind.startswith("GraniteMoe"):
+        top, ids = logits.float().topk(router.top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1)
+    if kind.startswith("Phimoe"):
+        from transformers.models.phimoe.modeling_phimoe import sparsemixer
+        w, ids = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=False, top_k=router.top_k)
+        return ids, w
+    if kind.startswith("DeepseekV3"):
+        scores = logits.float().sigmoid()
+        choice = scores + router.e_score_correction_bias
+        groups = choice.view(-1, router.num_group, router.num_experts // router.num_group)
+        group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, router.topk_group, dim=-1,
+                                                                     sorted=False)[1], 1)
+        mask = keep.unsqueeze(-1).expand_as(groups).reshape(-1, router.num_experts).bool()
+        ids = torch.topk(choice.masked_fill(~mask, float("-inf")), router.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        if router.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, w * router.routed_scaling_factor
+    raise AssertionError(f"no reference for {kind}")
+
+
+class AllGather:
+    """all_gather over rank threads: every rank passes its part, all get all parts."""
+
+    def __init__(self, ranks):
+        self.parts = [None] * ranks
+        self.barrier = threading.Barrier(ranks, timeout=120)
+
+    def __call__(self, rank, part):
+        self.parts[rank] = part
+        self.barrier.wait()
+        parts = list(self.parts)
+        self.barrier.wait()
+        return parts
+
+    def rows(self, rank):
+        """The DP gather of one MoE layer's routing: ranks back to back."""
+        def gather(layer, ids, weights):
+            parts = self(rank, (ids, weights))
+            ids = torch.cat([p[0] for p in parts])
+            weights = None if weights is None else torch.cat([p[1].float() for p in parts])
+            return ids, weights
+        return gather
+
+
+class Request:
+    def __init__(self, rid, prompt, new_tokens):
+        self.rid = rid
+        self.prompt = list(prompt)
+        self.new_tokens = new_tokens  # tokens to generate; the last is never forwarded
+        self.generated = []
+        self.expected_ids = []        # [layers, top_k] per forwarded token, from the model's logits
+        self.expected_weights = []
+        self.routed = None            # the RoutedExperts read at finish
+
+    @property
+    def forwarded(self):
+        return len(self.prompt) + len(self.generated) - (1 if self.done else 0)
+
+    @property
+    def done(self):
+        return len(self.generated) >= self.new_tokens
+
+
+class Rank:
+    """One attention-DP rank: a model replica, its capturer, its requests."""
+
+    def __init__(self, model, rank, dp_size, gather, host_slots, rows_per_rank, seed, shared_column, weight_dtype):
+        self.model, self.rank, self.dp_size, self.gather = model, rank, dp_size, gather
+        layers = hf.find_moe_layers(model)
+        router = layers[0].router
+        self.capturer = moecap.Capturer(
+            num_layers=len(layers), top_k=router.top_k, num_experts=router.num_experts, host_slots=host_slots,
+            max_running_requests=8, chunked_prefill_size=rows_per_rank, dp_size=dp_size, weight_dtype=weight_dtype,
+            extra_columns=1 if shared_column else 0)
+        self.handle = hf.attach(model, self.capturer, gather=gather.rows(rank) if dp_size > 1 else None)
+        self.table = RequestTable(self.capturer)
+        self.rng = np.random.default_rng(seed)
+        self.free = list(self.rng.permutation(host_slots))
+        self.finished = []
+        self.steps = {"prefill": 0, "decode": 0, "idle": 0}
+
+    def step_header(self, rows, working):
+        """Every step starts with the ranks exchanging their row counts (and
+        whether they still have work): (tokens_per_rank, anyone working)."""
+        if self.dp_size == 1:
+            return [rows], working
+        parts = self.gather(self.rank, (rows, working))
+        return [p[0] for p in parts], any(p[1] for p in parts)
+
+    def idle(self, working=True):
+        """A step with no tokens here: the MoE layers still join the gathers.
+        False (and nothing done) once no rank has work left."""
+        tokens_per_rank, anyone = self.step_header(0, working)
+        if not anyone:
+            return False
+        self.handle.idle_step()
+        commit_batch(self.capturer, np.empty(0, dtype=np.int64), self.rank, tokens_per_rank)
+        self.steps["idle"] += 1
+        return True
+
+    def forward(self, batch, input_ids, mask, real, cache):
+        """One step: input_ids [B, S], mask the attention mask so far, real [B, S]
+        which new tokens are real (else padding or a finished row)."""
+        tokens_per_rank, _ = self.step_header(input_ids.numel(), True)
+        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
+        with torch.no_grad():
+            # The decoder itself, not the LM wrapper: some wrappers (GraniteMoE) compute an
+            # aux loss from router logits and the full attention mask that breaks with a cache.
+            out = self.model.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                                   use_cache=True, output_router_logits=True, **{CACHE_ARG: cache})
+            out.logits = self.model.lm_head(out.last_hidden_state)  # argmax is all decode needs
+        per_row = []
+        for b, req in enumerate(batch):
+            n = int(real[b].sum())
+            slots = [int(self.free.pop()) for _ in range(n)]
+            per_row.append(slots)
+            if n:
+                self.table.append(req.rid, slots)
+        slots = batch_slots(real, per_row)
+        commit_batch(self.capturer, slots, self.rank, tokens_per_rank)
+        routers = [layer.router for layer in self.handle.layers]
+        expected = [reference(r, logits) for r, logits in zip(routers, out.router_logits)]
+        flat_real = real.reshape(-1)
+        for b, req in enumerate(batch):
+            for s in range(input_ids.shape[1]):
+                i = b * input_ids.shape[1] + s
+                if flat_real[i]:
+                    req.expected_ids.append(torch.stack([e[0][i] for e in expected]))
+                    req.expected_weights.append(torch.stack([e[1][i].float() for e in expected]))
+        return out
+
+    def finish(self, req):
+        req.slots = self.table.slots(req.rid)
+        req.routed = self.table.finish(req.rid)
+        self.free.extend(int(s) for s in req.slots)  # the next wave reuses them
+        self.finished.append(req)
+
+    def serve(self, wave, chunk, schedule):
+        """Serves one wave as a left-padded batch; `schedule` says, per global
+        step, whether this rank runs (the others may be idle)."""
+        width = max(len(r.prompt) for r in wave)
+        ids = torch.zeros((len(wave), width), dtype=torch.long)
+        prompt_mask = torch.zeros((len(wave), width), dtype=torch.long)
+        for b, r in enumerate(wave):
+            ids[b, width - len(r.prompt):] = torch.tensor(r.prompt)
+            prompt_mask[b, width - len(r.prompt):] = 1
+            self.table.start(r.rid)
+        cache = transformers.DynamicCache(config=self.model.config)
+        out = None
+        for c0 in range(0, width, chunk):
+            while not next(schedule):
+                self.idle()
+            mask = prompt_mask[:, :c0 + chunk]
+            out = self.forward(wave, ids[:, c0:c0 + chunk], mask, prompt_mask[:, c0:c0 + chunk].bool(), cache)
+            self.steps["prefill"] += 1
+        for b, r in enumerate(wave):
+            r.generated.append(int(out.logits[b, -1].argmax()))
+        while True:
+            live = torch.tensor([not r.done for r in wave])
+            if not live.any():
+                break
+            while not next(schedule):
+                self.idle()
+            step_ids = torch.tensor([[r.generated[-1]] for r in wave])
+            mask = torch.cat([mask, torch.ones((len(wave), 1), dtype=torch.long)], dim=1)
+            out = self.forward(wave, step_ids, mask, live[:, None], cache)
+            self.steps["decode"] += 1
+            for b, r in enumerate(wave):
+                if not r.done:
+                    r.generated.append(int(out.logits[b, -1].argmax()))
+        for r in wave:
+            self.finish(r)
+
+
+def serve(config, dp_size, waves_per_rank, active, chunk=3, host_slots=96, seed=0, dtype=torch.float32):
+    """Serves `waves_per_rank[r]` waves on each rank; active[r](step) says when
+    rank r runs (False: idle that step). Returns the ranks."""
+    model = build(config, dtype=dtype)
+    weight_dtype = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    shared = any(layer.shared is not None for layer in hf.find_moe_layers(model))
+    gather = AllGather(dp_size)
+    batch = max(len(w) for waves in waves_per_rank for w in waves)
+    # Replicas before any attach: deepcopy would copy the hooks too.
+    models = [model] + [copy.deepcopy(model) for _ in range(dp_size - 1)]
+    ranks = [Rank(models[r], r, dp_size, gather, host_slots, batch * chunk, seed + r, shared, weight_dtype)
+             for r in range(dp_size)]
+    errors = []
+
+    def run(rank):
+        try:
+            def schedule():
+                step = 0
+                while True:
+                    yield active[rank.rank](step)
+                    step += 1
+            steps = schedule()
+            for wave in waves_per_rank[rank.rank]:
+                rank.serve(wave, chunk, steps)
+            while rank.idle(working=False):  # lockstep until no rank has work
+                pass
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+            gather.barrier.abort()
+
+    if dp_size == 1:
+        run(ranks[0])
+    else:
+        threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return ranks

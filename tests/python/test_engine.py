@@ -1,0 +1,120 @@
+"""moecap.engine: one-call commits of a rank's rows (eager and padded
+batches, -1 padding, idle ranks) and per-request bookkeeping."""
+import numpy as np
+import pytest
+
+import moecap
+from moecap.engine import RequestTable, batch_slots, commit_batch, write_routed
+from moecap.record import RoutedExperts
+
+LAYERS, TOP_K, EXPERTS = 2, 3, 16
+
+
+def capturer(dp_size=1, **kw):
+    return moecap.Capturer(num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS, host_slots=64,
+                           max_running_requests=8, chunked_prefill_size=8, dp_size=dp_size, **kw)
+
+
+def capture_rows(cap, rows):
+    """Row r of every layer routes to experts (r + layer + j) % EXPERTS."""
+    for layer in range(LAYERS):
+        ids = (np.arange(rows)[:, None] + layer + np.arange(TOP_K)[None, :]) % EXPERTS
+        cap.capture(layer, ids.astype(np.int32))
+
+
+def expected(rows):
+    return np.stack([(np.asarray(rows)[:, None] + layer + np.arange(TOP_K)) % EXPERTS for layer in range(LAYERS)], 1)
+
+
+def test_eager_gathered_batch_commits_this_ranks_rows():
+    cap = capturer(dp_size=3)
+    capture_rows(cap, 2 + 4 + 1)  # ranks hold 2, 4, 1 rows back to back
+    slots = [10, -1, 30, 7]        # rank 1's rows; its second is padding
+    assert commit_batch(cap, slots, dp_rank=1, tokens_per_rank=[2, 4, 1]) == (2, 4, 7)
+    assert np.array_equal(cap.read(np.array([10, 30, 7])), expected([2, 4, 5]))
+
+
+def test_padded_graph_batch():
+    cap = capturer(dp_size=2)
+    capture_rows(cap, 2 * 4)  # each rank padded to 4 rows
+    assert commit_batch(cap, [5, 6, 9], dp_rank=1, tokens_per_rank=[2, 3], padded_tokens_per_rank=4) == (4, 3, 8)
+    assert np.array_equal(cap.read(np.array([5, 6, 9])), expected([4, 5, 6]))
+
+
+def test_idle_rank_commits_nothing():
+    cap = capturer(dp_size=2)
+    capture_rows(cap, 3)
+    cap.commit(np.arange(3, dtype=np.int64) + 20)
+    before = cap.read(np.arange(64))
+    assert commit_batch(cap, np.empty(0, dtype=np.int64), dp_rank=1, tokens_per_rank=[3, 0]) == (3, 0, 3)
+    assert np.array_equal(cap.read(np.arange(64)), before)
+
+
+def test_slot_count_must_match_the_ranks_rows():
+    cap = capturer(dp_size=2)
+    with pytest.raises(ValueError, match=r"slots has 3 entries; tokens_per_rank\[0\] says this rank has 2 rows"):
+        commit_batch(cap, [1, 2, 3], dp_rank=0, tokens_per_rank=[2, 2])
+    with pytest.raises(ValueError, match="dp_rank is 2"):
+        commit_batch(cap, [1], dp_rank=2, tokens_per_rank=[1, 1])
+
+
+def test_batch_slots_flattens_a_left_padded_batch():
+    mask = np.array([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert batch_slots(mask, [[7, 3], [1, 2, 9, 4]]).tolist() == [-1, -1, 7, 3, 1, 2, 9, 4]
+    with pytest.raises(ValueError, match="row 0 has 2 real tokens but 3 slots"):
+        batch_slots(mask, [[7, 3, 5], [1, 2, 9, 4]])
+
+
+def test_request_table_reads_a_finished_request_in_token_order():
+    cap = capturer(weight_dtype="f32")
+    table = RequestTable(cap)
+    table.start("a", position=3)
+    for step, slots in enumerate(([40, 2, 17], [5], [33])):
+        rows = len(slots)
+        for layer in range(LAYERS):
+            ids = np.full((rows, TOP_K), step + layer, dtype=np.int32)
+            cap.capture(layer, ids, np.full((rows, TOP_K), 0.5, dtype=np.float32))
+        commit_batch(cap, slots)
+        table.append("a", slots)
+    routed = table.finish("a")
+    assert routed.shape == (5, LAYERS, TOP_K) and routed.start == 3 and routed.valid.all()
+    assert routed.ids[:, 0, 0].tolist() == [0, 0, 0, 1, 2]
+    assert (routed.weights == 0.5).all()
+    assert "a" not in table and len(table) == 0
+
+
+def test_finished_slots_are_invalidated():
+    cap = capturer()
+    table = RequestTable(cap)
+    table.start(1)
+    capture_rows(cap, 2)
+    commit_batch(cap, [8, 9])
+    table.append(1, [8, 9])
+    assert table.finish(1).valid.all()
+    # A request that reuses slot 9 but whose commit went missing reads an empty slot, not stale routing.
+    table.start(2)
+    table.append(2, [9])
+    routed = table.finish(2)
+    assert routed.valid.tolist() == [False] and (routed.ids == -1).all()
+    # Without the invalidation the same read returns request 1's routing: what the table prevents.
+    stale = capturer()
+    capture_rows(stale, 2)
+    commit_batch(stale, [8, 9])
+    assert (stale.read(np.array([9])) >= 0).all()
+
+
+def test_a_record_from_a_prefill_instance_lands_in_the_decode_instances_slots():
+    prefill, decode = capturer(weight_dtype="f32"), capturer(weight_dtype="f32")
+    table = RequestTable(prefill)
+    table.start("r", position=0)
+    for layer in range(LAYERS):
+        cap_ids = (np.arange(4)[:, None] + layer + np.arange(TOP_K)) % EXPERTS
+        prefill.capture(layer, cap_ids.astype(np.int32), np.full((4, TOP_K), 0.25, dtype=np.float32))
+    commit_batch(prefill, [3, 1, 4, 15])
+    table.append("r", [3, 1, 4, 15])
+    wire = table.finish("r").to_bytes()
+    write_routed(decode, [50, 51, 52, 53], RoutedExperts.from_bytes(wire))
+    ids, weights = decode.read(np.array([50, 51, 52, 53]), weights_out=np.empty((4, LAYERS, TOP_K), dtype=np.float32))
+    assert np.array_equal(ids, expected([0, 1, 2, 3])) and (weights == 0.25).all()
+    with pytest.raises(ValueError, match="slots has 3 entries; the routing has 4 tokens"):
+        write_routed(decode, [1, 2, 3], RoutedExperts.from_bytes(wire))

@@ -1,0 +1,185 @@
+"""moecap.hf on real transformers MoE architectures (random weights, no
+downloads), served by the small engine in hf_serving: every request's routing
+read back from the capturer equals the model's own output_router_logits top-k
+(ids exactly, weights within float32 precision), at dp 1 and at dp 2 with
+ranks that are idle for some steps and one that serves nothing at all."""
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", minversion="2.4", reason="moecap.hf needs torch >= 2.4 (the test venv)")
+transformers = pytest.importorskip("transformers", reason="moecap.hf needs transformers (the test venv)")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import moecap  # noqa: E402
+from moecap import hf  # noqa: E402
+
+import hf_serving  # noqa: E402
+
+ARCHITECTURES = sorted(hf.KNOWN)
+
+
+def config_or_skip(model_type):
+    class_name, config = hf_serving.tiny_config(model_type)
+    if config is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}: {model_type} not tested")
+    return config
+
+
+def requests(rng, rid0, count, waves):
+    out, rid = [], rid0
+    for _ in range(waves):
+        wave = []
+        for _ in range(count):
+            prompt = rng.integers(3, hf_serving.VOCAB, size=int(rng.integers(2, 9)))
+            wave.append(hf_serving.Request(rid, prompt, int(rng.integers(1, 5))))
+            rid += 1
+        out.append(wave)
+    return out
+
+
+def check(ranks, rtol=1.3e-6):
+    """Every finished request's routing equals what the model computed: ids
+    exactly, weights within `rtol` (float32's, or one ulp of a 16-bit dtype)."""
+    checked = 0
+    for rank in ranks:
+        for req in rank.finished:
+            routed = req.routed
+            assert routed.shape[0] == req.forwarded == len(req.expected_ids)
+            assert routed.valid.all(), f"request {req.rid}: a committed token reads as an empty slot"
+            want = torch.stack(req.expected_ids).numpy()
+            got = routed.ids.astype(np.int64)
+            assert np.array_equal(got, want), f"request {req.rid} of rank {rank.rank}: ids differ"
+            torch.testing.assert_close(torch.from_numpy(routed.weights), torch.stack(req.expected_weights),
+                                       rtol=rtol, atol=1e-6)
+            checked += routed.shape[0]
+        assert len(rank.table) == 0
+    return checked
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_dp1_chunked_prefill_left_padded_decode(model_type):
+    config = config_or_skip(model_type)
+    rng = np.random.default_rng(1)
+    waves = requests(rng, 0, count=3, waves=2)  # wave 2 reuses wave 1's freed slots
+    ranks = hf_serving.serve(config, 1, [waves], [lambda step: True], chunk=3)
+    assert ranks[0].steps["prefill"] >= 4 and ranks[0].steps["decode"] >= 2
+    assert check(ranks) == sum(r.forwarded for w in waves for r in w) > 0
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_dp2_with_idle_steps(model_type):
+    config = config_or_skip(model_type)
+    rng = np.random.default_rng(2)
+    waves = [requests(rng, 0, count=2, waves=2), requests(rng, 100, count=3, waves=1)]
+    # both ranks sit out some steps while they still have work (rank 0 every 4th, rank 1 every 3rd)
+    ranks = hf_serving.serve(config, 2, waves, [lambda step: step % 4 != 2, lambda step: step % 3 != 1], chunk=2)
+    assert ranks[1].steps["idle"] > 0 and ranks[0].steps["idle"] > 0
+    assert check(ranks) == sum(r.forwarded for rank_waves in waves for w in rank_waves for r in w)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "granitemoe"])
+def test_bfloat16_model_keeps_bf16_weights(model_type):
+    """A bf16 model whose routers return bf16 weights, kept as bf16."""
+    config = config_or_skip(model_type)
+    waves = requests(np.random.default_rng(4), 0, count=2, waves=1)
+    ranks = hf_serving.serve(config, 1, [waves], [lambda step: True], chunk=4, dtype=torch.bfloat16)
+    assert check(ranks, rtol=2 ** -7) > 0  # GraniteMoE rounds its float32 softmax to bf16, the reference does not
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
+def test_dp2_one_rank_serves_nothing(model_type):
+    config = config_or_skip(model_type)
+    rng = np.random.default_rng(3)
+    waves = [requests(rng, 0, count=2, waves=1), []]
+    ranks = hf_serving.serve(config, 2, waves, [lambda step: True, lambda step: True], chunk=4)
+    assert ranks[1].steps["prefill"] == ranks[1].steps["decode"] == 0 and ranks[1].steps["idle"] > 0
+    assert check(ranks) > 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3"])
+def test_shared_expert_rides_as_extra_column(model_type):
+    """The fused-shared-expert layout: column top_k is expert num_experts with
+    the shared expert's gate (Qwen2-MoE: sigmoid of shared_expert_gate;
+    DeepSeek-V3: 1.0)."""
+    model = hf_serving.build(config_or_skip(model_type))
+    layers = hf.find_moe_layers(model)
+    router = layers[0].router
+    seen = {}
+
+    def spy(layer, ids, weights):
+        seen[layer] = (ids.clone(), weights.clone())
+        return ids, weights
+
+    cap = moecap.Capturer(num_layers=len(layers), top_k=router.top_k, num_experts=router.num_experts, host_slots=16,
+                          max_running_requests=1, chunked_prefill_size=16, weight_dtype="f32", extra_columns=1)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 6))
+    gates = {}
+    if layers[0].shared_gate is not None:
+        for layer in layers:
+            layer.shared_gate.register_forward_hook(
+                lambda m, i, o, idx=layer.index: gates.__setitem__(idx, torch.sigmoid(o.reshape(-1).float())))
+    with hf.attach(model, cap, gather=spy) as handle, torch.no_grad():
+        assert handle.shared_column == 1
+        out = model(tokens, output_router_logits=True)
+    for layer, logits in zip(layers, out.router_logits):
+        ids, weights = seen[layer.index]
+        want_ids, want_w = hf_serving.reference(layer.router, logits)
+        assert ids.shape == (6, router.top_k + 1)
+        assert torch.equal(ids[:, :-1], want_ids) and (ids[:, -1] == router.num_experts).all()
+        torch.testing.assert_close(weights[:, :-1], want_w.float())
+        torch.testing.assert_close(weights[:, -1], gates.get(layer.index, torch.ones(6)))
+    # Captured and committed, the extra column is dropped: routed ids only.
+    commit_slots = np.arange(6)
+    cap.commit(commit_slots)
+    routed = torch.stack([seen[layer.index][0][:, :-1] for layer in layers], dim=1)
+    assert np.array_equal(cap.read(commit_slots), routed.numpy())
+
+
+def test_unknown_architecture_is_refused_naming_the_selector():
+    _, config = hf_serving.tiny_config("mixtral")
+    if config is None:
+        pytest.skip(f"transformers {transformers.__version__} has no MixtralConfig")
+    model = hf_serving.build(config)
+    model.config.model_type = "my_moe"
+    cap = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=8, max_running_requests=1,
+                          chunked_prefill_size=8)
+    with pytest.raises(hf.UnknownArchitecture, match="model_type 'my_moe'.*selector="):
+        hf.attach(model, cap)
+
+    # With a selector it runs, and captures what the selector says.
+    def selector(router, inputs, output):
+        logits = output[0]
+        return torch.topk(logits, 2, dim=-1)[1], None
+
+    with hf.attach(model, cap, selector=selector), torch.no_grad():
+        out = model(torch.randint(3, hf_serving.VOCAB, (1, 4)), output_router_logits=True)
+    cap.commit(np.arange(4))
+    got = cap.read(np.arange(4))
+    want = torch.stack([torch.topk(l, 2, dim=-1)[1] for l in out.router_logits], 1).numpy()
+    assert np.array_equal(got, want)
+
+    # A model that declares no router class at all: routers= is named.
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(hf.UnknownArchitecture, match="routers="):
+        hf.attach(plain, cap, selector=selector)
+
+
+def test_capturer_shape_mismatch_is_refused():
+    model = hf_serving.build(config_or_skip("qwen2_moe"))  # 3 decoder layers, 2 of them MoE
+    cap = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=8, max_running_requests=1,
+                          chunked_prefill_size=8)
+    with pytest.raises(ValueError, match="num_layers=3; the model has 2"):
+        hf.attach(model, cap)
+
+
+def test_detach_removes_every_hook():
+    model = hf_serving.build(config_or_skip("olmoe"))
+    cap = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=8, max_running_requests=1,
+                          chunked_prefill_size=8)
+    handle = hf.attach(model, cap)
+    handle.detach()
+    with torch.no_grad():
+        model(torch.randint(3, hf_serving.VOCAB, (1, 20)))  # 20 rows > 8 device rows: would fail if captured

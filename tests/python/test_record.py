@@ -1,0 +1,230 @@
+"""The routing record from Python (moecap.record) and from C
+(moecap_record_encode, through ctypes): the same bytes, round trips, sizes,
+refusals, and the shapes each RL consumer takes."""
+import base64
+import ctypes
+import os
+
+import numpy as np
+import pytest
+
+import moecap
+import moecap.record
+from moecap.record import RecordError, RoutedExperts, id_bits, signed_dtype
+
+
+# --- the C encoder, through ctypes ---------------------------------------------
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32), ("dtype", DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class Source(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("flags", ctypes.c_uint32), ("num_experts", ctypes.c_int32),
+                ("start_position", ctypes.c_int64), ("ids", ctypes.POINTER(DLTensor)),
+                ("weights", ctypes.POINTER(DLTensor)), ("valid", ctypes.POINTER(DLTensor))]
+
+
+def _library():
+    """The libmoecap.so the moecap package itself loaded (MOECAP_LIBRARY overrides)."""
+    path = os.environ.get("MOECAP_LIBRARY")
+    if not path:
+        import moecap._moecap  # noqa: F401  (maps the library into this process)
+        with open("/proc/self/maps") as maps:
+            loaded = {line.split()[-1] for line in maps if "/libmoecap.so" in line}
+        assert len(loaded) == 1, f"expected one libmoecap.so mapped by the moecap package, found {loaded}"
+        path = loaded.pop()
+    lib = ctypes.CDLL(path)
+    lib.moecap_record_size.argtypes = [ctypes.POINTER(Source), ctypes.POINTER(ctypes.c_uint64)]
+    lib.moecap_record_encode.argtypes = [ctypes.POINTER(Source), ctypes.c_void_p, ctypes.c_uint64,
+                                         ctypes.POINTER(ctypes.c_uint64)]
+    lib.moecap_record_decode.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(DLTensor),
+                                         ctypes.POINTER(DLTensor), ctypes.POINTER(DLTensor)]
+    lib.moecap_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+LIB = _library()
+_CODES = {"i": 0, "u": 1, "f": 2}
+
+
+KDL_BFLOAT = 4
+
+
+def _dl(arr, keep, code=None):
+    shape = (ctypes.c_int64 * arr.ndim)(*arr.shape)
+    keep.extend([arr, shape])
+    code = _CODES[arr.dtype.kind] if code is None else code
+    t = DLTensor(arr.ctypes.data if arr.size else None, DLDevice(1, 0), arr.ndim,
+                 DLDataType(code, arr.dtype.itemsize * 8, 1), shape, None, 0)
+    keep.append(t)
+    return ctypes.pointer(t)
+
+
+def c_encode(ids, num_experts, weights=None, valid=None, start=0, packed=True, bf16_bits=False):
+    """bf16_bits: weights is a uint16 array of bfloat16 bit patterns."""
+    keep = []
+    src = Source(ctypes.sizeof(Source), 1 if packed else 0, num_experts, start,
+                 _dl(np.ascontiguousarray(ids), keep),
+                 None if weights is None else _dl(np.ascontiguousarray(weights), keep,
+                                                  KDL_BFLOAT if bf16_bits else None),
+                 None if valid is None else _dl(np.ascontiguousarray(valid, dtype=np.uint8), keep))
+    size = ctypes.c_uint64()
+    status = LIB.moecap_record_size(ctypes.byref(src), ctypes.byref(size))
+    if status:
+        raise ValueError(LIB.moecap_last_error().decode())
+    out = ctypes.create_string_buffer(size.value)
+    assert LIB.moecap_record_encode(ctypes.byref(src), out, size.value, None) == 0
+    return out.raw
+
+
+def c_decode(data, shape):
+    keep = []
+    ids = np.full(shape, 99, dtype=np.int32)
+    valid = np.zeros(shape[0], dtype=np.uint8)
+    status = LIB.moecap_record_decode(data, len(data), _dl(ids, keep), None, _dl(valid, keep))
+    if status:
+        raise ValueError(LIB.moecap_last_error().decode())
+    return ids, valid.astype(bool)
+
+
+def random_routing(rng, tokens, layers, top_k, experts, holes=True):
+    ids = rng.integers(0, experts, size=(tokens, layers, top_k)).astype(np.int32)
+    if holes:
+        ids[rng.random(ids.shape) < 0.05] = -1  # ids out of range at capture
+    weights = rng.random((tokens, layers, top_k)).astype(np.float32)
+    valid = rng.random(tokens) > 0.2
+    return ids, weights, valid
+
+
+# --- tests ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("experts", [1, 5, 8, 60, 128, 255, 256, 257, 384, 65535, 65536, 70000])
+@pytest.mark.parametrize("packed", [True, False])
+def test_python_and_c_write_identical_bytes(experts, packed):
+    rng = np.random.default_rng(experts)
+    ids, weights, valid = random_routing(rng, 23, 4, 3, experts)
+    r = RoutedExperts(ids, experts, weights=weights, valid=valid, start=5)
+    py = r.to_bytes(packed=packed)
+    assert py == c_encode(ids, experts, weights, valid, start=5, packed=packed)
+    # ids only, every token valid: no bitmap, no weights
+    assert RoutedExperts(ids, experts).to_bytes(packed=packed) == c_encode(ids, experts, packed=packed)
+    # f16 weights kept as f16 on both sides
+    r16 = RoutedExperts(ids, experts, weights=weights.astype(np.float16), valid=valid)
+    assert r16.to_bytes(packed=packed) == c_encode(ids, experts, weights.astype(np.float16), valid, packed=packed)
+    # bf16: Python rounds float32 as the C code and PyTorch do
+    bits = moecap.record._f32_to_bf16_bits(weights)
+    assert r.to_bytes(packed=packed, weights="bf16") == c_encode(ids, experts, bits, valid, start=5, packed=packed,
+                                                                 bf16_bits=True)
+    # and each side reads the other's
+    back = RoutedExperts.from_bytes(c_encode(ids, experts, weights, valid, start=5, packed=packed))
+    assert back == r and back.start == 5
+    got, got_valid = c_decode(py, ids.shape)
+    assert np.array_equal(got_valid, valid)
+    assert np.array_equal(got[valid], ids[valid]) and (got[~valid] == -1).all()
+
+
+def test_round_trip_keeps_everything():
+    rng = np.random.default_rng(0)
+    ids, weights, valid = random_routing(rng, 40, 61, 8, 256)
+    r = RoutedExperts(ids, 256, weights=weights, valid=valid, start=1234)
+    for packed in (True, False):
+        back = RoutedExperts.from_bytes(r.to_bytes(packed=packed))
+        assert back == r
+        assert back.ids.dtype == np.int16  # 256 experts and -1: int16
+        assert np.array_equal(back.weights[valid], weights[valid]) and (back.weights[~valid] == 0).all()
+    bf = RoutedExperts.from_bytes(r.to_bytes(weights="bf16"))
+    np.testing.assert_allclose(bf.weights[valid], weights[valid], rtol=2 ** -8)
+    assert RoutedExperts.from_bytes(r.to_bytes(weights=None)).weights is None
+
+
+def test_sizes_for_a_deepseek_v3_request():
+    """61 layers, top-8 of 256 experts: bytes per token against SGLang's
+    int32 base64 (the README table)."""
+    tokens = 4096
+    ids = np.zeros((tokens, 61, 8), dtype=np.int16)
+    r = RoutedExperts(ids, 256)
+    packed, plain = len(r.to_bytes(packed=True)), len(r.to_bytes(packed=False))
+    assert packed == 40 + tokens * 61 * 8 * 9 // 8       # 549 bytes a token
+    assert plain == 40 + tokens * 61 * 8 * 2             # 976 bytes a token (u16: 255 is an expert)
+    sglang = len(r.to_sglang()["routed_experts"])
+    assert sglang == 4 * -(-tokens * 61 * 8 * 4 // 3)   # 2602.7 bytes a token
+    assert sglang / packed > 4.7
+
+
+def test_packing_width():
+    assert [id_bits(e, True) for e in (1, 2, 3, 7, 8, 255, 256, 511, 512)] == [1, 2, 2, 3, 4, 8, 9, 9, 10]
+    assert [id_bits(e, False) for e in (8, 255, 256, 65535, 65536)] == [8, 8, 16, 16, 32]
+    assert [signed_dtype(e) for e in (128, 129, 32768, 32769)] == [np.int8, np.int16, np.int16, np.int32]
+
+
+def test_bad_records_are_refused():
+    r = RoutedExperts(np.array([[[0, 4]], [[1, 2]]]), 5, valid=[True, False])
+    good = r.to_bytes()
+    with pytest.raises(RecordError, match="magic"):
+        RoutedExperts.from_bytes(b"XXXX" + good[4:])
+    with pytest.raises(RecordError, match="version 7"):
+        RoutedExperts.from_bytes(good[:4] + b"\x07\x00" + good[6:])
+    with pytest.raises(RecordError, match="header says"):
+        RoutedExperts.from_bytes(good[:-1])
+    with pytest.raises(RecordError, match="at least 40"):
+        RoutedExperts.from_bytes(good[:10])
+    bad = bytearray(good)
+    bad[41] = (bad[41] & 0xF8) | 6  # code 6: neither an expert (< 5) nor the sentinel (7)
+    with pytest.raises(RecordError, match="id 0 is 6"):
+        RoutedExperts.from_bytes(bytes(bad))
+    with pytest.raises(ValueError, match=r"ids\[0, 0, 1\] is 5"):
+        RoutedExperts(np.array([[[0, 5]]]), 5)
+    with pytest.raises(ValueError, match="valid has shape"):
+        RoutedExperts(np.zeros((2, 1, 1), dtype=np.int32), 5, valid=[True])
+
+
+def test_consumer_shapes():
+    rng = np.random.default_rng(1)
+    ids, _, valid = random_routing(rng, 6, 3, 2, 300, holes=False)
+    r = RoutedExperts(ids, 300, valid=valid)
+    # SGLang: base64 of int32 [tokens, layers, top_k], decoded the way its clients do
+    fields = r.to_sglang()
+    raw = np.frombuffer(base64.b64decode(fields["routed_experts"]), dtype=np.int32).reshape(-1, 3, 2)
+    assert np.array_equal(raw, np.where(valid[:, None, None], ids, -1))
+    assert fields["routed_experts_dtype"] == "int32" and fields["routed_experts_shape"] == [6, 3, 2]
+    with pytest.raises(ValueError, match="uint8 cannot hold expert 299"):
+        RoutedExperts(ids, 300).to_sglang("uint8")
+    # Megatron-LM router replay: one [tokens, top_k] int64 per layer
+    per_layer = r.to_megatron()
+    assert len(per_layer) == 3 and all(tuple(x.shape) == (6, 2) for x in per_layer)
+    assert np.array_equal(np.asarray(per_layer[1]), ids[:, 1, :])
+    # verl: (1, total_len, layers, top_k), left padded
+    v = r.to_verl(10)
+    assert v.shape == (1, 10, 3, 2) and (v[0, :4] == 0).all()
+    assert np.array_equal(v[0, 4:][valid], ids[valid])
+    with pytest.raises(ValueError, match="total_len is 5"):
+        r.to_verl(5)
+    # NeMo-RL: narrowest signed, -1 for none
+    n = r.to_nemo_rl()
+    assert n.dtype == np.int16 and (n[~valid] == -1).all() and np.array_equal(n[valid], ids[valid])
+
+
+def test_from_read_marks_empty_slots_invalid():
+    ids = np.array([[[1, 2]], [[-1, -1]], [[3, -1]]], dtype=np.int32)
+    r = RoutedExperts.from_read(ids, 4)
+    assert r.valid.tolist() == [True, False, True]
+    assert r.ids[2].tolist() == [[3, -1]]
+
+
+def test_bf16_rounding_matches_torch():
+    torch = pytest.importorskip("torch")
+    w = np.random.default_rng(5).standard_normal(10000).astype(np.float32)
+    w[:4] = [1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, np.inf, -0.0]  # ties to even, infinity, signed zero
+    want = torch.from_numpy(w).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(moecap.record._f32_to_bf16_bits(w), want)

@@ -1,0 +1,279 @@
+// The routing record (abi/moecap_record.h): exact bytes of a small record,
+// round trips packed and plain at every width boundary, validity, weights,
+// and every malformed input refused without writing.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "moecap_record.h"
+#include "tests/support/tensors.h"
+
+using moecap_test::HostTensor;
+
+namespace {
+
+DLDataType i8() { return DLDataType{kDLInt, 8, 1}; }
+DLDataType i16() { return DLDataType{kDLInt, 16, 1}; }
+
+moecap_record_source source_of(HostTensor& ids, int32_t experts, uint32_t flags = 0, DLTensor* weights = nullptr,
+                               DLTensor* valid = nullptr, int64_t start = 0) {
+  moecap_record_source s{};
+  s.struct_size = sizeof s;
+  s.flags = flags;
+  s.num_experts = experts;
+  s.start_position = start;
+  s.ids = ids.get();
+  s.weights = weights;
+  s.valid = valid;
+  return s;
+}
+
+std::vector<uint8_t> encode(const moecap_record_source& s) {
+  uint64_t bytes = 0;
+  REQUIRE(moecap_record_size(&s, &bytes) == MOECAP_OK);
+  std::vector<uint8_t> out(bytes, 0xAB);
+  uint64_t written = 0;
+  REQUIRE(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_OK);
+  CHECK(written == bytes);
+  return out;
+}
+
+moecap_record_info parse(const std::vector<uint8_t>& r, moecap_status expect = MOECAP_OK) {
+  moecap_record_info info{};
+  info.struct_size = sizeof info;
+  CHECK(moecap_record_parse(r.data(), r.size(), &info) == expect);
+  return info;
+}
+
+}  // namespace
+
+TEST_CASE("a packed record of 2 tokens, 1 layer, top-2 of 5 experts has these exact bytes") {
+  HostTensor ids({2, 1, 2}, moecap_test::i32());
+  ids.fill<int32_t>({4, 0, -1, 3});  // codes 3 bits wide; "no expert" = 7
+  const auto r = encode(source_of(ids, 5, MOECAP_RECORD_PACKED, nullptr, nullptr, 17));
+  const std::vector<uint8_t> header = {'M', 'C', 'R', 'T', 1, 0, 40, 0, 3, MOECAP_RECORD_PACKED, 0, 0,
+                                       1, 0, 0, 0, 2, 0, 0, 0, 5, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0,
+                                       17, 0, 0, 0, 0, 0, 0, 0};
+  REQUIRE(r.size() == 40 + 2);  // 4 codes * 3 bits = 12 bits -> 2 bytes
+  CHECK(std::vector<uint8_t>(r.begin(), r.begin() + 40) == header);
+  // bits LSB first: 4 = 100, 0 = 000, 7 = 111, 3 = 011 -> 0b11'000'100, 0b0000'011'1
+  CHECK(r[40] == 0xC4);
+  CHECK(r[41] == 0x07);
+  const auto info = parse(r);
+  CHECK(info.id_bits == 3);
+  CHECK(info.num_tokens == 2);
+  CHECK(info.start_position == 17);
+  CHECK(info.bytes == r.size());
+}
+
+TEST_CASE("ids round-trip packed and plain at every width boundary, with weights and validity") {
+  std::mt19937 rng(7);
+  for (int32_t experts : {1, 2, 7, 8, 127, 128, 255, 256, 257, 1000, 65535, 65536, 100000}) {
+    for (uint32_t flags : {0u, uint32_t{MOECAP_RECORD_PACKED}}) {
+      CAPTURE(experts);
+      CAPTURE(flags);
+      const int64_t tokens = 11, layers = 3, top_k = 5;
+      HostTensor ids({tokens, layers, top_k}, moecap_test::i64());
+      HostTensor weights({tokens, layers, top_k}, moecap_test::f32());
+      HostTensor valid({tokens}, moecap_test::u8());
+      for (int64_t i = 0; i < ids.numel(); ++i) {
+        ids.set(i, (rng() % 17 == 0) ? -1 : static_cast<int64_t>(rng() % static_cast<uint32_t>(experts)));
+        weights.as<float>()[i] = static_cast<float>(rng() % 1000) / 1000.0f;
+      }
+      for (int64_t t = 0; t < tokens; ++t) valid.as<uint8_t>()[t] = t % 4 != 2;
+      const auto r = encode(source_of(ids, experts, flags, weights.get(), valid.get(), -3));
+      const auto info = parse(r);
+      CHECK(info.flags == (flags | MOECAP_RECORD_HAS_WEIGHTS | MOECAP_RECORD_HAS_VALIDITY));
+      int32_t bits = 1;
+      while ((int64_t{1} << bits) - 1 < experts) ++bits;
+      CHECK(info.id_bits == (flags ? bits : experts <= 255 ? 8 : experts <= 65535 ? 16 : 32));
+
+      HostTensor back({tokens, layers, top_k}, moecap_test::i32());
+      HostTensor wback({tokens, layers, top_k}, moecap_test::f32());
+      HostTensor vback({tokens}, moecap_test::u8());
+      REQUIRE(moecap_record_decode(r.data(), r.size(), back.get(), wback.get(), vback.get()) == MOECAP_OK);
+      for (int64_t i = 0; i < ids.numel(); ++i) {
+        const bool ok = valid.as<uint8_t>()[i / (layers * top_k)];
+        REQUIRE(back.at(i) == (ok ? ids.at(i) : -1));
+        REQUIRE(wback.as<float>()[i] == (ok ? weights.as<float>()[i] : 0.0f));
+      }
+      for (int64_t t = 0; t < tokens; ++t) CHECK(vback.as<uint8_t>()[t] == valid.as<uint8_t>()[t]);
+    }
+  }
+}
+
+TEST_CASE("packing saves what it should: 61 layers, top-8 of 256 experts") {
+  HostTensor ids({100, 61, 8}, i16());
+  moecap_record_source s = source_of(ids, 256);
+  uint64_t plain = 0, packed = 0;
+  REQUIRE(moecap_record_size(&s, &plain) == MOECAP_OK);
+  s.flags = MOECAP_RECORD_PACKED;
+  REQUIRE(moecap_record_size(&s, &packed) == MOECAP_OK);
+  CHECK(plain == 40 + 100 * 488 * 2);      // u16: 255 is an expert, so the sentinel needs 9 bits
+  CHECK(packed == 40 + 100 * 488 * 9 / 8);
+}
+
+TEST_CASE("weights keep their dtype and decode into any float dtype") {
+  HostTensor ids({1, 1, 2}, moecap_test::i32());
+  ids.fill<int32_t>({1, 2});
+  HostTensor w({1, 1, 2}, moecap_test::bf16());
+  w.fill<uint16_t>({0x3f80, 0x3e80});  // 1.0, 0.25
+  const auto r = encode(source_of(ids, 4, 0, w.get()));
+  CHECK(parse(r).weight_dtype == MOECAP_WEIGHTS_BF16);
+  HostTensor back({1, 1, 2}, i8());
+  HostTensor wf({1, 1, 2}, moecap_test::f32());
+  REQUIRE(moecap_record_decode(r.data(), r.size(), back.get(), wf.get(), nullptr) == MOECAP_OK);
+  CHECK(wf.as<float>()[0] == 1.0f);
+  CHECK(wf.as<float>()[1] == 0.25f);
+  // A record without weights refuses a weights output.
+  const auto bare = encode(source_of(ids, 4));
+  CHECK(moecap_record_decode(bare.data(), bare.size(), back.get(), wf.get(), nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::strstr(moecap_last_error(), "weights_out") != nullptr);
+}
+
+TEST_CASE("bad sources are refused, naming the argument, and nothing is written") {
+  HostTensor ids({2, 1, 2}, moecap_test::i32());
+  ids.fill<int32_t>({0, 1, 2, 5});
+  std::vector<uint8_t> out(256, 0xAB);
+  const std::vector<uint8_t> untouched = out;
+  uint64_t written = 99;
+  auto s = source_of(ids, 5);
+  CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_OUT_OF_RANGE);
+  CHECK(std::strstr(moecap_last_error(), "source->ids[1, 0, 1] is 5") != nullptr);
+  ids.set(3, -2);
+  CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_OUT_OF_RANGE);
+  ids.set(3, 4);
+  s.num_experts = 0;
+  CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_INVALID_ARGUMENT);
+  s.num_experts = 5;
+  s.flags = 8;
+  CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_INVALID_ARGUMENT);
+  s.flags = 0;
+  s.struct_size = sizeof s - 8;
+  CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_ABI_MISMATCH);
+  s.struct_size = sizeof s;
+  CHECK(moecap_record_encode(&s, out.data(), 40, &written) == MOECAP_ERROR_CAPACITY);
+  HostTensor u8ids({2, 1, 2}, moecap_test::u8());
+  auto su = source_of(u8ids, 5);
+  CHECK(moecap_record_encode(&su, out.data(), out.size(), &written) == MOECAP_ERROR_INVALID_ARGUMENT);
+  HostTensor short_valid({1}, moecap_test::u8());
+  s.valid = short_valid.get();
+  CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(out == untouched);
+  CHECK(written == 99);
+}
+
+TEST_CASE("malformed records are refused before anything is decoded") {
+  HostTensor ids({3, 2, 2}, moecap_test::i32());
+  ids.fill<int32_t>({0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2});
+  HostTensor valid({3}, moecap_test::u8());
+  valid.fill<uint8_t>({1, 0, 1});
+  const auto good = encode(source_of(ids, 9, MOECAP_RECORD_PACKED, nullptr, valid.get()));
+  HostTensor back({3, 2, 2}, moecap_test::i32());
+  back.set(0, 42);
+  auto refused = [&](std::vector<uint8_t> r, moecap_status status, const char* says) {
+    CAPTURE(says);
+    CHECK(moecap_record_decode(r.data(), r.size(), back.get(), nullptr, nullptr) == status);
+    CHECK(std::strstr(moecap_last_error(), says) != nullptr);
+    CHECK(back.at(0) == 42);
+  };
+  auto with = [&](size_t at, uint8_t v) {
+    auto r = good;
+    r[at] = v;
+    return r;
+  };
+  refused(with(0, 'X'), MOECAP_ERROR_INVALID_ARGUMENT, "magic");
+  refused(with(4, 2), MOECAP_ERROR_ABI_MISMATCH, "version");
+  refused(with(8, 5), MOECAP_ERROR_INVALID_ARGUMENT, "id_bits");
+  refused(with(9, 0x80), MOECAP_ERROR_INVALID_ARGUMENT, "unknown bits");
+  refused(with(10, MOECAP_WEIGHTS_F32), MOECAP_ERROR_INVALID_ARGUMENT, "weight dtype");
+  refused(with(24, 4), MOECAP_ERROR_INVALID_ARGUMENT, "header says");
+  refused(std::vector<uint8_t>(good.begin(), good.end() - 1), MOECAP_ERROR_INVALID_ARGUMENT, "header says");
+  refused(std::vector<uint8_t>(good.begin(), good.begin() + 12), MOECAP_ERROR_INVALID_ARGUMENT, "at least 40");
+  refused(with(40, 0x0D), MOECAP_ERROR_INVALID_ARGUMENT, "padding");            // bit 3: a fourth token
+  refused(with(40, 0x03), MOECAP_ERROR_INVALID_ARGUMENT, "invalid but holds");  // token 1 invalid but routing
+  // 9 experts in 4 bits: codes 9..14 are neither experts nor the sentinel.
+  refused(with(41, static_cast<uint8_t>((good[41] & 0xF0) | 0x0C)), MOECAP_ERROR_INVALID_ARGUMENT, "record id 0 is 12");
+  const auto many = [&] {
+    HostTensor big({1, 1, 1}, moecap_test::i32());
+    big.fill<int32_t>({199});
+    return encode(source_of(big, 200));
+  }();
+  HostTensor narrow1({1, 1, 1}, i8());
+  CHECK(moecap_record_decode(many.data(), many.size(), narrow1.get(), nullptr, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::strstr(moecap_last_error(), "cannot hold expert 199") != nullptr);
+  HostTensor wrong_shape({3, 2, 3}, moecap_test::i32());
+  CHECK(moecap_record_decode(good.data(), good.size(), wrong_shape.get(), nullptr, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+  // The good record still decodes.
+  REQUIRE(moecap_record_decode(good.data(), good.size(), back.get(), nullptr, nullptr) == MOECAP_OK);
+  CHECK(back.at(4) == -1);
+  CHECK(back.at(8) == 8);
+}
+
+TEST_CASE("every single-byte corruption and truncation is either refused untouched or decodes in range") {
+  HostTensor ids({5, 2, 3}, moecap_test::i32());
+  for (int64_t i = 0; i < ids.numel(); ++i) ids.set(i, (i * 7) % 11);
+  ids.set(4, -1);
+  HostTensor w({5, 2, 3}, moecap_test::f16());
+  HostTensor valid({5}, moecap_test::u8());
+  valid.fill<uint8_t>({1, 1, 0, 1, 1});
+  for (uint32_t flags : {0u, uint32_t{MOECAP_RECORD_PACKED}}) {
+    const auto good = encode(source_of(ids, 11, flags, w.get(), valid.get()));
+    for (size_t at = 0; at <= good.size(); ++at) {
+      for (int v : {0x00, 0x01, 0x80, 0xFF, -1}) {  // -1: truncate at `at`
+        std::vector<uint8_t> r = good;
+        if (v < 0) {
+          r.resize(at);
+        } else if (at < r.size()) {
+          r[at] = static_cast<uint8_t>(v);
+        } else {
+          r.push_back(static_cast<uint8_t>(v));
+        }
+        HostTensor out({5, 2, 3}, i16());
+        HostTensor wout({5, 2, 3}, moecap_test::f32());
+        for (int64_t i = 0; i < out.numel(); ++i) out.set(i, 77);
+        const moecap_status s = moecap_record_decode(r.data(), r.size(), out.get(), wout.get(), nullptr);
+        for (int64_t i = 0; i < out.numel(); ++i) {
+          if (s == MOECAP_OK) {
+            REQUIRE((out.at(i) >= -1 && out.at(i) < 11));
+          } else {
+            REQUIRE(out.at(i) == 77);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("record structs follow the ABI's struct_size rules") {
+  HostTensor ids({1, 1, 1}, moecap_test::i32());
+  ids.fill<int32_t>({2});
+  // A newer caller's longer source: accepted with a zero tail, refused with anything in it.
+  struct Longer {
+    moecap_record_source s;
+    uint64_t tail;
+  } longer{};
+  longer.s = source_of(ids, 4);
+  longer.s.struct_size = sizeof longer;
+  uint64_t bytes = 0;
+  CHECK(moecap_record_size(&longer.s, &bytes) == MOECAP_OK);
+  longer.tail = 1;
+  CHECK(moecap_record_size(&longer.s, &bytes) == MOECAP_ERROR_ABI_MISMATCH);
+  auto shorter = source_of(ids, 4);
+  shorter.struct_size = MOECAP_RECORD_SOURCE_SIZE_1_1 - 1;
+  CHECK(moecap_record_size(&shorter, &bytes) == MOECAP_ERROR_ABI_MISMATCH);
+  // An info struct is written up to the caller's size.
+  const auto r = encode(source_of(ids, 4));
+  struct LongerInfo {
+    moecap_record_info info;
+    uint64_t tail;
+  } out{};
+  out.info.struct_size = sizeof out;
+  out.tail = 0x5555;
+  REQUIRE(moecap_record_parse(r.data(), r.size(), &out.info) == MOECAP_OK);
+  CHECK(out.info.struct_size == sizeof(moecap_record_info));
+  CHECK(out.tail == 0x5555);
+  CHECK(out.info.num_experts == 4);
+}
