@@ -33,7 +33,7 @@ BUFFERS = {
 }
 ID_DTYPES = {"auto": 0, "u8": 1, "u16": 2, "i32": 3, "i16": 4}
 WEIGHT_DTYPES = {None: 0, "f32": 1, "bf16": 2, "f16": 3}
-FLAG_HISTOGRAM, FLAG_GUARDS, FLAG_NO_GUARDS = 0x1, 0x2, 0x4
+FLAG_HISTOGRAM, FLAG_GUARDS, FLAG_NO_GUARDS, FLAG_SIDE_STREAM = 0x1, 0x2, 0x4, 0x8
 DEVICE_HOST, DEVICE_CUDA = 1, 2
 #: What a host-cache slot holds (Capturer.slot_states): bits of MOECAP_SLOT_*.
 SLOT_EMPTY, SLOT_VALID, SLOT_INVALID_IDS = 0x0, 0x1, 0x2
@@ -53,10 +53,11 @@ def _config(num_layers: int, top_k: int, num_experts: int, host_slots: int, max_
             extra_columns: int = 0, dp_size: int = 1, verify_tokens: int = 1, chunked_prefill_size: int = 0,
             max_graph_batch: int = 0, max_batch_tokens: int = 0, id_dtype: str = "auto",
             device_id_dtype: str = "auto", weight_dtype: Optional[str] = None, device: Any = "cpu",
-            histogram: bool = False, guards: Optional[bool] = None) -> _moecap.Config:
+            histogram: bool = False, guards: Optional[bool] = None, side_stream: bool = False) -> _moecap.Config:
     c = _moecap.Config()  # moecap_config_init: the library's defaults
     c.flags = (FLAG_HISTOGRAM if histogram else 0) | (
-        0 if guards is None else FLAG_GUARDS if guards else FLAG_NO_GUARDS)
+        0 if guards is None else FLAG_GUARDS if guards else FLAG_NO_GUARDS) | (
+        FLAG_SIDE_STREAM if side_stream else 0)
     c.num_layers, c.top_k, c.extra_columns, c.num_experts = num_layers, top_k, extra_columns, num_experts
     c.dp_size, c.verify_tokens = dp_size, verify_tokens
     c.max_running_requests, c.chunked_prefill_size = max_running_requests, chunked_prefill_size
@@ -97,8 +98,10 @@ class Capturer(_moecap.Capturer):
     max_batch_tokens, id_dtype (the host cache's: 'auto', 'u8', 'u16', 'i16', 'i32'),
     device_id_dtype (the device buffer's, what a top-k kernel writes into a
     'layer_ids' view: 'auto' = i16 up to 32767 experts), weight_dtype (None,
-    'f32', 'bf16', 'f16'), device ('cpu' or 'cuda:N'), histogram, guards.
-    Unset keywords take moecap_config_init's defaults.
+    'f32', 'bf16', 'f16'), device ('cpu' or 'cuda:N'), histogram, guards,
+    side_stream (MOECAP_FLAG_SIDE_STREAM: capture, commit and invalidate fork
+    off the engine's stream until ``join(stream=None)``; the tensors they read
+    are held until then). Unset keywords take moecap_config_init's defaults.
 
     Step-path calls (native, no Python in between): ``capture(layer, topk_ids,
     topk_weights=None, stream=None)``, ``commit(dst_slots, src_start=0,

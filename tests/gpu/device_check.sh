@@ -105,8 +105,11 @@ if [ -n "$sanitizer" ]; then
   memcheck=("$sanitizer" --tool memcheck --error-exitcode 1 --leak-check no)
   step "memcheck gpu_backend" 300 "${memcheck[@]}" "$build/tests/gpu/moecap_gpu_tests"
   step "memcheck gpu_scenarios" 300 "${memcheck[@]}" "$build/tests/gpu/moecap_gpu_scenarios"
+  step "memcheck gpu_topk_views" 120 "${memcheck[@]}" "$build/tests/gpu/moecap_gpu_topk_views"
   if [ -x "$build/examples/engine_sim" ]; then
     step "memcheck engine_sim" 300 "${memcheck[@]}" "$build/examples/engine_sim" --backend cuda --requests 2000
+    step "memcheck engine_sim --side-stream" 300 "${memcheck[@]}" "$build/examples/engine_sim" --backend cuda \
+      --requests 2000 --side-stream
   fi
 else
   note memcheck "FAILED (no compute-sanitizer)"; status=1
