@@ -142,6 +142,29 @@ typedef enum {
 #define MOECAP_FLAG_HISTOGRAM 0x1u /* keep a [layers, num_experts] int64 expert-load histogram */
 #define MOECAP_FLAG_GUARDS 0x2u    /* canary rows after every buffer, checked on host calls */
 #define MOECAP_FLAG_NO_GUARDS 0x4u /* turn off guards where a build enables them by default */
+/* Side stream (1.1): capture, commit, invalidate and histogram_reset leave
+ * the engine's stream. Each call forks: an event recorded on `stream`, a
+ * stream of moecap's waits for it, and the work runs there (inside the
+ * engine's capture this is a branch of the engine's graph, off its critical
+ * path). Nothing joins back until moecap_join, so until the engine calls
+ * moecap_join on a stream, it must not write, free or reuse on that stream
+ * (or any stream ordered after it) any tensor a forked call reads: topk_ids
+ * and topk_weights of moecap_capture, device dst_slots / src_rows of commit
+ * and invalidate, the MOECAP_BUFFER_LAYER_* views commit reads. Host index
+ * tensors are copied at the call as without the flag. A capture of the
+ * engine's must call moecap_join before it ends (CUDA refuses to end a
+ * capture with an unjoined branch); moecap_graph_end joins by itself.
+ * Eager forked calls and the forked calls of a graph replay run on
+ * different streams of moecap's: moecap_graph_launch joins the eager ones
+ * into `stream` first, and an engine launching its own graph that contains
+ * forked calls calls moecap_join on that stream before the launch if it made
+ * eager forked calls since its last join (e.g. moecap_invalidate of slots
+ * the replay commits to). Host calls (read, write, synchronize,
+ * get_errors, destroy) wait for forked work as for any commit. The host
+ * backend models the ordering: forked work runs at the join (or at a host
+ * call), never at the call. A library without this flag (1.0) refuses it as
+ * an unknown bit of config->flags. */
+#define MOECAP_FLAG_SIDE_STREAM 0x8u
 
 /* ------------------------------------------------------------------------ */
 /* Configuration and plan                                                   */
@@ -430,6 +453,18 @@ MOECAP_API moecap_status moecap_write(moecap_capturer* capturer, const DLTensor*
  * device slots out of range are skipped and counted as skipped_rows. (1.1) */
 MOECAP_API moecap_status moecap_invalidate(moecap_capturer* capturer, const DLTensor* slots, void* stream);
 
+/* Joins moecap's side stream back into `stream` (MOECAP_FLAG_SIDE_STREAM):
+ * work enqueued on `stream` after this call runs after every capture,
+ * commit, invalidate and histogram_reset forked so far (on the CUDA backend,
+ * a wait on an event recorded on the side stream; inside a capture, a join
+ * edge of the engine's graph). Call it before the engine next writes, frees
+ * or reuses a tensor a forked call read, e.g. once per forward after
+ * moecap_commit, and before ending a capture that contains forked calls.
+ * Legal in graphs (an edge from moecap's branch back to `stream`); a no-op
+ * (MOECAP_OK) without the flag, and inside a capture that forked nothing
+ * since its last join. (1.1) */
+MOECAP_API moecap_status moecap_join(moecap_capturer* capturer, void* stream);
+
 /* Waits until every enqueued commit has landed in the host cache. */
 MOECAP_API moecap_status moecap_synchronize(moecap_capturer* capturer);
 
@@ -509,7 +544,8 @@ MOECAP_API moecap_status moecap_graph_begin(moecap_capturer* capturer, void* str
 MOECAP_API moecap_status moecap_graph_end(moecap_capturer* capturer, moecap_graph** out);
 
 /* Replays the graph on `stream`: every recorded operation runs against what
- * memory holds now, with the arguments baked at record time. */
+ * memory holds now, with the arguments baked at record time. With
+ * MOECAP_FLAG_SIDE_STREAM, `stream` first joins the eager forked work. */
 MOECAP_API moecap_status moecap_graph_launch(moecap_graph* graph, void* stream);
 
 /* The recorded CUgraph (CUDA backend), owned by the moecap_graph, to embed as
@@ -553,6 +589,7 @@ typedef struct moecap_api {
   /* ---- 1.1 ---- */
   moecap_status (*config_init)(moecap_config*);
   moecap_status (*invalidate)(moecap_capturer*, const DLTensor*, void*);
+  moecap_status (*join)(moecap_capturer*, void*);
 } moecap_api;
 
 #define MOECAP_API_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_api, graph_destroy)

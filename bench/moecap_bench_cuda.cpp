@@ -1,6 +1,8 @@
-// CUDA cases of moecap_bench (skipped without a GPU): what L capture nodes
-// add to a graph replay, and commit straight into pinned memory against the
-// staged copy engines use today.
+// CUDA cases of moecap_bench (skipped without a GPU): what moecap adds to a
+// graph replay per MoE layer (a capture node, a side branch, or nothing but
+// a top-k kernel writing moecap's layer view), the host link's bandwidth (a
+// plain pinned copy), and commit straight into pinned memory against it and
+// against the staged copy engines use today.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
@@ -24,7 +26,7 @@ bool have_gpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-moecap_capturer* make_cuda_capturer() {
+moecap_capturer* make_cuda_capturer(uint32_t flags = 0) {
   moecap_config c{};
   c.struct_size = sizeof c;
   if (moecap_config_init(&c) != MOECAP_OK) return nullptr;
@@ -35,6 +37,7 @@ moecap_capturer* make_cuda_capturer() {
   c.chunked_prefill_size = 16384;
   c.host_slots = kSlots;
   c.device_type = MOECAP_DEVICE_CUDA;
+  c.flags = flags;
   moecap_capturer* h = nullptr;
   return moecap_create(&c, &h) == MOECAP_OK ? h : nullptr;
 }
@@ -43,13 +46,26 @@ DLTensor device_tensor(void* p, int ndim, int64_t* shape, DLDataType dt) {
   return DLTensor{p, {kDLCUDA, 0}, ndim, dt, shape, nullptr, 0};
 }
 
-// Arg 0: batch tokens; arg 1: with (1) or without (0) moecap capture nodes.
-// The "engine" work per layer is a 256 KiB memset, a stand-in for its kernels.
+// How moecap is in the graph (arg 1 of BM_CudaGraph_Replay).
+enum ReplayMode : int64_t {
+  kNoMoecap = 0,     // the engine alone
+  kCaptureNode = 1,  // moecap_capture per layer on the engine's stream
+  kSideBranch = 2,   // the same under MOECAP_FLAG_SIDE_STREAM, joined once after the commit
+  kLayerView = 3,    // the top-k writes moecap's int16 layer view; no moecap_capture
+};
+
+// Arg 0: batch tokens; arg 1: ReplayMode. The engine's work per layer is a
+// 256 KiB memset (a stand-in for its kernels) and its top-k output, a memset
+// of [n, top_k] ids into its own buffer (or, kLayerView, into moecap's view).
+// Every moecap mode ends with one commit of n rows (slots -1: the kernel runs,
+// nothing lands), so (mode - kNoMoecap) / 48 is moecap's cost per MoE layer
+// on the critical path, the commit included.
 void BM_CudaGraph_Replay(benchmark::State& state) {
   if (!have_gpu()) return state.SkipWithError("no GPU");
   const int64_t n = state.range(0);
-  const bool with = state.range(1) != 0;
-  moecap_capturer* h = make_cuda_capturer();
+  const auto mode = static_cast<ReplayMode>(state.range(1));
+  const bool with = mode != kNoMoecap;
+  moecap_capturer* h = make_cuda_capturer(mode == kSideBranch ? MOECAP_FLAG_SIDE_STREAM : 0u);
   if (h == nullptr) return state.SkipWithError(moecap_last_error());
   cudaStream_t s;
   cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -63,17 +79,33 @@ void BM_CudaGraph_Replay(benchmark::State& state) {
   int64_t sshape[1] = {n};
   DLTensor t = device_tensor(ids, 2, shape, DLDataType{kDLInt, 32, 1});
   DLTensor st = device_tensor(slots, 1, sshape, DLDataType{kDLInt, 64, 1});
+  std::vector<DLManagedTensorVersioned*> views;
+  if (mode == kLayerView) {
+    for (int32_t l = 0; l < kLayers; ++l) {
+      DLManagedTensorVersioned* v = nullptr;
+      if (moecap_export(h, MOECAP_BUFFER_LAYER_IDS, l, &v) != MOECAP_OK) return state.SkipWithError(moecap_last_error());
+      views.push_back(v);
+    }
+  }
   cudaGraph_t g;
   cudaGraphExec_t exec;
   bool recorded = true;
   cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
   for (int32_t l = 0; l < kLayers; ++l) {
     cudaMemsetAsync(work, l, 256 << 10, s);
-    if (with) recorded = recorded && moecap_capture(h, l, &t, nullptr, s) == MOECAP_OK;
+    if (mode == kLayerView) {
+      cudaMemsetAsync(views[static_cast<size_t>(l)]->dl_tensor.data, 0, static_cast<size_t>(n * kTopK * 2), s);
+    } else {
+      cudaMemsetAsync(ids, 0, static_cast<size_t>(n * kTopK * 4), s);
+    }
+    if (mode == kCaptureNode || mode == kSideBranch) {
+      recorded = recorded && moecap_capture(h, l, &t, nullptr, s) == MOECAP_OK;
+    }
   }
   if (with) {
     moecap_commit_args a{sizeof a, 0, nullptr, &st};
     recorded = recorded && moecap_commit(h, &a, s) == MOECAP_OK;
+    recorded = recorded && moecap_join(h, s) == MOECAP_OK;
   }
   cudaStreamEndCapture(s, &g);
   if (!recorded) return state.SkipWithError(moecap_last_error());
@@ -92,11 +124,35 @@ void BM_CudaGraph_Replay(benchmark::State& state) {
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(g);
+  for (DLManagedTensorVersioned* v : views) v->deleter(v);
   cudaFree(ids);
   cudaFree(work);
   cudaFree(slots);
   cudaStreamDestroy(s);
   moecap_destroy(h);
+}
+
+// The host link: a plain device-to-pinned-host copy of arg 0 bytes, timed
+// like a commit (enqueue, then wait). The largest size is the link's
+// bandwidth that commit is reported against.
+void BM_CudaLink_PinnedCopy(benchmark::State& state) {
+  if (!have_gpu()) return state.SkipWithError("no GPU");
+  const auto bytes = static_cast<size_t>(state.range(0));
+  cudaStream_t s;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  void* device;
+  void* host;
+  cudaMalloc(&device, bytes);
+  cudaMemset(device, 1, bytes);
+  cudaMallocHost(&host, bytes);
+  for (auto _ : state) {
+    cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s);
+    cudaStreamSynchronize(s);
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(bytes));
+  cudaFree(device);
+  cudaFreeHost(host);
+  cudaStreamDestroy(s);
 }
 
 // Arg 0: rows. moecap's commit kernel writes rows straight into the pinned host cache.
@@ -158,6 +214,14 @@ void BM_CudaCommit_Staged(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_CudaGraph_Replay)->ArgsProduct({{64, 512, 4096}, {0, 1}})->UseManualTime();
+BENCHMARK(BM_CudaGraph_Replay)->ArgsProduct({{64, 512, 4096}, {kNoMoecap, kCaptureNode, kSideBranch, kLayerView}})
+    ->UseManualTime();
+// The bytes of the commits below (u8 rows of 48 x 8 ids), then 64 MiB: the link's bandwidth.
+BENCHMARK(BM_CudaLink_PinnedCopy)
+    ->Arg(64 * kRowElems)
+    ->Arg(512 * kRowElems)
+    ->Arg(4096 * kRowElems)
+    ->Arg(16384 * kRowElems)
+    ->Arg(int64_t{64} << 20);
 BENCHMARK(BM_CudaCommit_Direct)->Arg(64)->Arg(512)->Arg(4096)->Arg(16384);
 BENCHMARK(BM_CudaCommit_Staged)->Arg(64)->Arg(512)->Arg(4096)->Arg(16384);

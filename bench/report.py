@@ -67,19 +67,42 @@ def host_rows(c):
     return rows
 
 
+def bytes_rate(b):
+    return b.get("bytes_per_second", 0.0)
+
+
+def fmt_bw(r):
+    return f"{r / 1e9:.1f} GB/s"
+
+
+LINK_BYTES = 64 << 20
+ROW_BYTES = 48 * 8  # a committed u8 row in these cases
+REPLAY_MODES = ((1, "capture node"), (2, "side branch"), (3, "kernel writes the view"))
+
+
 def cuda_rows(c):
     rows = []
+    link = c.get(f"BM_CudaLink_PinnedCopy/{LINK_BYTES}")
+    if link:
+        rows.append(("host link: pinned device-to-host copy of 64 MiB", fmt_bw(bytes_rate(link)), "", ""))
     for n in (64, 512, 4096, 16384):
         m, b = c.get(f"BM_CudaCommit_Direct/{n}"), c.get(f"BM_CudaCommit_Staged/{n}")
+        same = c.get(f"BM_CudaLink_PinnedCopy/{n * ROW_BYTES}")
         if m and b:
-            rows.append((f"commit {n} rows to random slots (tokens/s)", fmt_rate(rate(m)), fmt_rate(rate(b)),
-                         f"{rate(m) / rate(b):.1f}x"))
+            ratio = f"{rate(m) / rate(b):.1f}x"
+            if link:
+                ratio += f"; {bytes_rate(m) / bytes_rate(link):.0%} of the link"
+            if same:
+                ratio += f" ({bytes_rate(m) / bytes_rate(same):.0%} of a copy of its {n * ROW_BYTES} bytes)"
+            rows.append((f"commit {n} rows to random slots (tokens/s)", fmt_rate(rate(m)), fmt_rate(rate(b)), ratio))
     for n in (64, 512, 4096):
-        with_, without = c.get(f"BM_CudaGraph_Replay/{n}/1"), c.get(f"BM_CudaGraph_Replay/{n}/0")
-        if with_ and without:
-            per_node = (ns(with_) - ns(without)) / 49  # 48 capture nodes + 1 commit
-            rows.append((f"graph replay, 48 layers, {n} tokens", fmt_ns(ns(with_)), fmt_ns(ns(without)),
-                         f"+{per_node / 1e3:.2f} µs per moecap node"))
+        without = c.get(f"BM_CudaGraph_Replay/{n}/0")
+        for mode, what in REPLAY_MODES:
+            with_ = c.get(f"BM_CudaGraph_Replay/{n}/{mode}")
+            if with_ and without:
+                per_layer = (ns(with_) - ns(without)) / 48  # the one commit amortized over the 48 layers
+                rows.append((f"graph replay, 48 MoE layers, {n} tokens: {what}", fmt_ns(ns(with_)),
+                             fmt_ns(ns(without)), f"{per_layer / 1e3:+.2f} µs per MoE layer"))
     return rows
 
 

@@ -38,7 +38,11 @@ class Backend {
   // right after the capturer is made shared. Without it graphs keep nothing.
   virtual void set_owner(std::weak_ptr<void> owner) { (void)owner; }
 
-  // Stream-ordered work; legal in graphs.
+  // Stream-ordered work; legal in graphs. With MOECAP_FLAG_SIDE_STREAM,
+  // capture, commit and zero_device fork off `stream` onto moecap's side
+  // stream and do not join back: join(stream) orders `stream` after every
+  // forked operation so far (docs/DESIGN.md, "Capture off the critical path").
+  virtual void join(EngineStream stream) = 0;
   virtual void capture(const CaptureParams& p, EngineStream stream) = 0;
   // How a commit's index tensors reach the kernel, and where it is enqueued.
   struct CommitPlacement {

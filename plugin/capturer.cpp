@@ -328,6 +328,17 @@ void Capturer::invalidate(const DLTensor* slots, EngineStream stream) {
   }
 }
 
+void Capturer::join(EngineStream stream) {
+  require_stream(stream);
+  backend_->join(stream);
+}
+
+void Capturer::join_before_replay(EngineStream stream) {
+  // A replay on CUDA's legacy default stream is refused by the launch; nothing is enqueued before.
+  if (!on_host() && stream.is_legacy_default()) return;
+  backend_->join(stream);
+}
+
 void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,
                     std::unique_lock<std::mutex>* lock) {
   const moecap_config& c = plan_.config;
@@ -615,6 +626,8 @@ std::unique_ptr<BackendGraph> Capturer::graph_end() {
   // Recording ends with the capture: if ending it fails and the stream still
   // captures, the capturer still records (graph_end may be retried).
   try {
+    // A capture cannot end with an unjoined branch; the replay is whole.
+    backend_->join(recording_stream_);
     std::unique_ptr<BackendGraph> graph = backend_->end_graph();
     recording_ = false;
     recording_stream_ = EngineStream::legacy_default();

@@ -41,6 +41,12 @@ class Capturer {
   void capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, EngineStream stream);
   void commit(const moecap_commit_args* args, EngineStream stream);
   void invalidate(const DLTensor* slots, EngineStream stream);
+  // MOECAP_FLAG_SIDE_STREAM: `stream` waits for the work forked so far.
+  void join(EngineStream stream);
+  // Before a moecap graph replays on `stream`: eager forked work (an
+  // invalidate of a slot the replay commits to) runs on another stream than
+  // the replay's branch, so the branch must fork after it.
+  void join_before_replay(EngineStream stream);
   // Host calls that wait for commits: `lock`, when given, is the caller's
   // hold on mutex(), released while they sleep.
   void read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,

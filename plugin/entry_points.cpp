@@ -177,6 +177,14 @@ moecap_status moecap_invalidate(moecap_capturer* capturer, const DLTensor* slots
   });
 }
 
+moecap_status moecap_join(moecap_capturer* capturer, void* stream) {
+  return guarded("moecap_join", [&] {
+    Capturer& c = live(capturer);
+    std::lock_guard<std::mutex> lock(c.mutex());
+    c.join(EngineStream::from_abi(stream));
+  });
+}
+
 moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTensor* ids_out,
                           DLTensor* weights_out, uint32_t flags, void* stream) {
   return guarded("moecap_read", [&] {
@@ -267,6 +275,7 @@ moecap_status moecap_graph_launch(moecap_graph* graph, void* stream) {
     if (g.owner->recording()) {
       fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "the capturer is recording a graph; replay after moecap_graph_end");
     }
+    g.owner->join_before_replay(EngineStream::from_abi(stream));
     g.graph->launch(EngineStream::from_abi(stream));
   });
 }
@@ -326,6 +335,7 @@ moecap_status moecap_get_api(moecap_api* out) {
     api.graph_destroy = moecap_graph_destroy;
     api.config_init = moecap_config_init;
     api.invalidate = moecap_invalidate;
+    api.join = moecap_join;
     // A caller compiled against an older header gets the prefix it knows.
     moecap::write_struct(out, api);
   });

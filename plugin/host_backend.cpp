@@ -3,17 +3,31 @@
 // every test runs against, and the real backend of CPU inference engines.
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <new>
+#include <utility>
+#include <vector>
 
 #include "base/status.h"
+#include "graphs/element.h"
 #include "graphs/host_graph.h"
 #include "plugin/backend.h"
 
 namespace moecap {
 namespace {
 
+// A host index list copied at the call: forked work runs after the caller
+// may have refilled it.
+std::shared_ptr<std::vector<uint8_t>> copy_indices(const void* data, int64_t count, int32_t elem) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  return std::make_shared<std::vector<uint8_t>>(p, p + count * elem_bytes(elem));
+}
+
 class HostBackend final : public Backend {
  public:
+  explicit HostBackend(bool side_stream) : side_stream_(side_stream) {}
+
   DLDevice device() const override { return DLDevice{kDLCPU, 0}; }
   bool kernel_can_read(DLDevice d) const override { return host_can_read(d); }
 
@@ -23,21 +37,41 @@ class HostBackend final : public Backend {
   void free_host(void* ptr) override { std::free(ptr); }
   void* device_address_of_host(void* host) override { return host; }
 
-  void capture(const CaptureParams& p, EngineStream) override {
-    graphs_.run([p] { capture_on_host(p); });
+  void join(EngineStream) override {
+    if (side_stream_) graphs_.run([this] { run_forked(); });
   }
-  void commit(const CommitParams& p, CommitPlacement, EngineStream) override {
-    graphs_.run([p] {  // the CUDA backend's commit and release kernels, in order
-      commit_on_host(p);
-      release_on_host(p);
+  void capture(const CaptureParams& p, EngineStream) override {
+    fork([p] { capture_on_host(p); });
+  }
+  void commit(const CommitParams& p, CommitPlacement where, EngineStream) override {
+    if (!side_stream_ || !(where.slots_on_host || where.rows_on_host)) {
+      fork([p] {  // the CUDA backend's commit and release kernels, in order
+        commit_on_host(p);
+        release_on_host(p);
+      });
+      return;
+    }
+    std::shared_ptr<std::vector<uint8_t>> slots, rows;
+    if (where.slots_on_host) slots = copy_indices(p.dst_slots, p.count, p.dst_slots_elem);
+    if (where.rows_on_host) rows = copy_indices(p.src_rows, p.count, p.src_rows_elem);
+    fork([p, slots, rows] {
+      CommitParams q = p;
+      if (slots) q.dst_slots = slots->data();
+      if (rows) q.src_rows = rows->data();
+      commit_on_host(q);
+      release_on_host(q);
     });
   }
   void gather(const GatherParams& p, EngineStream) override { gather_on_host(p); }
   void zero_device(void* ptr, size_t bytes, EngineStream) override {
-    graphs_.run([ptr, bytes] { std::memset(ptr, 0, bytes); });
+    fork([ptr, bytes] { std::memset(ptr, 0, bytes); });
   }
 
-  bool commits_done(bool, const SlotList*, std::unique_lock<std::mutex>*) override { return true; }
+  // A host wait orders the forked work, as the side stream's events would.
+  bool commits_done(bool, const SlotList*, std::unique_lock<std::mutex>*) override {
+    run_forked();
+    return true;
+  }
   void reads_done(const SlotList&) override {}
   ErrorWord take_errors(ErrorWord* counters, bool clear) override {
     if (!clear) return *counters;
@@ -66,11 +100,34 @@ class HostBackend final : public Backend {
     return p;
   }
 
+  // The model of the side stream: forked work runs at the join (or at a
+  // host wait), never at the call, so a join the engine places after its
+  // next write to what the work reads shows as wrong rows. In a recorded
+  // graph the fork is recorded: each replay queues the work, and the
+  // replay's join (moecap_graph_end records one) runs it.
+  template <class Op>
+  void fork(Op op) {
+    if (!side_stream_) {
+      graphs_.run(op);
+      return;
+    }
+    graphs_.run([this, op] { forked_.emplace_back(op); });
+  }
+  void run_forked() {
+    std::vector<std::function<void()>> ops;
+    ops.swap(forked_);
+    for (const auto& op : ops) op();
+  }
+
+  bool side_stream_;
+  std::vector<std::function<void()>> forked_;
   HostGraphRecorder graphs_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_host_backend(const Plan&) { return std::make_unique<HostBackend>(); }
+std::unique_ptr<Backend> make_host_backend(const Plan& plan) {
+  return std::make_unique<HostBackend>((plan.config.flags & MOECAP_FLAG_SIDE_STREAM) != 0);
+}
 
 }  // namespace moecap

@@ -31,7 +31,8 @@ int64_t checked_add(int64_t a, int64_t b, const char* what) {
   return out;
 }
 
-constexpr uint32_t kKnownFlags = MOECAP_FLAG_HISTOGRAM | MOECAP_FLAG_GUARDS | MOECAP_FLAG_NO_GUARDS;
+constexpr uint32_t kKnownFlags =
+    MOECAP_FLAG_HISTOGRAM | MOECAP_FLAG_GUARDS | MOECAP_FLAG_NO_GUARDS | MOECAP_FLAG_SIDE_STREAM;
 constexpr int32_t kMaxExtraColumns = 1 << 16;
 
 }  // namespace

@@ -50,6 +50,8 @@ struct Options {
   std::string library = MOECAP_DEFAULT_LIBRARY;
   bool graphs = true;
   bool undersize = false;
+  bool side_stream = false;  // MOECAP_FLAG_SIDE_STREAM, joined once per step after the commits
+  bool late_join = false;    // debug: join only after the next step wrote its routing
 };
 
 void usage() {
@@ -59,7 +61,10 @@ void usage() {
       "                  [--max-graph-batch N] [--prefix-share PCT] [--disaggregated PCT] [--seed N]\n"
       "                  [--kernel-layers N]  (layers written through moecap's exported views; default half)\n"
       "                  [--backend auto|host|cuda] [--no-graphs] [--library PATH]\n"
-      "                  [--undersize]  (debug: a deliberately undersized plan; must fail cleanly)\n");
+      "                  [--undersize]  (debug: a deliberately undersized plan; must fail cleanly)\n"
+      "                  [--side-stream]  (capture and commit forked off the engine's stream, joined per step)\n"
+      "                  [--late-join]  (debug: with --side-stream, join after the next step's routing\n"
+      "                                  is written: breaks the contract; must show mismatches)\n");
 }
 
 Options parse(int argc, char** argv) {
@@ -89,6 +94,8 @@ Options parse(int argc, char** argv) {
     else if (a == "--library") o.library = next();
     else if (a == "--no-graphs") o.graphs = false;
     else if (a == "--undersize") o.undersize = true;
+    else if (a == "--side-stream") o.side_stream = true;
+    else if (a == "--late-join") o.late_join = true;
     else if (a == "--help" || a == "-h") {
       usage();
       std::exit(0);
@@ -102,6 +109,7 @@ Options parse(int argc, char** argv) {
   }
   if (o.kernel_layers < 0) o.kernel_layers = o.layers / 2;
   if (o.kernel_layers > o.layers) throw std::runtime_error("--kernel-layers exceeds --layers");
+  if (o.late_join && !o.side_stream) throw std::runtime_error("--late-join needs --side-stream");
   return o;
 }
 
@@ -256,6 +264,7 @@ class Engine {
     config_ = moecap_config{};
     config_.struct_size = sizeof config_;
     mc_.check(mc_->config_init(&config_), "moecap_config_init");
+    if (o.side_stream) config_.flags |= MOECAP_FLAG_SIDE_STREAM;
     config_.num_layers = o.layers;
     config_.top_k = o.top_k;
     config_.extra_columns = o.extra_columns;
@@ -346,6 +355,9 @@ class Engine {
       } else {
         eager_step(/*verify=*/true);
       }
+      // The end of the forward: before anything writes the routing buffers,
+      // the layer views or the graphs' slot lists again (the side stream's contract).
+      if (!o_.late_join) join_all();
       finish();
     }
     seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -648,6 +660,13 @@ class Engine {
       route_layer(gathered, l);
       mem_->upload(layer_ids_[static_cast<size_t>(l)], host_ids_.data(), bytes);
     }
+    if (o_.late_join) join_all();  // too late: the previous step's forked captures read this step's routing
+  }
+
+  // moecap_join on every capturer (a no-op without the side stream).
+  void join_all() {
+    for (Rank& r : ranks_) mc_.check(mc_->join(r.cap, stream_), "moecap_join");
+    mc_.check(mc_->join(prefill_instance_, stream_), "moecap_join (prefill instance)");
   }
 
   void note_rows(int64_t total) {

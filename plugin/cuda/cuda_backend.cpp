@@ -107,7 +107,8 @@ void release_owner(void* held) {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(const Plan& plan) : d_(driver()), ordinal_(plan.config.device_id) {
+  explicit CudaBackend(const Plan& plan)
+      : d_(driver()), ordinal_(plan.config.device_id), side_((plan.config.flags & MOECAP_FLAG_SIDE_STREAM) != 0) {
 #if !defined(MOECAP_HAVE_KERNELS)
     fail(MOECAP_ERROR_NO_DEVICE, "this libmoecap.so was built without CUDA kernels (no nvcc at build time); ",
          "only MOECAP_DEVICE_HOST is available");
@@ -132,6 +133,12 @@ class CudaBackend final : public Backend {
     CUstream internal = nullptr;
     check(d_, d_.cuStreamCreate(&internal, kStreamNonBlocking), "cuStreamCreate");
     internal_ = UniqueStream(d_, ctx(), internal);
+    if (side_) {
+      side_eager_ = create_stream();
+      for (CaptureSide& c : capture_sides_) c.stream = create_stream();
+      fork_event_ = create_event();
+      join_event_ = create_event();
+    }
     // Duplicate slots in commits whose slots only the device knows.
     claims_ = allocate_device(static_cast<size_t>(plan.config.host_slots) * sizeof(int32_t), "cuMemAlloc (claims)");
     check(d_, d_.cuMemsetD8Async(claims_.get(), 0, static_cast<size_t>(plan.config.host_slots) * sizeof(int32_t),
@@ -150,6 +157,7 @@ class CudaBackend final : public Backend {
     try {
       HostCallScope scope(d_, ctx());
       d_.cuStreamSynchronize(internal_.get());
+      if (side_) d_.cuStreamSynchronize(side_eager_.get());
     } catch (...) {
       // At process exit the driver may be gone; the owners below skip what they cannot free.
     }
@@ -191,17 +199,39 @@ class CudaBackend final : public Backend {
     return device_address(host);
   }
 
+  void join(EngineStream stream) override {
+    if (!side_) return;
+    ContextScope scope(d_, ctx());
+    const CUstream engine = cu_stream(stream);
+    CUstream side = nullptr;
+    if (const uint64_t id = capture_id(engine)) {
+      // Only a branch of this capture can join it; none forked, nothing to join.
+      for (CaptureSide& c : capture_sides_) {
+        if (c.capture_id == id && c.forked) side = c.stream.get();
+        if (side != nullptr) {
+          c.forked = false;
+          break;
+        }
+      }
+    } else if (eager_forked_) {
+      side = side_eager_.get();
+    }
+    if (side == nullptr) return;
+    check(d_, d_.cuEventRecord(join_event_.get(), side), "cuEventRecord (join)");
+    check(d_, d_.cuStreamWaitEvent(engine, join_event_.get(), 0), "cuStreamWaitEvent (join)");
+  }
+
   void capture(const CaptureParams& p, EngineStream stream) override {
     ContextScope scope(d_, ctx());
     keep_owner_in_capture(cu_stream(stream));
-    launch(capture_, p, p.n * p.top_k, cu_stream(stream));
+    launch(capture_, p, p.n * p.top_k, fork(cu_stream(stream)));
   }
 
   void commit(const CommitParams& p, CommitPlacement where, EngineStream stream) override {
     HostCallScope scope(d_, ctx());
-    const CUstream s = cu_stream(stream);
+    keep_owner_in_capture(cu_stream(stream));
+    const CUstream s = fork(cu_stream(stream));
     if (where.in_graph) {
-      keep_owner_in_capture(s);
       CommitParams params = p;
       params.claims = reinterpret_cast<int32_t*>(claims_.get());
       launch_commit(params, s);
@@ -266,7 +296,7 @@ class CudaBackend final : public Backend {
   void zero_device(void* ptr, size_t bytes, EngineStream stream) override {
     ContextScope scope(d_, ctx());
     keep_owner_in_capture(cu_stream(stream));
-    check(d_, d_.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(ptr), 0, bytes, cu_stream(stream)),
+    check(d_, d_.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(ptr), 0, bytes, fork(cu_stream(stream))),
           "cuMemsetD8Async");
   }
 
@@ -290,6 +320,8 @@ class CudaBackend final : public Backend {
       // shorter one); they are destroyed only with the backend.
       Unlocked unlocked(unlock_while_waiting);
       for (CUevent e : waits) finished(e, true);
+      // Everything (synchronize, destroy): forked captures too, not only commits.
+      if (side_ && slots == nullptr) check(d_, d_.cuStreamSynchronize(side_eager_.get()), "cuStreamSynchronize");
     }
     retire(commits_);
     return true;
@@ -358,6 +390,17 @@ class CudaBackend final : public Backend {
 
  private:
   static constexpr size_t kSnapshots = 8;
+  // Side streams for captures in progress at once (the engine's, moecap's);
+  // a capture finding none free runs its work on its own stream.
+  static constexpr size_t kCaptureSides = 4;
+
+  // A side stream lent to one capture: it joins that capture at its first
+  // fork and leaves it when the capture ends.
+  struct CaptureSide {
+    UniqueStream stream;
+    uint64_t capture_id = 0;
+    bool forked = false;  // forked since its last join
+  };
 
   // A pinned entry for the index lists of one call, reused once the event
   // recorded behind the call's kernel has completed.
@@ -369,6 +412,60 @@ class CudaBackend final : public Backend {
 
   CUcontext ctx() const { return ctx_.get(); }
   uint8_t* snapshot_host() const { return static_cast<uint8_t*>(snapshot_memory_.get()); }
+
+  UniqueStream create_stream() {
+    CUstream s = nullptr;
+    check(d_, d_.cuStreamCreate(&s, kStreamNonBlocking), "cuStreamCreate");
+    return UniqueStream(d_, ctx(), s);
+  }
+
+  // The capture `s` takes part in: its id (0 if none) and the graph being built.
+  struct CaptureInfo {
+    uint64_t id = 0;
+    CUgraph graph = nullptr;
+  };
+  CaptureInfo capture_info(CUstream s) {
+    int status = kCaptureStatusNone;
+    CaptureInfo info;
+    const CUgraphNode* deps = nullptr;
+    size_t ndeps = 0;
+    check(d_, d_.cuStreamGetCaptureInfo(s, &status, &info.id, &info.graph, &deps, &ndeps), "cuStreamGetCaptureInfo");
+    return status == kCaptureStatusActive ? info : CaptureInfo{};
+  }
+  uint64_t capture_id(CUstream s) { return capture_info(s).id; }
+
+  // Where forked work goes: with MOECAP_FLAG_SIDE_STREAM, a side stream made
+  // to wait for what `engine` holds so far (an event record and a wait; in a
+  // capture, a fork edge); otherwise `engine` itself.
+  CUstream fork(CUstream engine) {
+    if (!side_) return engine;
+    CUstream side = nullptr;
+    if (const uint64_t id = capture_id(engine)) {
+      CaptureSide* lent = nullptr;
+      for (CaptureSide& c : capture_sides_) {
+        if (c.capture_id == id) lent = &c;
+      }
+      for (CaptureSide& c : capture_sides_) {
+        if (lent != nullptr) break;
+        int status = kCaptureStatusNone;
+        check(d_, d_.cuStreamIsCapturing(c.stream.get(), &status), "cuStreamIsCapturing");
+        if (status == kCaptureStatusNone) {
+          lent = &c;
+          lent->capture_id = id;
+          lent->forked = false;
+        }
+      }
+      if (lent == nullptr) return engine;
+      lent->forked = true;
+      side = lent->stream.get();
+    } else {
+      side = side_eager_.get();
+      eager_forked_ = true;
+    }
+    check(d_, d_.cuEventRecord(fork_event_.get(), engine), "cuEventRecord (fork)");
+    check(d_, d_.cuStreamWaitEvent(side, fork_event_.get(), 0), "cuStreamWaitEvent (fork)");
+    return side;
+  }
 
   // Every kernel launch: the parameter struct is the kernel's one argument;
   // the grid is capped at 4096 blocks, the kernels loop over what it does not
@@ -481,13 +578,8 @@ class CudaBackend final : public Backend {
   // built takes a reference to the capturer, once per capture.
   void keep_owner_in_capture(CUstream s) {
     if (owner_.expired()) return;
-    int status = kCaptureStatusNone;
-    uint64_t id = 0;
-    CUgraph graph = nullptr;
-    const CUgraphNode* deps = nullptr;
-    size_t ndeps = 0;
-    check(d_, d_.cuStreamGetCaptureInfo(s, &status, &id, &graph, &deps, &ndeps), "cuStreamGetCaptureInfo");
-    if (status != kCaptureStatusActive || id == kept_in_capture_) return;
+    const auto [id, graph] = capture_info(s);
+    if (id == 0 || id == kept_in_capture_) return;
     auto* held = new std::shared_ptr<void>(owner_.lock());
     CUuserObject object = nullptr;
     CUresult r = d_.cuUserObjectCreate(&object, held, &release_owner, 1, kUserObjectNoDestructorSync);
@@ -505,6 +597,7 @@ class CudaBackend final : public Backend {
 
   const Driver& d_;
   int ordinal_;
+  bool side_;  // MOECAP_FLAG_SIDE_STREAM
   std::weak_ptr<void> owner_;
   uint64_t kept_in_capture_ = 0;
   // Owners are destroyed in reverse order: the primary context goes last.
@@ -528,6 +621,11 @@ class CudaBackend final : public Backend {
   std::vector<UniqueEvent> graph_commits_;  // one per commit captured in a graph, never reused
   std::vector<UniqueEvent> spare_;
   CUstream recording_ = nullptr;
+  UniqueStream side_eager_;  // forks from streams not being captured
+  std::array<CaptureSide, kCaptureSides> capture_sides_;
+  bool eager_forked_ = false;  // side_eager_ ever forked to: joins wait for it
+  UniqueEvent fork_event_;     // re-recorded at every fork: a wait takes the latest record
+  UniqueEvent join_event_;
 };
 
 }  // namespace

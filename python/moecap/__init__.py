@@ -33,7 +33,7 @@ BUFFERS = {
 }
 ID_DTYPES = {"auto": 0, "u8": 1, "u16": 2, "i32": 3, "i16": 4}
 WEIGHT_DTYPES = {None: 0, "f32": 1, "bf16": 2, "f16": 3}
-FLAG_HISTOGRAM, FLAG_GUARDS, FLAG_NO_GUARDS = 0x1, 0x2, 0x4
+FLAG_HISTOGRAM, FLAG_GUARDS, FLAG_NO_GUARDS, FLAG_SIDE_STREAM = 0x1, 0x2, 0x4, 0x8
 DEVICE_HOST, DEVICE_CUDA = 1, 2
 #: What a host-cache slot holds (Capturer.slot_states): bits of MOECAP_SLOT_*.
 SLOT_EMPTY, SLOT_VALID, SLOT_INVALID_IDS = 0x0, 0x1, 0x2
@@ -53,10 +53,11 @@ def _config(num_layers: int, top_k: int, num_experts: int, host_slots: int, max_
             extra_columns: int = 0, dp_size: int = 1, verify_tokens: int = 1, chunked_prefill_size: int = 0,
             max_graph_batch: int = 0, max_batch_tokens: int = 0, id_dtype: str = "auto",
             device_id_dtype: str = "auto", weight_dtype: Optional[str] = None, device: Any = "cpu",
-            histogram: bool = False, guards: Optional[bool] = None) -> _moecap.Config:
+            histogram: bool = False, guards: Optional[bool] = None, side_stream: bool = False) -> _moecap.Config:
     c = _moecap.Config()  # moecap_config_init: the library's defaults
     c.flags = (FLAG_HISTOGRAM if histogram else 0) | (
-        0 if guards is None else FLAG_GUARDS if guards else FLAG_NO_GUARDS)
+        0 if guards is None else FLAG_GUARDS if guards else FLAG_NO_GUARDS) | (
+        FLAG_SIDE_STREAM if side_stream else 0)
     c.num_layers, c.top_k, c.extra_columns, c.num_experts = num_layers, top_k, extra_columns, num_experts
     c.dp_size, c.verify_tokens = dp_size, verify_tokens
     c.max_running_requests, c.chunked_prefill_size = max_running_requests, chunked_prefill_size
@@ -97,8 +98,10 @@ class Capturer(_moecap.Capturer):
     max_batch_tokens, id_dtype (the host cache's: 'auto', 'u8', 'u16', 'i16', 'i32'),
     device_id_dtype (the device buffer's, what a top-k kernel writes into a
     'layer_ids' view: 'auto' = i16 up to 32767 experts), weight_dtype (None,
-    'f32', 'bf16', 'f16'), device ('cpu' or 'cuda:N'), histogram, guards.
-    Unset keywords take moecap_config_init's defaults.
+    'f32', 'bf16', 'f16'), device ('cpu' or 'cuda:N'), histogram, guards,
+    side_stream (MOECAP_FLAG_SIDE_STREAM: capture, commit and invalidate fork
+    off the engine's stream until ``join(stream=None)``; the tensors they read
+    are held until then). Unset keywords take moecap_config_init's defaults.
 
     Step-path calls (native, no Python in between): ``capture(layer, topk_ids,
     topk_weights=None, stream=None)``, ``commit(dst_slots, src_start=0,
@@ -148,13 +151,24 @@ class Capturer(_moecap.Capturer):
         return out if weights_out is None else (out, weights_out)
 
     def slot_states(self, slots: Any) -> Any:
-        """SLOT_* bits of each slot (NumPy uint8 ``[T]``), after the commits in flight landed:
-        ``states & SLOT_VALID == 0`` marks the tokens a read returns as -1."""
+        """SLOT_* bits of each slot (NumPy uint8 ``[T]``) once the commits in flight landed:
+        ``states & SLOT_VALID == 0`` marks the tokens a read returns as -1.
+
+        ``slots``: ``[T]`` int32/int64 in host memory (any DLPack producer, or a
+        list), every value in ``[0, host_slots)``; anything else raises
+        MoecapError (INVALID_ARGUMENT / OUT_OF_RANGE) as ``read`` does. Waits
+        for commits like ``synchronize`` but does not raise its sticky
+        ROWS_SKIPPED: ``errors()`` reports skipped rows."""
         import numpy as np
-        self.synchronize()
         if self._states is None:
             self._states = np.from_dlpack(self.export("host_states"))
-        return self._states[np.from_dlpack(slots) if not isinstance(slots, np.ndarray) else slots]
+        index = _host_slots(slots, self._states.shape[0])
+        try:
+            self.synchronize()
+        except MoecapError as e:
+            if e.status != Status.ROWS_SKIPPED:  # the commits have landed; the skipped rows stay counted
+                raise
+        return self._states[index]
 
     def export(self, which: str, layer: int = 0) -> DLPackView:
         """A zero-copy DLPackView of a buffer: 'device_ids', 'host_ids', 'layer_ids', 'histogram', ..."""
@@ -172,13 +186,52 @@ class Capturer(_moecap.Capturer):
         return self._ops
 
 
+def _host_slots(slots: Any, host_slots: int) -> Any:
+    """slots as a NumPy int64 index, checked as moecap_read checks its slots (its messages)."""
+    import numpy as np
+    if isinstance(slots, (list, tuple)):
+        slots = np.asarray(slots, dtype=np.int64)
+    elif not isinstance(slots, np.ndarray):
+        try:
+            slots = np.from_dlpack(slots)
+        except (TypeError, RuntimeError, BufferError) as e:
+            raise MoecapError(Status.INVALID_ARGUMENT,
+                              f"slot_states: slots must be host memory (a DLPack producer or a list): {e}") from None
+    if slots.ndim != 1:
+        raise MoecapError(Status.INVALID_ARGUMENT, f"slot_states: slots has ndim {slots.ndim}; expected 1")
+    if slots.dtype not in (np.int32, np.int64):
+        raise MoecapError(Status.INVALID_ARGUMENT,
+                          f"slot_states: slots has dtype {slots.dtype}; expected one of int32, int64")
+    bad = np.flatnonzero((slots < 0) | (slots >= host_slots))
+    if bad.size:
+        i = int(bad[0])
+        raise MoecapError(Status.OUT_OF_RANGE,
+                          f"slot_states: slots[{i}] is {int(slots[i])}; it must be in [0, {host_slots})")
+    return slots
+
+
 def _torch_if_imported() -> Any:
     import sys
     return sys.modules.get("torch")
 
 
-# The consumers' layer: engine-step helpers, the routing record, transformers models
-# (hf imports torch and transformers only when called).
-from . import engine, hf, record  # noqa: E402,F401
-from .engine import RequestTable, batch_slots, commit_batch, write_routed  # noqa: E402,F401
-from .record import RecordError, RoutedExperts  # noqa: E402,F401
+# The consumers' layer (engine-step helpers, the routing record, transformers models) is
+# imported on first use: it needs NumPy (and hf torch and transformers), while `import moecap`
+# needs nothing but the extension.
+_LAZY = {
+    "engine": ("engine", None), "hf": ("hf", None), "record": ("record", None),
+    "RequestTable": ("engine", "RequestTable"), "batch_slots": ("engine", "batch_slots"),
+    "commit_batch": ("engine", "commit_batch"), "write_routed": ("engine", "write_routed"),
+    "RecordError": ("record", "RecordError"), "RoutedExperts": ("record", "RoutedExperts"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'moecap' has no attribute {name!r}")
+    import importlib
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(f".{module_name}", __name__)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value

@@ -16,6 +16,14 @@ The buffers are the capturer's own memory, exported once as torch tensors
     ops.capture(layer, topk_ids, topk_weights)
     ops.commit(dst_slots)
     ops.invalidate(freed_slots)
+    ops.layer_ids(layer)[:n].copy_(ids)  # plain writes: through this view of device_ids
+
+The ops consume the tensors they are handed: a functionalized copy of a
+device buffer is copied into moecap's memory before the C call (and back out
+after capture). A copy of the host cache is refused (MoecapError
+INVALID_ARGUMENT): backends that functionalize without re-inplacing
+(aot_eager) would copy the whole cache per step. Inductor hands the real
+buffers and pays nothing.
 """
 from __future__ import annotations
 
@@ -36,36 +44,58 @@ def _capturer(capturer_id: int):
     return cap
 
 
-#: How often _mirror had to copy a buffer (0 under Inductor, which re-inplaces).
-mirror_copies = 0
+#: How often an op was handed a copy of a device buffer and moved it in or out (0 under Inductor).
+buffer_copies = 0
 
 
-def _mirror(declared: Optional[torch.Tensor], actual: Optional[torch.Tensor]) -> None:
-    # A backend that functionalizes without re-inplacing hands the op a clone
-    # of the buffer it declared and copies that clone back afterwards. The C
-    # call wrote the capturer's real memory, so the clone must carry the same
-    # contents or the copy-back would undo it. Inductor re-inplaces: no copy.
-    global mirror_copies
-    if declared is not None and actual is not None and declared.data_ptr() != actual.data_ptr():
-        declared.copy_(actual)
-        mirror_copies += 1
+def _is_copy(handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> bool:
+    # A backend that functionalizes without re-inplacing (aot_eager) hands an
+    # op the functional value of a buffer: a tensor of its own, not moecap's
+    # memory, which the C library is the only one to read and write.
+    return handed is not None and real is not None and handed.data_ptr() != real.data_ptr()
 
 
-def _call(capturer: int, call, **declared: Optional[torch.Tensor]) -> None:
-    """call(the capturer), then mirror its buffers into the declared mutated arguments (by name)."""
-    cap = _capturer(capturer)
-    call(cap)
-    ops = cap.ops
-    for name, tensor in declared.items():
-        _mirror(tensor, getattr(ops, name))
+def _copy_in(handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> None:
+    # What the graph wrote into the buffer before this op (a top-k kernel or
+    # plain torch ops into a layer view) lives only in the copy: the C call must see it.
+    global buffer_copies
+    if _is_copy(handed, real):
+        real.copy_(handed)  # on torch's current stream, so ordered before the C call's kernel
+        buffer_copies += 1
+
+
+def _copy_out(handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> None:
+    # The C call wrote moecap's memory; the copy the backend writes back at the
+    # end of the graph must carry the same contents, or the copy-back undoes it.
+    global buffer_copies
+    if _is_copy(handed, real):
+        handed.copy_(real)
+        buffer_copies += 1
+
+
+def _refuse_host_copy(op: str, name: str, handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> None:
+    # Keeping a copy of the host cache in step would cost the whole cache (GBs)
+    # per call, and on CUDA the host-side copy would race the commit kernel
+    # still writing that pinned memory: refuse instead.
+    if _is_copy(handed, real):
+        raise MoecapError(Status.INVALID_ARGUMENT,
+                          f"moecap::{op} was handed a copy of the capturer's {name} ({handed.numel()} elements), "
+                          "not its memory: the torch.compile backend functionalizes without re-inplacing "
+                          "(aot_eager does); compile with backend='inductor', or call the capturer's "
+                          f"{op} outside the compiled code")
 
 
 @torch.library.custom_op("moecap::capture", mutates_args=("device_ids", "device_weights"))
 def capture(device_ids: torch.Tensor, device_weights: Optional[torch.Tensor], capturer: int, layer: int,
             topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> None:
     """Capturer.capture on torch's current stream; device_ids/device_weights are the capturer's buffers."""
-    _call(capturer, lambda cap: cap.capture(layer, topk_ids, topk_weights), device_ids=device_ids,
-          device_weights=device_weights)
+    cap = _capturer(capturer)
+    real = cap.ops
+    _copy_in(device_ids, real.device_ids)
+    _copy_in(device_weights, real.device_weights)
+    cap.capture(layer, topk_ids, topk_weights)
+    _copy_out(device_ids, real.device_ids)
+    _copy_out(device_weights, real.device_weights)
 
 
 @capture.register_fake
@@ -75,22 +105,30 @@ def _(device_ids, device_weights, capturer, layer, topk_ids, topk_weights):
 
 @torch.library.custom_op("moecap::commit", mutates_args=("host_ids", "host_weights", "host_states"))
 def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], host_states: torch.Tensor,
-           device_ids: torch.Tensor, capturer: int, dst_slots: torch.Tensor, src_start: int,
-           src_rows: Optional[torch.Tensor]) -> None:
-    """Capturer.commit on torch's current stream; host_* are the capturer's host cache and slot states."""
-    _call(capturer, lambda cap: cap.commit(dst_slots, src_start, src_rows), host_ids=host_ids,
-          host_weights=host_weights, host_states=host_states)
+           device_ids: torch.Tensor, device_weights: Optional[torch.Tensor], capturer: int,
+           dst_slots: torch.Tensor, src_start: int, src_rows: Optional[torch.Tensor]) -> None:
+    """Capturer.commit on torch's current stream: reads device_ids/device_weights (what the graph
+    wrote into them, layer views included), writes the host cache and slot states."""
+    cap = _capturer(capturer)
+    real = cap.ops
+    for name, handed in (("host_ids", host_ids), ("host_weights", host_weights), ("host_states", host_states)):
+        _refuse_host_copy("commit", name, handed, getattr(real, name))
+    _copy_in(device_ids, real.device_ids)
+    _copy_in(device_weights, real.device_weights)
+    cap.commit(dst_slots, src_start, src_rows)
 
 
 @commit.register_fake
-def _(host_ids, host_weights, host_states, device_ids, capturer, dst_slots, src_start, src_rows):
+def _(host_ids, host_weights, host_states, device_ids, device_weights, capturer, dst_slots, src_start, src_rows):
     return None
 
 
 @torch.library.custom_op("moecap::invalidate", mutates_args=("host_states",))
 def invalidate(host_states: torch.Tensor, capturer: int, slots: torch.Tensor) -> None:
     """Capturer.invalidate on torch's current stream: the slots read -1 until committed again."""
-    _call(capturer, lambda cap: cap.invalidate(slots), host_states=host_states)
+    cap = _capturer(capturer)
+    _refuse_host_copy("invalidate", "host_states", host_states, cap.ops.host_states)
+    cap.invalidate(slots)
 
 
 @invalidate.register_fake
@@ -112,12 +150,25 @@ class CapturerOps:
         self.device_weights = torch.from_dlpack(cap.export("device_weights")) if weights else None
         self.host_weights = torch.from_dlpack(cap.export("host_weights")) if weights else None
 
+    def layer_ids(self, layer: int) -> torch.Tensor:
+        """Layer ``layer`` of device_ids (``[device_rows, top_k]``), for a top-k kernel's out= or
+        plain torch writes in compiled code: a view of device_ids, so the compiler orders a
+        commit after those writes (a separate ``torch.from_dlpack(cap.export("layer_ids"))``
+        tensor shares no storage with it, so nothing would)."""
+        return self.device_ids[layer]
+
+    def layer_weights(self, layer: int) -> torch.Tensor:
+        """Layer ``layer`` of device_weights, as layer_ids (needs weight_dtype)."""
+        if self.device_weights is None:
+            raise MoecapError(Status.INVALID_ARGUMENT, "layer_weights: the capturer keeps no weights (weight_dtype=None)")
+        return self.device_weights[layer]
+
     def capture(self, layer: int, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor] = None) -> None:
         torch.ops.moecap.capture(self.device_ids, self.device_weights, self.id, layer, topk_ids, topk_weights)
 
     def commit(self, dst_slots: torch.Tensor, src_start: int = 0, src_rows: Optional[torch.Tensor] = None) -> None:
-        torch.ops.moecap.commit(self.host_ids, self.host_weights, self.host_states, self.device_ids, self.id,
-                                dst_slots, src_start, src_rows)
+        torch.ops.moecap.commit(self.host_ids, self.host_weights, self.host_states, self.device_ids,
+                                self.device_weights, self.id, dst_slots, src_start, src_rows)
 
     def invalidate(self, slots: torch.Tensor) -> None:
         torch.ops.moecap.invalidate(self.host_states, self.id, slots)

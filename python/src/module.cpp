@@ -34,11 +34,12 @@ nb::dict plan_dict(const moecap_plan_info& p) {
   return d;
 }
 
-// The tensors a recording graph baked the addresses of: alive while it lives.
-void keep_alive(nb::list* recording, const Borrowed& a, const Borrowed& b) {
-  if (recording == nullptr) return;
-  if (a.keep.is_valid()) recording->append(a.keep);
-  if (b.keep.is_valid()) recording->append(b.keep);
+// Appends the borrowed tensors to `holder` (a recording graph's list, or the
+// side stream's until-join list), when there is one.
+void keep_alive(nb::list* holder, const Borrowed& a, const Borrowed& b) {
+  if (holder == nullptr) return;
+  if (a.keep.is_valid()) holder->append(a.keep);
+  if (b.keep.is_valid()) holder->append(b.keep);
 }
 
 class Graph {
@@ -76,7 +77,10 @@ class Graph {
 
 class Capturer {
  public:
-  explicit Capturer(const moecap_config& config) : device_type_(config.device_type), device_id_(config.device_id) {
+  explicit Capturer(const moecap_config& config)
+      : device_type_(config.device_type),
+        device_id_(config.device_id),
+        side_stream_((config.flags & MOECAP_FLAG_SIDE_STREAM) != 0) {
     check(moecap_create(&config, &handle_));
   }
   Capturer(const Capturer&) = delete;
@@ -89,7 +93,7 @@ class Capturer {
     const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights);
     void* s = resolve_stream(stream, device_type_, device_id_, &ids);
     check(moecap_capture(live(), layer, ids.get(), w, s));
-    keep_alive(recording(), ids, weights);
+    keep_alive(held(), ids, weights);
   }
 
   // The C call's own time, for bench/python_bench.py: borrow once, call
@@ -117,7 +121,7 @@ class Capturer {
       status = moecap_commit(h, &args, s);
     }
     check(status);
-    keep_alive(recording(), slots, rows);
+    keep_alive(held(), slots, rows);
   }
 
   void read_into(nb::handle slots, nb::handle out, nb::handle weights_out, bool nonblocking, bool strict,
@@ -157,7 +161,14 @@ class Capturer {
     borrow(slots, "slots", false, s);
     void* st = resolve_stream(stream, device_type_, device_id_, &s);
     check(moecap_invalidate(live(), s.get(), st));
-    keep_alive(recording(), s, Borrowed{});
+    keep_alive(held(), s, Borrowed{});
+  }
+
+  // MOECAP_FLAG_SIDE_STREAM: `stream` waits for the work forked so far; the
+  // tensors that work read are released (a reuse now comes after the join).
+  void join(nb::handle stream) {
+    check(moecap_join(live(), resolve_stream(stream, device_type_, device_id_)));
+    if (!recording_on_) forked_ = nb::list();
   }
 
   void synchronize() {
@@ -241,11 +252,18 @@ class Capturer {
     return handle_;
   }
   nb::list* recording() { return recording_on_ ? &recording_ : nullptr; }
+  // Where the tensors a call read are held: by the graph being recorded (for
+  // its lifetime), or, with the side stream, until the next join (forked work
+  // reads them after the call returns, and the caching allocator would hand
+  // a dropped tensor's memory to the next op).
+  nb::list* held() { return recording_on_ ? &recording_ : side_stream_ ? &forked_ : nullptr; }
 
   moecap_capturer* handle_ = nullptr;
   int32_t device_type_, device_id_;
   nb::list recording_;
   bool recording_on_ = false;
+  bool side_stream_;
+  nb::list forked_;
 };
 
 void bind_config(nb::module_& m) {
@@ -329,6 +347,9 @@ NB_MODULE(_moecap, m) {
            "Mark slots empty (their KV was freed): they read -1 until committed again; -1 entries are ignored.")
       .def("write", &Capturer::write, nb::arg("slots"), nb::arg("ids"), nb::arg("weights") = nb::none(),
            nb::arg("stream") = nb::none(), "Store rows captured elsewhere (the inverse of read).")
+      .def("join", &Capturer::join, nb::arg("stream") = nb::none(),
+           "side_stream: `stream` waits for every capture and commit forked so far (call it before the "
+           "engine writes or frees a tensor they read); the tensors they read are held until then.")
       .def("synchronize", &Capturer::synchronize, "Wait until every enqueued commit landed.")
       .def("errors", &Capturer::errors, nb::arg("clear") = false,
            "{'skipped_rows', 'invalid_ids'}: problems found where no status could be returned.")

@@ -39,7 +39,7 @@ TEST_CASE("every header function resolves by name") {
         "moecap_write", "moecap_synchronize", "moecap_get_errors", "moecap_histogram_reset", "moecap_export",
         "moecap_export_legacy", "moecap_graph_begin", "moecap_graph_end", "moecap_graph_launch",
         "moecap_graph_native", "moecap_graph_destroy", "moecap_get_api", "moecap_config_init",
-        "moecap_invalidate"}) {
+        "moecap_invalidate", "moecap_join"}) {
     CAPTURE(name);
     CHECK(dlsym(lib, name) != nullptr);
   }

@@ -26,6 +26,15 @@
 //   refused inside a capture.
 // - Plain event records inside a capture are internal dependencies; external
 //   ones (CU_EVENT_RECORD_EXTERNAL) become nodes that record at every launch.
+// - Fork and join inside a capture: a stream that waits on an event recorded
+//   in a capture joins it as a branch. At each launch a branch gets a queue
+//   of its own, made to wait for the origin where it forked, and runs only
+//   when a join (the origin waiting on an event recorded on the branch) or a
+//   host wait orders it: the latest schedule CUDA allows, so a join placed
+//   after the engine's next write to what the branch reads shows as wrong
+//   rows. Ending a capture with a branch whose last node the origin does not
+//   wait for fails with CUDA_ERROR_STREAM_CAPTURE_UNJOINED. (Only joins into
+//   the origin count; a branch joining another branch is not modeled.)
 // - Graphs: instantiate, launch, child-graph nodes (cloned, with the child's
 //   user-object references), user objects whose destructors run on a
 //   separate callback thread, where any driver call is a violation.
@@ -40,8 +49,7 @@
 // What it cannot model: real concurrency between streams and the host (a
 // stream runs only inside a host wait or standin_run, so a race shows only
 // in the schedule a test forces), memory coherence and partial writes
-// (copies are atomic, kernels run whole), multi-stream fork/join inside a
-// capture, the legacy default stream's implicit synchronization, timing,
+// (copies are atomic, kernels run whole), the legacy default stream's implicit synchronization, timing,
 // and the kernels' device code itself (their host twins run instead).
 //
 // Environment: STANDIN_DRIVER_VERSION (default 13000), STANDIN_MODULE_LOAD_ERROR

@@ -25,17 +25,29 @@ namespace standin_impl {
 using CUresult = int;
 constexpr CUresult kOk = 0, kInvalidValue = 1, kOutOfMemory = 2, kInvalidHandle = 400, kIllegalState = 401,
                    kNotFound = 500, kNotReady = 600, kNotPermitted = 800, kCaptureUnsupported = 900,
-                   kCaptureInvalidated = 901, kCaptureIsolation = 905, kCaptureWrongThread = 908;
+                   kCaptureInvalidated = 901, kCaptureUnjoined = 904, kCaptureIsolation = 905,
+                   kCaptureWrongThread = 908;
 constexpr int kModeGlobal = 0, kModeRelaxed = 2;
 constexpr unsigned kEventBlockingSync = 0x1, kRecordExternal = 0x1, kGraphUserObjectMove = 0x1;
 
 struct Stream;
 struct Event;
 struct Graph;
+struct Launch;
 // What an asynchronous call does to the stream it lands on: queue work (or,
 // for an event record, note where). Captured, it becomes a graph node and
 // does the same at every launch.
 using Action = std::function<void(Stream&)>;
+
+// A graph node: what it does at a launch, on its lane. Lane 0 is the
+// capture's origin stream; a stream that joins the capture (by waiting on an
+// event recorded in it) adds a lane, a branch of the graph. At each launch a
+// branch gets a queue of its own, which runs only when a join (a wait on an
+// event recorded on it) or a host wait orders it.
+struct LaneNode {
+  int lane;
+  std::function<void(Launch&)> run;
+};
 
 struct Capture {
   std::shared_ptr<Graph> graph;
@@ -43,14 +55,20 @@ struct Capture {
   std::thread::id thread;
   uint64_t id;
   bool invalidated = false;
+  std::vector<Stream*> lanes;       // [0] the origin; then the streams that joined
+  std::vector<size_t> lane_nodes;   // nodes queued on each lane
+  std::vector<size_t> lane_joined;  // of those, how many lane 0 waits for
 };
+uint64_t g_next_mark = 1;
 uint64_t g_next_capture_id = 1;
 
 struct Stream {
   std::deque<std::function<void()>> queue;
   uint64_t enqueued = 0;  // operations ever queued; the sequence number of the last
   uint64_t done = 0;
-  std::unique_ptr<Capture> capture;
+  std::unique_ptr<Capture> capture;  // a capture begun on this stream
+  Capture* joined = nullptr;         // a capture this stream joined as a branch
+  int lane = 0;                      // its lane there
   uint64_t push(std::function<void()> op) {
     queue.push_back(std::move(op));
     return ++enqueued;
@@ -62,6 +80,9 @@ struct Event {
   Stream* stream = nullptr;  // the latest record, or none
   uint64_t seq = 0;
   Capture* captured_in = nullptr;  // the latest record was a plain record in this capture
+  int lane = 0;                    // ... on this lane, after this many of its nodes,
+  size_t lane_nodes = 0;
+  uint64_t mark = 0;               // ... named by this mark at each launch
 };
 
 struct UserObject {
@@ -71,12 +92,12 @@ struct UserObject {
 };
 
 struct Graph {
-  std::vector<Action> nodes;
+  std::vector<LaneNode> nodes;
   std::map<UserObject*, int64_t> refs;
 };
 
 struct Exec {
-  std::vector<Action> nodes;
+  std::vector<LaneNode> nodes;
   std::map<UserObject*, int64_t> refs;
 };
 
@@ -98,6 +119,7 @@ struct Kernel {
 // process exits) find it intact. Never freed; reachable, so not a leak.
 std::recursive_mutex& g_mu = *new std::recursive_mutex;
 std::vector<Stream*>& g_streams = *new std::vector<Stream*>;  // every stream from cuStreamCreate
+std::vector<Stream*>& g_branches = *new std::vector<Stream*>;  // graph branches' queues, one per branch per launch
 std::map<uintptr_t, Alloc>& g_allocs = *new std::map<uintptr_t, Alloc>;
 std::vector<Capture*>& g_captures = *new std::vector<Capture*>;  // active captures, any thread
 Stream& g_legacy = *new Stream;
@@ -129,6 +151,30 @@ void violation(const std::string& what) {
 Stream* stream_of(void* s) {
   const auto v = reinterpret_cast<uintptr_t>(s);
   return v <= 2 ? &g_legacy : static_cast<Stream*>(s);  // 0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+}
+
+// The capture `s` takes part in (its own, or one it joined), or nullptr.
+Capture* capture_of(Stream& s) { return s.capture ? s.capture.get() : s.joined; }
+bool active(const Capture* c) { return std::find(g_captures.begin(), g_captures.end(), c) != g_captures.end(); }
+
+// One launch of a graph: the queue of each lane, and where each mark fell.
+struct Launch {
+  Stream* origin;
+  std::vector<Stream*> branches;  // lane i > 0 is branches[i - 1]
+  std::map<uint64_t, std::pair<Stream*, uint64_t>> marks;
+  Stream& on(int lane) {
+    if (lane == 0) return *origin;
+    while (branches.size() < static_cast<size_t>(lane)) {
+      g_branches.push_back(new Stream);
+      branches.push_back(g_branches.back());
+    }
+    return *branches[static_cast<size_t>(lane) - 1];
+  }
+};
+
+void launch_nodes(const std::vector<LaneNode>& nodes, Stream& origin) {
+  Launch l{&origin, {}, {}};
+  for (const LaneNode& n : nodes) n.run(l);
 }
 
 // --- execution ---------------------------------------------------------------
@@ -169,9 +215,11 @@ CUresult unsafe_call() {
 // Where an asynchronous call goes: the capture's graph, or the stream's queue.
 CUresult submit(void* stream, Action action) {
   Stream& s = *stream_of(stream);
-  if (s.capture) {
-    if (s.capture->invalidated) return kCaptureInvalidated;
-    s.capture->graph->nodes.push_back(std::move(action));
+  if (Capture* c = capture_of(s)) {
+    if (c->invalidated) return kCaptureInvalidated;
+    const int lane = s.lane;
+    c->graph->nodes.push_back(LaneNode{lane, [action = std::move(action), lane](Launch& l) { action(l.on(lane)); }});
+    ++c->lane_nodes[static_cast<size_t>(lane)];
     return kOk;
   }
   action(s);
@@ -385,8 +433,8 @@ CUresult cuMemcpyHtoDAsync(unsigned long long dst, const void* src, size_t n, vo
     });
   }
   // Pageable: staged by the driver before the call returns; not capturable.
-  if (stream_of(stream)->capture) {
-    stream_of(stream)->capture->invalidated = true;
+  if (Capture* c = capture_of(*stream_of(stream))) {
+    c->invalidated = true;
     return kCaptureUnsupported;
   }
   auto copy = std::make_shared<std::vector<uint8_t>>(static_cast<const uint8_t*>(src),
@@ -403,8 +451,8 @@ CUresult cuMemcpyDtoHAsync(void* dst, unsigned long long src, size_t n, void* st
   if (pinned(dst, n)) return submit(stream, [op](Stream& s) { s.push(op); });
   // Pageable: the call returns once the copy is done, so it is a host wait.
   Stream& s = *stream_of(stream);
-  if (s.capture) {
-    s.capture->invalidated = true;
+  if (Capture* c = capture_of(s)) {
+    c->invalidated = true;
     return kCaptureUnsupported;
   }
   if (CUresult r = unsafe_call()) return r;
@@ -481,7 +529,7 @@ CUresult cuStreamSynchronize(void* stream) {
   ENTER();
   if (CUresult r = unsafe_call()) return r;
   Stream& s = *stream_of(stream);
-  if (s.capture) return kCaptureUnsupported;
+  if (capture_of(s) != nullptr) return kCaptureUnsupported;
   run_until(s, s.enqueued);
   return kOk;
 }
@@ -497,22 +545,46 @@ CUresult cuStreamWaitEvent(void* stream, Event* e, unsigned) {
   Stream* waited = e->stream;
   const uint64_t seq = e->seq;
   Stream& s = *stream_of(stream);
-  if (s.capture) {
-    if (e->captured_in == s.capture.get()) return kOk;  // an edge inside the graph
-    if (waited != nullptr && waited->done < seq) {
-      s.capture->invalidated = true;
+  Capture* c = capture_of(s);
+  Capture* into = e->captured_in;
+  if (into != nullptr && (c == nullptr || c == into)) {
+    if (!active(into)) return kCaptureIsolation;  // recorded in a capture that has ended
+    if (into->invalidated) return kCaptureInvalidated;
+    if (c == nullptr) {  // the stream joins the capture: a new branch
+      s.joined = into;
+      s.lane = static_cast<int>(into->lanes.size());
+      into->lanes.push_back(&s);
+      into->lane_nodes.push_back(0);
+      into->lane_joined.push_back(0);
+    }
+    if (e->lane == s.lane) return kOk;  // the same lane is in order already
+    const uint64_t mark = e->mark;
+    const int lane = s.lane;
+    into->graph->nodes.push_back(LaneNode{lane, [mark, lane](Launch& l) {
+                                        const std::pair<Stream*, uint64_t> at = l.marks.at(mark);
+                                        l.on(lane).push([at] { run_until(*at.first, at.second); });
+                                      }});
+    ++into->lane_nodes[static_cast<size_t>(lane)];
+    if (lane == 0) {
+      size_t& joined = into->lane_joined[static_cast<size_t>(e->lane)];
+      joined = std::max(joined, e->lane_nodes);
+    }
+    return kOk;
+  }
+  if (c != nullptr) {
+    if (into != nullptr || (waited != nullptr && waited->done < seq)) {
+      c->invalidated = true;
       return kCaptureIsolation;
     }
     return kOk;
   }
-  if (e->captured_in != nullptr) return kCaptureIsolation;
   if (waited == nullptr) return kOk;
   return submit(stream, [waited, seq](Stream& on) { on.push([waited, seq] { run_until(*waited, seq); }); });
 }
 CUresult cuStreamIsCapturing(void* stream, int* status) {
   ENTER();
-  const Stream& s = *stream_of(stream);
-  *status = !s.capture ? 0 : s.capture->invalidated ? 2 : 1;
+  Capture* c = capture_of(*stream_of(stream));
+  *status = c == nullptr ? 0 : c->invalidated ? 2 : 1;
   return kOk;
 }
 // CUDA 11.3's ABI (cuStreamGetCaptureInfo_v2) and 12.3's (_v3, with edge
@@ -521,10 +593,10 @@ CUresult cuStreamIsCapturing(void* stream, int* status) {
 CUresult capture_info_v3(void* stream, int* status, uint64_t* id, Graph** graph, const void** deps,
                          const void** edges, size_t* ndeps) {
   ENTER();
-  const Stream& s = *stream_of(stream);
-  *status = !s.capture ? 0 : s.capture->invalidated ? 2 : 1;
-  if (id != nullptr) *id = s.capture ? s.capture->id : 0;
-  if (graph != nullptr) *graph = s.capture ? s.capture->graph.get() : nullptr;
+  Capture* c = capture_of(*stream_of(stream));
+  *status = c == nullptr ? 0 : c->invalidated ? 2 : 1;
+  if (id != nullptr) *id = c != nullptr ? c->id : 0;
+  if (graph != nullptr) *graph = c != nullptr ? c->graph.get() : nullptr;
   if (deps != nullptr) *deps = nullptr;
   if (edges != nullptr) *edges = nullptr;
   if (ndeps != nullptr) *ndeps = 0;
@@ -538,8 +610,9 @@ CUresult cuStreamBeginCapture(void* stream, int mode) {
   ENTER();
   Stream* s = stream_of(stream);
   if (s == &g_legacy) return kCaptureUnsupported;
-  if (s->capture) return kIllegalState;
-  s->capture = std::make_unique<Capture>(Capture{std::make_shared<Graph>(), mode, std::this_thread::get_id(), g_next_capture_id++});
+  if (capture_of(*s) != nullptr) return kIllegalState;
+  s->capture = std::make_unique<Capture>(
+      Capture{std::make_shared<Graph>(), mode, std::this_thread::get_id(), g_next_capture_id++, false, {s}, {0}, {0}});
   g_captures.push_back(s->capture.get());
   return kOk;
 }
@@ -551,9 +624,16 @@ CUresult cuStreamEndCapture(void* stream, Graph** out) {
   std::unique_ptr<Capture> c = std::move(s.capture);
   g_captures.erase(std::find(g_captures.begin(), g_captures.end(), c.get()));
   *out = nullptr;
-  if (c->invalidated) {
+  // Every branch must have joined the origin after its last node.
+  bool unjoined = false;
+  for (size_t i = 1; i < c->lanes.size(); ++i) {
+    unjoined = unjoined || c->lane_nodes[i] > c->lane_joined[i];
+    c->lanes[i]->joined = nullptr;
+    c->lanes[i]->lane = 0;
+  }
+  if (c->invalidated || unjoined) {
     release_all(c->graph->refs);
-    return kCaptureInvalidated;
+    return unjoined ? kCaptureUnjoined : kCaptureInvalidated;
   }
   *out = new Graph(std::move(*c->graph));
   return kOk;
@@ -578,9 +658,20 @@ CUresult cuEventDestroy(Event* e) {
 CUresult cuEventRecordWithFlags(Event* e, void* stream, unsigned flags) {
   ENTER();
   Stream& s = *stream_of(stream);
-  if (s.capture && !(flags & kRecordExternal)) {
-    e->captured_in = s.capture.get();  // a dependency inside the graph only
-    return s.capture->invalidated ? kCaptureInvalidated : kOk;
+  Capture* c = capture_of(s);
+  if (c != nullptr && !(flags & kRecordExternal)) {
+    // A dependency inside the graph only: at each launch, a mark of where this lane's queue stands.
+    e->captured_in = c;
+    e->lane = s.lane;
+    e->lane_nodes = c->lane_nodes[static_cast<size_t>(s.lane)];
+    e->mark = g_next_mark++;
+    const uint64_t mark = e->mark;
+    const int lane = s.lane;
+    c->graph->nodes.push_back(LaneNode{lane, [mark, lane](Launch& l) {
+                                     Stream& on = l.on(lane);
+                                     l.marks[mark] = {&on, on.enqueued};
+                                   }});
+    return c->invalidated ? kCaptureInvalidated : kOk;
   }
   return submit(stream, [e](Stream& on) {
     e->captured_in = nullptr;
@@ -627,9 +718,7 @@ CUresult cuGraphAddChildGraphNode(Node** node, Graph* parent, const Node* const*
   auto clone = std::make_shared<Graph>(*child);
   retain_all(clone->refs);
   for (const auto& [u, n] : clone->refs) parent->refs[u] += n;
-  parent->nodes.push_back([clone](Stream& s) {
-    for (const Action& a : clone->nodes) a(s);
-  });
+  parent->nodes.push_back(LaneNode{0, [clone](Launch& l) { launch_nodes(clone->nodes, l.on(0)); }});
   *node = &g_node_tag;
   return kOk;
 }
@@ -643,8 +732,8 @@ CUresult cuGraphInstantiateWithFlags(Exec** out, Graph* g, unsigned long long) {
 CUresult cuGraphLaunch(Exec* exec, void* stream) {
   ENTER();
   if (exec == nullptr) return kInvalidHandle;
-  if (stream_of(stream)->capture) return kCaptureUnsupported;  // not modeled: a graph node inside a capture
-  for (const Action& a : exec->nodes) a(*stream_of(stream));
+  if (capture_of(*stream_of(stream)) != nullptr) return kCaptureUnsupported;  // not modeled: a graph node inside a capture
+  launch_nodes(exec->nodes, *stream_of(stream));
   return kOk;
 }
 CUresult cuGraphExecDestroy(Exec* exec) {
@@ -777,6 +866,7 @@ __attribute__((visibility("default"))) void standin_run_all(void) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   run_until(g_legacy, g_legacy.enqueued);
   for (Stream* s : g_streams) run_until(*s, s->enqueued);
+  for (Stream* s : g_branches) run_until(*s, s->enqueued);
 }
 
 __attribute__((visibility("default"))) int64_t standin_pending(StandinStream stream) {

@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# Unpacks the Debian packages the build needs into .deps/ (git-ignored), for
-# a machine that reaches no package registry (the GPU device machine):
-#   tests/gpu/prepare_deps.sh   here, then carry .deps there.
+# Puts what the build and the tests need, and a machine without a package
+# registry (the GPU device machine) may lack, into .deps/ (git-ignored):
+#   .deps/usr/     Debian packages, unpacked: doctest, DLPack, Google Benchmark;
+#   .deps/python/  pure-Python wheels, unpacked, for that machine's python3 to
+#                  find on PYTHONPATH: nanobind (with its CMake config, which
+#                  builds the extension) and pytest with its dependencies.
+# Nothing that would shadow the machine's own torch or NumPy. The wheels are
+# the newest that still support Python 3.9 (the machine's Python is unknown;
+# tomli and exceptiongroup are what pytest needs below 3.11).
+#   tests/gpu/prepare_deps.sh   here, then carry .deps there (device_check.sh).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
+python=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-(cd "$work" && apt-get download doctest-dev libdlpack-dev libbenchmark-dev libbenchmark1debian)
+mkdir "$work/deb" "$work/wheels"
+chmod 755 "$work" && chmod 777 "$work/deb"  # apt-get downloads as user _apt
+(cd "$work/deb" && apt-get download doctest-dev libdlpack-dev libbenchmark-dev libbenchmark1debian)
+"$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.9 -d "$work/wheels" \
+  nanobind pytest pluggy iniconfig packaging pygments tomli exceptiongroup
 rm -rf "$root/.deps"
-for deb in "$work"/*.deb; do dpkg -x "$deb" "$root/.deps"; done
-echo "unpacked into $root/.deps: $(ls "$work" | tr '\n' ' ')"
+for deb in "$work"/deb/*.deb; do dpkg -x "$deb" "$root/.deps"; done
+for wheel in "$work"/wheels/*.whl; do "$python" -m zipfile -e "$wheel" "$root/.deps/python"; done
+echo "unpacked into $root/.deps ($(du -sh "$root/.deps" | cut -f1)):" \
+  $(ls "$work/deb" "$work/wheels" | grep -E '\.(deb|whl)$')

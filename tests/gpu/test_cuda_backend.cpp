@@ -482,12 +482,4 @@ TEST_CASE("a kernel writing the exported CUDA layer views: commit narrows on the
   cs->deleter(cs);
 }
 
-int main(int argc, char** argv) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device: GPU tests skipped\n");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
-}
+#include "tests/gpu/gpu_main.h"

@@ -371,12 +371,4 @@ TEST_CASE("a non-blocking read waits only for the commits that wrote its slots")
   cudaStreamDestroy(b);
 }
 
-int main(int argc, char** argv) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device: GPU tests skipped\n");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
-}
+#include "tests/gpu/gpu_main.h"

@@ -38,11 +38,11 @@ def run_eager_and_compiled(backend):
     eager_out = step_fn(model, eager_cap.ops)(tokens, positions, slots)
     torch._dynamo.reset()
     counters.clear()
-    before = ops_module.mirror_copies
+    before = ops_module.buffer_copies
     compiled = torch.compile(step_fn(model, compiled_cap.ops), fullgraph=True, backend=backend)
     compiled_out = compiled(tokens, positions, slots)
     breaks = sum(counters["graph_break"].values())
-    mirrored = ops_module.mirror_copies - before
+    mirrored = ops_module.buffer_copies - before
 
     results = []
     for cap in (eager_cap, compiled_cap):
@@ -61,14 +61,96 @@ def test_compiled_model_has_no_graph_breaks_and_captures_what_eager_does():
     assert mirrored == 0  # Inductor wrote moecap's buffers in place: no functionalization copies
 
 
-def test_backends_that_do_not_reinplace_keep_the_buffers_right():
-    # aot_eager functionalizes the declared mutations into clones it copies back;
-    # the ops mirror moecap's memory into those clones, so the copy-back is a no-op.
-    breaks, mirrored, ((eager_ids, eager_w), (compiled_ids, compiled_w)) = run_eager_and_compiled("aot_eager")
-    assert breaks == 0
-    assert mirrored > 0
-    assert torch.equal(compiled_ids, eager_ids)
-    assert torch.equal(compiled_w, eager_w)
+@pytest.mark.parametrize("layers_written", [1, 2])
+def test_layer_view_writes_in_compiled_code_reach_the_commit(layers_written):
+    # A model writes top-k ids into layer views with plain torch ops (no
+    # capture call): the commit in the same compiled step must store them,
+    # step after step. One layer view Inductor writes in place (no copy); for
+    # several it materializes the buffer and commit copies that in.
+    cap = make()
+    ops = cap.ops
+
+    def step(ids, slots):
+        ops.layer_ids(0)[:ids.shape[0]].copy_(ids)
+        if layers_written == 2:
+            ops.device_ids[1][:ids.shape[0]].copy_(ids + 2)
+        ops.commit(slots)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    before = ops_module.buffer_copies
+    for k in range(2):
+        ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int16) + k
+        compiled(ids, torch.tensor([2 * k, 2 * k + 1]))
+        got = cap.read(torch.tensor([2 * k, 2 * k + 1]))
+        assert torch.equal(got[:, 0], ids.int()), k
+        if layers_written == 2:
+            assert torch.equal(got[:, 1], ids.int() + 2), k
+    if layers_written == 1:
+        assert ops_module.buffer_copies == before
+
+
+def test_commit_reads_the_device_ids_it_is_handed():
+    # What a functionalizing backend hands commit: the graph's value of the
+    # device buffer, a tensor of its own. commit stores that value, not stale memory.
+    cap = make()
+    ops = cap.ops
+    handed = ops.device_ids.clone()
+    handed[2, 0] = torch.tensor([9, 10, 11, 12], dtype=handed.dtype)
+    weights = ops.device_weights.clone()
+    weights[2, 0] = 0.5
+    before = ops_module.buffer_copies
+    torch.ops.moecap.commit(ops.host_ids, ops.host_weights, ops.host_states, handed, weights, cap.id,
+                            torch.tensor([7]), 0, None)
+    ids, w = cap.read(torch.tensor([7]), weights_out=torch.zeros(1, LAYERS, TOP_K))
+    assert ids[0, 2].tolist() == [9, 10, 11, 12]
+    assert w[0, 2].tolist() == [0.5] * TOP_K
+    assert ops_module.buffer_copies == before + 2
+
+
+def test_capture_keeps_plain_writes_under_a_backend_that_does_not_reinplace():
+    # aot_eager hands capture copies of the device buffers: a layer written with
+    # plain torch ops before the capture call must survive it and the copy-back.
+    cap, eager = make(), make()
+    ops = cap.ops
+    ids0 = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    ids1 = torch.tensor([[5, 6, 7, 8]], dtype=torch.int32)
+    w = torch.full((1, TOP_K), 0.25)
+
+    def step(ids0, ids1, w):
+        ops.layer_ids(0)[:1].copy_(ids0)
+        ops.layer_weights(0)[:1].copy_(w)
+        ops.capture(1, ids1, w)
+
+    torch._dynamo.reset()
+    before = ops_module.buffer_copies
+    torch.compile(step, fullgraph=True, backend="aot_eager")(ids0, ids1, w)
+    assert ops_module.buffer_copies > before  # it did get copies
+    cap.commit(torch.tensor([3]))
+    eager.capture(0, ids0, w)
+    eager.capture(1, ids1, w)
+    eager.commit(torch.tensor([3]))
+    assert torch.equal(cap.read(torch.tensor([3])), eager.read(torch.tensor([3])))
+    assert cap.read(torch.tensor([3]))[0, :2].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+
+def test_commit_and_invalidate_refuse_a_backend_that_would_copy_the_host_cache():
+    cap = make()
+    ops = cap.ops
+    cap.capture(0, torch.tensor([[1, 2, 3, 4]], dtype=torch.int32), torch.full((1, TOP_K), 0.25))
+
+    def step(slots):
+        ops.commit(slots)
+
+    def free(slots):
+        ops.invalidate(slots)
+
+    for fn in (step, free):
+        torch._dynamo.reset()
+        with pytest.raises(moecap.MoecapError, match="handed a copy of the capturer's host_.*backend='inductor'") as e:
+            torch.compile(fn, fullgraph=True, backend="aot_eager")(torch.tensor([4]))
+        assert e.value.status == moecap.Status.INVALID_ARGUMENT
+    assert moecap.SLOT_VALID & int(cap.slot_states(np.array([4]))[0]) == 0  # nothing committed
 
 
 def test_invalidate_compiles_and_empties_the_slots():
@@ -101,10 +183,19 @@ def test_opcheck_schema_fake_and_mutations():
     weights = torch.full((2, TOP_K), 0.25)
     torch.library.opcheck(torch.ops.moecap.capture.default,
                           (ops.device_ids, ops.device_weights, cap.id, 1, ids, weights))
-    torch.library.opcheck(torch.ops.moecap.commit.default,
-                          (ops.host_ids, ops.host_weights, ops.host_states, ops.device_ids, cap.id,
-                           torch.tensor([3, 9]), 0, None))
-    torch.library.opcheck(torch.ops.moecap.invalidate.default, (ops.host_states, cap.id, torch.tensor([3])))
+    # opcheck hands every check copies of the arguments, and commit/invalidate refuse a copy
+    # of the host cache (test_commit_and_invalidate_refuse_...): check their fake impls directly.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        def fake(t):
+            return None if t is None else mode.from_tensor(t)
+        assert torch.ops.moecap.commit(fake(ops.host_ids), fake(ops.host_weights), fake(ops.host_states),
+                                       fake(ops.device_ids), fake(ops.device_weights), cap.id,
+                                       fake(torch.tensor([3, 9])), 0, None) is None
+        assert torch.ops.moecap.invalidate(fake(ops.host_states), cap.id, fake(torch.tensor([3]))) is None
+    assert moecap.SLOT_VALID & int(cap.slot_states([9])[0]) == 0  # fake calls ran no C call
+    cap.commit(torch.tensor([3, 9]))
     assert cap.read(np.array([9]))[0, 1].tolist() == [5, 6, 7, 8]
 
 

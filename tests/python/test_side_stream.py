@@ -1,0 +1,58 @@
+"""MOECAP_FLAG_SIDE_STREAM from Python: capture and commit fork off the
+engine's stream until join(); the binding holds the tensors they read until
+then (the caching allocator would otherwise hand a dropped topk_ids to the
+next op), and the host backend runs forked work only at the join or a host
+call, so a join after the engine's next write shows."""
+import gc
+import weakref
+
+import numpy as np
+import torch
+
+import moecap
+
+CONFIG = dict(num_layers=3, top_k=2, num_experts=16, host_slots=32, max_running_requests=8,
+              chunked_prefill_size=8)
+
+
+def test_forked_inputs_are_held_until_join():
+    with moecap.Capturer(side_stream=True, **CONFIG) as cap:
+        ids = torch.tensor([[1, 2]], dtype=torch.int64)
+        refs = []
+        for layer in range(3):
+            t = ids + layer  # a temporary only moecap holds once the loop moves on
+            refs.append(weakref.ref(t))
+            cap.capture(layer, t)
+            del t
+        cap.commit(np.array([4], dtype=np.int64))
+        gc.collect()
+        assert all(r() is not None for r in refs)  # forked work has not read them yet
+        cap.join()
+        gc.collect()
+        assert all(r() is None for r in refs)
+        assert cap.read(np.array([4]))[0].tolist() == [[1, 2], [2, 3], [3, 4]]
+
+
+def test_without_the_flag_nothing_is_held_and_join_is_a_no_op():
+    with moecap.Capturer(**CONFIG) as cap:
+        t = torch.tensor([[5, 6]], dtype=torch.int64)
+        ref = weakref.ref(t)
+        cap.capture(0, t)
+        del t
+        gc.collect()
+        assert ref() is None
+        cap.join()
+
+
+def test_a_join_after_the_next_write_commits_that_write():
+    for late in (False, True):
+        with moecap.Capturer(side_stream=True, **CONFIG) as cap:
+            ids = np.array([[1, 2]], dtype=np.int64)
+            for layer in range(3):
+                cap.capture(layer, ids)
+            cap.commit(np.array([4], dtype=np.int64))
+            if not late:
+                cap.join()
+            ids[:] = [[7, 8]]  # the engine's next forward reuses the tensor
+            cap.join()
+            assert cap.read(np.array([4]))[0].tolist() == ([[7, 8]] if late else [[1, 2]]) * 3
