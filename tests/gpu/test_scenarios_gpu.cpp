@@ -124,8 +124,8 @@ TEST_CASE("pinned slot lists refilled while a commit waits behind a long forward
   forward(ids, 1, 2);
   Gate gate;
   gate.close(s);
-  capture_layers(h, ids.get(), 2, s);
   for (DLDeviceType where : {kDLCPU, kDLCUDAHost}) {
+    capture_layers(h, ids.get(), 2, s);  // each commit consumes the rows it reads
     const int64_t first = where == kDLCPU ? 3 : 5, refill = first + 4;
     Tensor slots({2}, i64(), where);
     slots.host<int64_t>()[0] = first;
@@ -337,6 +337,7 @@ TEST_CASE("duplicate slots in one commit: the last entry wins") {
   HostTensor host_slots({3}, i64());
   host_slots.fill<int64_t>({5, 6, 5});
   commit(h, host_slots.get(), s);
+  capture_layers(h, ids.get(), 3, s);  // commit consumed the rows
   Tensor device_slots({3}, i64(), kDLCUDA);
   device_slots.upload(std::vector<int64_t>{6, 7, 7});
   commit(h, device_slots.get(), s);
