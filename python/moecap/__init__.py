@@ -97,7 +97,7 @@ class Capturer(_moecap.Capturer):
     extra_columns, dp_size, verify_tokens, chunked_prefill_size, max_graph_batch,
     max_batch_tokens, id_dtype (the host cache's: 'auto', 'u8', 'u16', 'i16', 'i32'),
     device_id_dtype (the device buffer's, what a top-k kernel writes into a
-    'layer_ids' view: 'auto' = i16 up to 32767 experts), weight_dtype (None,
+    'layer_ids' view: 'auto' = i16 up to 32768 experts), weight_dtype (None,
     'f32', 'bf16', 'f16'), device ('cpu' or 'cuda:N'), histogram, guards,
     side_stream (MOECAP_FLAG_SIDE_STREAM: capture, commit and invalidate fork
     off the engine's stream until ``join(stream=None)``; the tensors they read

@@ -103,12 +103,14 @@ def _(device_ids, device_weights, capturer, layer, topk_ids, topk_weights):
     return None
 
 
-@torch.library.custom_op("moecap::commit", mutates_args=("host_ids", "host_weights", "host_states"))
+@torch.library.custom_op("moecap::commit",
+                         mutates_args=("host_ids", "host_weights", "host_states", "device_ids", "device_weights"))
 def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], host_states: torch.Tensor,
            device_ids: torch.Tensor, device_weights: Optional[torch.Tensor], capturer: int,
            dst_slots: torch.Tensor, src_start: int, src_rows: Optional[torch.Tensor]) -> None:
     """Capturer.commit on torch's current stream: reads device_ids/device_weights (what the graph
-    wrote into them, layer views included), writes the host cache and slot states."""
+    wrote into them, layer views included), writes the host cache and slot states, and consumes the
+    rows it read (they read -1 / 0 afterwards, so a row nobody writes again is never committed twice)."""
     cap = _capturer(capturer)
     real = cap.ops
     for name, handed in (("host_ids", host_ids), ("host_weights", host_weights), ("host_states", host_states)):
@@ -116,6 +118,8 @@ def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], host_st
     _copy_in(device_ids, real.device_ids)
     _copy_in(device_weights, real.device_weights)
     cap.commit(dst_slots, src_start, src_rows)
+    _copy_out(device_ids, real.device_ids)
+    _copy_out(device_weights, real.device_weights)
 
 
 @commit.register_fake

@@ -35,6 +35,8 @@ def test_slots_never_committed_or_invalidated_read_minus_one():
             cap.invalidate(np.array([32]))
         assert e.value.status == moecap.Status.OUT_OF_RANGE
 
+        for layer in range(3):  # commit consumed the rows: the next step captures again
+            cap.capture(layer, np.array([[1, 2], [3, 4]], dtype=np.int32), np.full((2, 2), 0.5, dtype=np.float32))
         cap.commit(np.array([6]), src_start=1)  # reused and committed again
         assert cap.read(np.array([6]))[0, 2].tolist() == [3, 4]
 
