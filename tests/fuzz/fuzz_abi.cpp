@@ -158,11 +158,24 @@ void model_commit(Model& m, int64_t count, const Tensor* src_rows, int64_t src_s
       const int64_t v = m.dev_ids[from];
       const bool ok = v >= 0 && v < m.experts;
       bad = bad || !ok;
+      if (!ok && v != m.device_no_expert) ++m.invalid;  // a bad id written straight into a layer view
       m.host_ids[static_cast<size_t>(slot * m.row + e)] = ok ? v : -1;
       if (m.weight_elem >= 0) m.host_w[static_cast<size_t>(slot * m.row + e)] = m.dev_w[from];
     }
     m.states[static_cast<size_t>(slot)] =
         static_cast<uint8_t>(MOECAP_SLOT_VALID | (bad ? MOECAP_SLOT_INVALID_IDS : 0));
+  }
+  if (invalidate) return;
+  // Commit consumes every source row it names (slot -1 and skipped slots too)
+  // once all of them were read: they hold "no routing" until written again.
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t src = src_rows ? src_rows->get(j) : src_start + j;
+    if (src < 0 || src >= m.rows) continue;
+    for (int64_t e = 0; e < m.row; ++e) {
+      const size_t at = m.dev_at(e / m.k, src, e % m.k);
+      m.dev_ids[at] = m.device_no_expert;
+      m.dev_w[at] = 0.0f;
+    }
   }
 }
 
@@ -285,7 +298,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                   : config.weight_dtype == MOECAP_WEIGHTS_F16  ? moecap::kF16
                                                                : -1;
   m.has_histogram = (config.flags & MOECAP_FLAG_HISTOGRAM) != 0;
-  m.dev_ids.assign(static_cast<size_t>(m.rows * m.row), 0);
+  m.dev_ids.assign(static_cast<size_t>(m.rows * m.row), m.device_no_expert);  // "no routing" from create on
   m.host_ids.assign(static_cast<size_t>(m.slots * m.row), 0);
   m.states.assign(static_cast<size_t>(m.slots), MOECAP_SLOT_EMPTY);
   m.dev_w.assign(m.dev_ids.size(), 0.0f);
