@@ -27,7 +27,7 @@ buffers and pays nothing.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -85,17 +85,24 @@ def _refuse_host_copy(op: str, name: str, handed: Optional[torch.Tensor], real: 
                           f"{op} outside the compiled code")
 
 
+def _through_device_buffers(cap: Any, device_ids: torch.Tensor, device_weights: Optional[torch.Tensor],
+                            call: Callable[[], None]) -> None:
+    # The op reads and writes moecap's device buffers: a copy the backend handed
+    # it goes in before the C call and takes the call's effect back out.
+    real = cap.ops
+    _copy_in(device_ids, real.device_ids)
+    _copy_in(device_weights, real.device_weights)
+    call()
+    _copy_out(device_ids, real.device_ids)
+    _copy_out(device_weights, real.device_weights)
+
+
 @torch.library.custom_op("moecap::capture", mutates_args=("device_ids", "device_weights"))
 def capture(device_ids: torch.Tensor, device_weights: Optional[torch.Tensor], capturer: int, layer: int,
             topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> None:
     """Capturer.capture on torch's current stream; device_ids/device_weights are the capturer's buffers."""
     cap = _capturer(capturer)
-    real = cap.ops
-    _copy_in(device_ids, real.device_ids)
-    _copy_in(device_weights, real.device_weights)
-    cap.capture(layer, topk_ids, topk_weights)
-    _copy_out(device_ids, real.device_ids)
-    _copy_out(device_weights, real.device_weights)
+    _through_device_buffers(cap, device_ids, device_weights, lambda: cap.capture(layer, topk_ids, topk_weights))
 
 
 @capture.register_fake
@@ -115,11 +122,7 @@ def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], host_st
     real = cap.ops
     for name, handed in (("host_ids", host_ids), ("host_weights", host_weights), ("host_states", host_states)):
         _refuse_host_copy("commit", name, handed, getattr(real, name))
-    _copy_in(device_ids, real.device_ids)
-    _copy_in(device_weights, real.device_weights)
-    cap.commit(dst_slots, src_start, src_rows)
-    _copy_out(device_ids, real.device_ids)
-    _copy_out(device_weights, real.device_weights)
+    _through_device_buffers(cap, device_ids, device_weights, lambda: cap.commit(dst_slots, src_start, src_rows))
 
 
 @commit.register_fake
