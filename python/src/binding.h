@@ -65,4 +65,7 @@ void set_fast_paths(bool exchange_api, bool torch_attributes);
 nb::object make_dlpack_view(DLManagedTensorVersioned* managed);
 void bind_dlpack_view(nb::module_& m);
 
+// record_encode / record_parse / record_decode (abi/moecap_record.h).
+void bind_record(nb::module_& m);
+
 }  // namespace moecap_python
