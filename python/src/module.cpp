@@ -88,7 +88,7 @@ class Capturer {
   Capturer& operator=(const Capturer&) = delete;
   ~Capturer() { moecap_destroy(handle_); }
 
-  void capture(int32_t layer, nb::handle topk_ids, nb::handle topk_weights, nb::handle stream) {
+  void capture(int32_t layer, Tensor topk_ids, Tensor topk_weights, nb::handle stream) {
     Borrowed ids, weights;
     borrow(topk_ids, "topk_ids", false, ids);
     const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights);
@@ -99,7 +99,7 @@ class Capturer {
 
   // The C call's own time, for bench/python_bench.py: borrow once, call
   // moecap_capture `iterations` times; seconds per call.
-  double time_capture(int32_t layer, nb::handle topk_ids, int64_t iterations) {
+  double time_capture(int32_t layer, Tensor topk_ids, int64_t iterations) {
     Borrowed ids;
     borrow(topk_ids, "topk_ids", false, ids);
     moecap_capturer* h = live();
@@ -109,7 +109,7 @@ class Capturer {
     return elapsed.count() / static_cast<double>(iterations);
   }
 
-  void commit(nb::handle dst_slots, int64_t src_start, nb::handle src_rows, nb::handle stream) {
+  void commit(Tensor dst_slots, int64_t src_start, Tensor src_rows, nb::handle stream) {
     Borrowed slots, rows;
     borrow(dst_slots, "dst_slots", false, slots);
     moecap_commit_args args{sizeof(moecap_commit_args), src_start,
@@ -125,7 +125,7 @@ class Capturer {
     keep_alive(held(), slots, rows);
   }
 
-  void read_into(nb::handle slots, nb::handle out, nb::handle weights_out, bool nonblocking, bool strict,
+  void read_into(Tensor slots, Tensor out, Tensor weights_out, bool nonblocking, bool strict,
                  nb::handle stream) {
     Borrowed s, ids, weights;
     borrow(slots, "slots", false, s);
@@ -142,7 +142,7 @@ class Capturer {
     check(status);
   }
 
-  void write(nb::handle slots, nb::handle ids, nb::handle weights, nb::handle stream) {
+  void write(Tensor slots, Tensor ids, Tensor weights, nb::handle stream) {
     Borrowed s, i, w;
     borrow(slots, "slots", false, s);
     borrow(ids, "ids", false, i);
@@ -157,7 +157,7 @@ class Capturer {
     check(status);
   }
 
-  void invalidate(nb::handle slots, nb::handle stream) {
+  void invalidate(Tensor slots, nb::handle stream) {
     Borrowed s;
     borrow(slots, "slots", false, s);
     void* st = resolve_stream(stream, device_type_, device_id_, &s);
@@ -402,7 +402,7 @@ NB_MODULE(_moecap, m) {
       "The layout for a config, without allocating.");
   m.def(
       "leading_dim",
-      [](nb::handle tensor) {
+      [](Tensor tensor) {
         Borrowed b;
         borrow(tensor, "slots", false, b);
         if (b.dl.ndim < 1) throw nb::value_error("moecap: argument 'slots' must be 1-D");
@@ -424,18 +424,18 @@ NB_MODULE(_moecap, m) {
   nb::class_<Capturer>(m, "Capturer", "One routed-experts capturer over libmoecap.so (abi/moecap.h).")
       .def(nb::init<const moecap_config&>(), nb::arg("config"))
       .def("capture", &Capturer::capture, nb::arg("layer"), nb::arg("topk_ids"),
-           nb::arg("topk_weights") = nb::none(), nb::arg("stream") = nb::none(),
+           nb::arg("topk_weights").none() = nb::none(), nb::arg("stream") = nb::none(),
            "One layer's [n, top_k(+extra)] ids (and weights) into device rows [0, n).")
       .def("_time_capture", &Capturer::time_capture, nb::arg("layer"), nb::arg("topk_ids"), nb::arg("iterations"),
            "Seconds per moecap_capture call with the borrowing done once (the C call's own cost).")
       .def("commit", &Capturer::commit, nb::arg("dst_slots"), nb::arg("src_start") = 0,
-           nb::arg("src_rows") = nb::none(), nb::arg("stream") = nb::none(),
+           nb::arg("src_rows").none() = nb::none(), nb::arg("stream") = nb::none(),
            "Device rows (src_start.. or src_rows) to host-cache slots; slot -1 drops the row.")
-      .def("read_into", &Capturer::read_into, nb::arg("slots"), nb::arg("out"), nb::arg("weights_out") = nb::none(),
+      .def("read_into", &Capturer::read_into, nb::arg("slots"), nb::arg("out"), nb::arg("weights_out").none() = nb::none(),
            nb::arg("nonblocking") = false, nb::arg("strict") = false, nb::arg("stream") = nb::none())
       .def("invalidate", &Capturer::invalidate, nb::arg("slots"), nb::arg("stream") = nb::none(),
            "Mark slots empty (their KV was freed): they read -1 until committed again; -1 entries are ignored.")
-      .def("write", &Capturer::write, nb::arg("slots"), nb::arg("ids"), nb::arg("weights") = nb::none(),
+      .def("write", &Capturer::write, nb::arg("slots"), nb::arg("ids"), nb::arg("weights").none() = nb::none(),
            nb::arg("stream") = nb::none(), "Store rows captured elsewhere (the inverse of read).")
       .def("join", &Capturer::join, nb::arg("stream") = nb::none(),
            "side_stream: `stream` waits for every capture and commit forked so far (call it before the "

@@ -81,7 +81,7 @@ const DLTensor* stored_weights(const Borrowed& weights, moecap_weight_dtype dtyp
   return &converted;
 }
 
-nb::bytes record_encode(nb::handle ids, int32_t num_experts, nb::handle weights, nb::handle valid,
+nb::bytes record_encode(Tensor ids, int32_t num_experts, Tensor weights, Tensor valid,
                         int64_t start_position, bool packed, std::optional<moecap_weight_dtype> weight_dtype) {
   Borrowed i, w, v;
   borrow(ids, "ids", false, i);
@@ -134,7 +134,7 @@ nb::dict record_parse(nb::handle data) {
   return d;
 }
 
-void record_decode(nb::handle data, nb::handle ids_out, nb::handle weights_out, nb::handle valid_out) {
+void record_decode(nb::handle data, Tensor ids_out, Tensor weights_out, Tensor valid_out) {
   ReadOnlyBuffer buffer(data);
   Borrowed i, w, v;
   borrow(ids_out, "ids_out", true, i);
@@ -151,16 +151,16 @@ void record_decode(nb::handle data, nb::handle ids_out, nb::handle weights_out, 
 }  // namespace
 
 void bind_record(nb::module_& m) {
-  m.def("record_encode", &record_encode, nb::arg("ids"), nb::arg("num_experts"), nb::arg("weights") = nb::none(),
-        nb::arg("valid") = nb::none(), nb::arg("start_position") = 0, nb::arg("packed") = true,
+  m.def("record_encode", &record_encode, nb::arg("ids"), nb::arg("num_experts"), nb::arg("weights").none() = nb::none(),
+        nb::arg("valid").none() = nb::none(), nb::arg("start_position") = 0, nb::arg("packed") = true,
         nb::arg("weight_dtype") = nb::none(),
         "moecap_record_encode: the record of ids [tokens, layers, top_k] (int8..int64, -1 = no expert), "
         "weights (float32/bfloat16/float16, stored as weight_dtype, or as given when None) and valid "
         "([tokens] uint8), all host memory.");
   m.def("record_parse", &record_parse, nb::arg("data"),
         "moecap_record_parse: checks a whole record and returns its header (moecap_record_info) as a dict.");
-  m.def("record_decode", &record_decode, nb::arg("data"), nb::arg("ids_out"), nb::arg("weights_out") = nb::none(),
-        nb::arg("valid_out") = nb::none(),
+  m.def("record_decode", &record_decode, nb::arg("data"), nb::arg("ids_out"), nb::arg("weights_out").none() = nb::none(),
+        nb::arg("valid_out").none() = nb::none(),
         "moecap_record_decode into caller arrays (host memory, compact): ids_out int8..int64, "
         "weights_out float32/bfloat16/float16, valid_out uint8.");
 }
