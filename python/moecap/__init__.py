@@ -21,7 +21,7 @@ import operator
 import sys
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Union, cast
 
 from . import _moecap
 from ._errors import MoecapError, Status
@@ -130,7 +130,7 @@ class _Fields(Mapping):
 
     @classmethod
     def _names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]  # subclasses are dataclasses
 
 
 def _library_defaults() -> dict[str, int]:
@@ -226,9 +226,10 @@ class Config(_Fields):
                      "max_running_requests", "chunked_prefill_size", "max_graph_batch", "max_batch_tokens",
                      "host_slots"):
             setattr(c, name, getattr(self, name))
-        c.id_dtype = int(ID_DTYPES[self.id_dtype])
-        c.device_id_dtype = int(ID_DTYPES[self.device_id_dtype])
-        c.weight_dtype = int(WEIGHT_DTYPES[self.weight_dtype])
+        # __post_init__ normalized the dtypes to the names these tables hold
+        c.id_dtype = int(ID_DTYPES[cast(str, self.id_dtype)])
+        c.device_id_dtype = int(ID_DTYPES[cast(str, self.device_id_dtype)])
+        c.weight_dtype = int(WEIGHT_DTYPES[cast(Optional[str], self.weight_dtype)])
         if self.device == "cpu":
             c.device_type, c.device_id = int(DeviceType.HOST), 0
         else:
@@ -408,11 +409,11 @@ class Capturer(_moecap.Capturer):
     def export(self, which: Union[str, Buffer], layer: int = 0) -> DLPackView:
         """A zero-copy DLPackView of a buffer: 'device_ids', 'host_ids', 'layer_ids', 'histogram', ...
         (a name of BUFFERS, or a Buffer)."""
-        if isinstance(which, Buffer):
-            return self.export_view(which, layer)
-        if which not in BUFFERS:
-            raise ValueError(f"which must be one of {sorted(BUFFERS)}, not {which!r}")
-        return self.export_view(BUFFERS[which], layer)
+        if not isinstance(which, Buffer):
+            if which not in BUFFERS:
+                raise ValueError(f"which must be one of {sorted(BUFFERS)}, not {which!r}")
+            which = BUFFERS[which]
+        return cast(DLPackView, self.export_view(which, layer))
 
     @property
     def ops(self) -> CapturerOps:

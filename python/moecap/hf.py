@@ -19,7 +19,22 @@ An architecture not verified here is refused with an error that says what to
 pass: ``selector=fn(router, inputs, output) -> (ids [n, k], weights [n, k] or
 None)`` and, where the model declares no router class, ``routers=[modules]``.
 """
+from __future__ import annotations
+
 import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    import torch
+
+    from . import Capturer
+
+#: (router, inputs, output) -> (ids [n, k], weights [n, k] or None): the experts a router picked.
+Selector = Callable[[Any, Any, Any], "tuple[torch.Tensor, Optional[torch.Tensor]]"]
+#: The router modules: a list of them, or their class.
+Routers = Union[type, Sequence["torch.nn.Module"]]
+#: (layer, ids, weights) -> (ids, weights) of every attention-DP rank, gathered as the MoE layer sees them.
+Gather = Callable[[int, "torch.Tensor", "Optional[torch.Tensor]"], "tuple[torch.Tensor, Optional[torch.Tensor]]"]
 
 # model_type -> how its router is found; each was checked against the model's own
 # output_router_logits top-k (tests/python/test_hf_models.py).
@@ -54,7 +69,7 @@ def _model_type(model):
     return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
 
-def default_selector(router, inputs, output):
+def default_selector(router: Any, inputs: Any, output: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The transformers >= 5 router contract: (logits, weights, indices)."""
     if not (isinstance(output, tuple) and len(output) == 3 and hasattr(output[2], "dtype")
             and not output[2].dtype.is_floating_point):
@@ -67,7 +82,7 @@ def default_selector(router, inputs, output):
 class MoELayer:
     """One MoE layer as attach found it."""
 
-    def __init__(self, index, name, router, block):
+    def __init__(self, index: int, name: str, router: torch.nn.Module, block: torch.nn.Module) -> None:
         self.index = index      # the capturer's layer number
         self.name = name        # qualified name of the router module
         self.router = router
@@ -83,7 +98,7 @@ class MoELayer:
         return f"MoELayer({self.index}, {self.name!r}, shared={self.shared is not None})"
 
 
-def find_moe_layers(model, routers=None):
+def find_moe_layers(model: torch.nn.Module, routers: Optional[Routers] = None) -> list[MoELayer]:
     """The model's MoE layers in forward order. routers: the router modules
     (or their class) where the model does not declare one."""
     names = dict((id(m), n) for n, m in model.named_modules())
@@ -96,7 +111,7 @@ def find_moe_layers(model, routers=None):
         routers = cls
     if isinstance(routers, type):
         routers = [m for m in model.modules() if isinstance(m, routers)]
-    parents = {}
+    parents: dict[int, Any] = {}
     for parent_name, parent in model.named_modules():
         for child in parent.children():
             parents.setdefault(id(child), parent)
@@ -113,7 +128,7 @@ def find_moe_layers(model, routers=None):
 class Attached:
     """What attach returns: the layers it hooks; detach() removes every hook."""
 
-    def __init__(self, layers, hooks, runner):
+    def __init__(self, layers: list[MoELayer], hooks: list[Any], runner: _Runner) -> None:
         self.layers = layers
         self._hooks = hooks
         self._runner = runner
@@ -123,22 +138,22 @@ class Attached:
     top_k = property(lambda self: self._runner.top_k)
     shared_column = property(lambda self: self._runner.shared_column, doc="1 if the shared expert rides as column top_k")
 
-    def idle_step(self):
+    def idle_step(self) -> None:
         """For an attention-DP rank with no tokens this step: joins each MoE
         layer's gather with zero rows and captures the gathered batch, as
         the rank's dummy forward would."""
         for layer in self.layers:
             self._runner.deliver(layer, None, None)
 
-    def detach(self):
+    def detach(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
 
-    def __enter__(self):
+    def __enter__(self) -> Attached:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.detach()
 
 
@@ -168,7 +183,9 @@ class _Runner:
         self.capturer.capture(layer.index, ids, weights, stream=self.stream)
 
 
-def attach(model, capturer, *, selector=None, routers=None, shared_expert=None, gather=None, stream=None):
+def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Selector] = None,
+           routers: Optional[Routers] = None, shared_expert: Optional[bool] = None,
+           gather: Optional[Gather] = None, stream: Any = None) -> Attached:
     """Hooks every MoE layer of `model` to capture its routing into `capturer`.
 
     The capturer's num_layers, top_k and num_experts must match the model;
@@ -280,7 +297,8 @@ def _recomputed_weights(router, logits, ids):
 
 
 @contextlib.contextmanager
-def replay(model, ids, weights=None, routers=None):
+def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequence[Any]] = None,
+           routers: Optional[Routers] = None) -> Iterator[list[MoELayer]]:
     """Within the block, every MoE layer routes to the recorded experts.
 
     ids: per MoE layer an int [tokens, top_k] (RoutedExperts.to_megatron()),

@@ -27,17 +27,20 @@ buffers and pays nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from . import BUFFERS, MoecapError, Status, _registry
 
+if TYPE_CHECKING:
+    from . import Capturer
+
 if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 4):
     raise ImportError(f"moecap.ops needs torch >= 2.4 (torch.library.custom_op); this is {torch.__version__}")
 
 
-def _capturer(capturer_id: int):
+def _capturer(capturer_id: int) -> Capturer:
     cap = _registry.get(capturer_id)
     if cap is None:
         raise MoecapError(Status.INVALID_ARGUMENT, f"no live capturer has id {capturer_id}")
@@ -85,7 +88,7 @@ def _refuse_host_copy(op: str, name: str, handed: Optional[torch.Tensor], real: 
                           f"{op} outside the compiled code")
 
 
-def _through_device_buffers(cap: Any, device_ids: torch.Tensor, device_weights: Optional[torch.Tensor],
+def _through_device_buffers(cap: Capturer, device_ids: torch.Tensor, device_weights: Optional[torch.Tensor],
                             call: Callable[[], None]) -> None:
     # The op reads and writes moecap's device buffers: a copy the backend handed
     # it goes in before the C call and takes the call's effect back out.
@@ -147,13 +150,13 @@ class CapturerOps:
     """A capturer's buffers as torch tensors and its calls as custom ops (pure Python, so Dynamo
     inlines these methods and sees only the op nodes)."""
 
-    def __init__(self, cap):
+    def __init__(self, cap: Capturer) -> None:
         self.id = cap.id
         self._capturer = cap  # the registry holds capturers weakly; these ops keep theirs alive
         self.device_ids = torch.from_dlpack(cap.export("device_ids"))
         self.host_ids = torch.from_dlpack(cap.export("host_ids"))
         self.host_states = torch.from_dlpack(cap.export("host_states"))
-        weights = cap.plan["weight_bytes"] > 0
+        weights = cap.plan.weight_bytes > 0
         self.device_weights = torch.from_dlpack(cap.export("device_weights")) if weights else None
         self.host_weights = torch.from_dlpack(cap.export("host_weights")) if weights else None
 
