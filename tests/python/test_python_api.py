@@ -124,3 +124,17 @@ def test_buffers_and_slot_states_are_the_extensions_constants():
         states = cap.slot_states([5, 6])
         assert states.tolist() == [moecap.SlotState.VALID, moecap.SlotState.EMPTY]
         assert ((states & moecap.SLOT_VALID) != 0).tolist() == [True, False]
+
+
+def test_the_stubs_say_what_a_tensor_argument_takes():
+    import pathlib
+    stub = pathlib.Path(_moecap.__file__).with_name("_moecap.pyi")
+    if not stub.exists():
+        pytest.skip("no generated stub beside the extension (an install without it)")
+    text = stub.read_text()
+    assert ("def capture(self, layer: int, topk_ids: moecap.DLPackArray, "
+            "topk_weights: moecap.DLPackArray | None = None") in text
+    for name in ("topk_ids", "topk_weights", "dst_slots", "src_rows", "slots", "out", "weights_out", "ids", "weights"):
+        assert f" {name}: object" not in text, name
+    assert "class Status(enum.IntEnum)" in text and "class SlotState(enum.IntFlag)" in text
+    assert "__str__ = __repr__" not in text  # stubgen's IntFlag line that type checkers reject
