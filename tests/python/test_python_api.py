@@ -108,7 +108,8 @@ def test_statuses_are_the_libraries_own():
     for status in moecap.Status:
         prefix = "MOECAP_" if status == moecap.Status.OK else "MOECAP_ERROR_"
         assert _moecap.status_name(status) == prefix + status.name
-    assert _moecap.status_name(max(moecap.Status) + 1) != prefix + "UNKNOWN_TO_PYTHON"
+    named = [code for code in range(256) if _moecap.status_name(code) != "MOECAP_STATUS_UNKNOWN"]
+    assert named == sorted(int(s) for s in moecap.Status)  # a status the library adds is one the extension exports
     assert moecap.Status is _moecap.Status and moecap.MoecapError(15, "x").status is moecap.Status.NO_ROUTING
 
 
@@ -138,3 +139,15 @@ def test_the_stubs_say_what_a_tensor_argument_takes():
         assert f" {name}: object" not in text, name
     assert "class Status(enum.IntEnum)" in text and "class SlotState(enum.IntFlag)" in text
     assert "__str__ = __repr__" not in text  # stubgen's IntFlag line that type checkers reject
+
+
+def test_every_buffer_the_library_exports_is_a_buffer_member():
+    with moecap.Capturer(**CONFIG, histogram=True, weight_dtype="f32") as cap:
+        exported = []
+        for which in range(0, 32):
+            try:
+                cap.export_view(which, 0)
+                exported.append(which)
+            except moecap.MoecapError as e:
+                assert e.status == moecap.Status.INVALID_ARGUMENT
+        assert exported == sorted(int(b) for b in moecap.Buffer)
