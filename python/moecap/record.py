@@ -4,8 +4,8 @@ the shapes RL trainers take.
 ``to_bytes()`` writes the routing record of ``abi/moecap_record.h`` (specified
 in ``docs/RECORD_FORMAT.md``), byte for byte what ``moecap_record_encode``
 writes from C; ``from_bytes()`` reads either. The converters give what each
-consumer takes: SGLang's base64 fields, Megatron-LM's per-layer router-replay
-indices, verl's left-padded batch, NeMo-RL's narrow signed ids.
+consumer takes (moecap.formats has one module per consumer, with its rules
+and a decoder; docs/CONSUMERS.md has the table).
 """
 import base64
 import collections
@@ -310,30 +310,44 @@ class RoutedExperts:
         return {"routed_experts": base64.b64encode(ids.astype(dt).tobytes()).decode("ascii"),
                 "routed_experts_dtype": dt.name, "routed_experts_shape": list(self.shape)}
 
-    def to_megatron(self):
-        """Megatron-LM router replay: one int64 [tokens, top_k] tensor per layer
-        (torch if installed, else numpy), the indices each layer's router is forced to."""
-        per_layer = [np.ascontiguousarray(self.ids[:, layer, :]).astype(np.int64) for layer in range(self.shape[1])]
-        try:
-            import torch
-        except ImportError:
-            return per_layer
-        return [torch.from_numpy(x) for x in per_layer]
+    # The trainers (moecap.formats.<consumer> has each format's rules and decoder).
 
-    def to_verl(self, total_len, pad_value=0):
-        """verl's routed_experts: (1, total_len, layers, top_k) int64, the request's
-        tokens at the right end (left padding, as verl pads its prompts), pad_value
-        elsewhere; invalid tokens also pad_value (verl masks by attention_mask)."""
-        tokens, layers, top_k = self.shape
-        if total_len < tokens:
-            raise ValueError(f"total_len is {total_len}; the request has {tokens} tokens")
-        out = np.full((1, total_len, layers, top_k), pad_value, dtype=np.int64)
-        out[0, total_len - tokens:] = np.where(self.valid[:, None, None], self.ids, pad_value)
-        return out
+    def to_megatron(self, dtype="int64", num_tokens=None, invalid="raise"):
+        """Megatron-core RouterReplay.set_replay_data: one torch [tokens, top_k]
+        int64 (or int32) per MoE layer. num_tokens=T adds the last token's row
+        (experts arange(top_k)); tokens without routing are refused, or routed
+        to arange(top_k) with invalid="arange"."""
+        from .formats import megatron
+        return megatron.encode(self, dtype, num_tokens, invalid)
 
-    def to_nemo_rl(self):
-        """NeMo-RL: the narrowest signed dtype holding every id, -1 for 'none'."""
-        return np.where(self.valid[:, None, None], self.ids, -1).astype(signed_dtype(self.num_experts))
+    def to_verl(self, prompt_len, prompt_width, response_width):
+        """verl's batch field routed_experts for this sequence: int16 [1,
+        prompt_width + response_width, num_hidden_layers, top_k], the prompt
+        left-padded, 0 elsewhere (the last token's row too)."""
+        from .formats import verl
+        return verl.encode(self, prompt_len, prompt_width, response_width)
+
+    def to_slime(self, num_tokens=None):
+        """slime's rollout_routed_experts: int32 [T-1-start, num_hidden_layers, top_k]."""
+        from .formats import slime
+        return slime.encode(self, num_tokens)
+
+    def to_nemo_rl(self, num_tokens=None, padded_length=None, layout="full"):
+        """NeMo-RL's envelope ``nrlre1:<dtype>:<S>x<L>x<K>:<base64>``: narrowest
+        signed dtype, default route arange(top_k) past T-1, -1 rows for tokens
+        without routing."""
+        from .formats import nemo_rl
+        return nemo_rl.encode(self, num_tokens, padded_length, layout)
+
+    def to_skyrl(self, num_tokens=None):
+        """SkyRL's {"data", "shape", "dtype"}: T-1 rows, canonical dtype."""
+        from .formats import skyrl
+        return skyrl.encode(self, num_tokens)
+
+    def to_prime_rl(self, num_tokens=None):
+        """prime-rl's {"data", "shape", "start", "dtype"}: uint8, or uint16 past id 255."""
+        from .formats import prime_rl
+        return prime_rl.encode(self, num_tokens)
 
 
 def sglang_base64_bytes_per_token(layers, top_k, dtype_bytes=4):
