@@ -178,3 +178,37 @@ def test_whole_topk_routers_replay_what_moecap_captured_of_their_own_routing(meg
         drifted += int((routed_to(free_map) != recorded[i]).any(-1).sum())
     assert drifted > 0  # without replay the moved routers pick other experts
     cap.close()
+
+
+def test_hf_replay_takes_the_megatron_payload():
+    """moecap.hf.replay forces a transformers model's routers to the per-layer
+    list to_megatron gives (what a trainer without Megatron uses)."""
+    transformers = pytest.importorskip("transformers", reason="moecap.hf needs transformers (the test venv)")
+    import hf_serving
+    from moecap import hf
+
+    _, config = hf_serving.tiny_config("qwen2_moe")  # dense layer 1 between MoE layers 0 and 2
+    if config is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen2MoeConfig")
+    model = hf_serving.build(config)
+    layers = hf.find_moe_layers(model)
+    cap = moecap.Capturer(num_layers=len(layers), top_k=2, num_experts=8, host_slots=16, max_running_requests=1,
+                          chunked_prefill_size=16, extra_columns=1)
+    ids = torch.randint(3, hf_serving.VOCAB, (1, 6))
+    with hf.attach(model, cap), torch.no_grad():
+        model(ids)
+    moecap.commit_batch(cap, np.arange(6))
+    routed = RoutedExperts(cap.read(np.arange(6)), 8, layers=cap.layer_map.layers,
+                           num_hidden_layers=cap.layer_map.num_hidden_layers)
+    assert routed.layers == (0, 2) and len(routed.to_megatron()) == 2  # MoE layers only
+    with torch.no_grad():
+        for layer in layers:
+            layer.router.weight.add_(torch.randn_like(layer.router.weight))
+    seen = []
+    with torch.no_grad(), hf.replay(model, routed.to_megatron()):
+        hooks = [layer.router.register_forward_hook(lambda m, i, o: seen.append(o[2].sort(-1)[0])) for layer in layers]
+        model(ids)
+        for h in hooks:
+            h.remove()
+    assert torch.equal(torch.stack(seen, 1), torch.from_numpy(routed.ids.astype(np.int64)).sort(-1)[0])
+    cap.close()
