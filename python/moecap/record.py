@@ -159,6 +159,30 @@ class RoutedExperts:
         return type(self)(self.ids, self.num_experts, weights=self.weights, valid=self.valid, start=self.start,
                           layers=layers, num_hidden_layers=num_hidden_layers)
 
+    @classmethod
+    def concat(cls, parts):
+        """One routing from consecutive pieces of a sequence (a prefix, then the
+        routing of each continuation, as multi-turn serving reads them): each
+        piece starts where the one before it ends, with the same num_experts,
+        layer map and top_k. Weights are kept where every piece has them."""
+        parts = list(parts)
+        if not parts:
+            raise ValueError("parts is empty; concat needs at least one routing")
+        first = parts[0]
+        at = first.start + len(first)
+        for i, p in enumerate(parts[1:], 1):
+            if p.start != at:
+                raise ValueError(f"parts[{i}] starts at position {p.start}; the pieces before it end at {at}")
+            if (p.num_experts, p.layer_map, p.shape[2]) != (first.num_experts, first.layer_map, first.shape[2]):
+                raise ValueError(f"parts[{i}] has num_experts {p.num_experts}, {p.layer_map}, top_k {p.shape[2]}; "
+                                 f"parts[0] has {first.num_experts}, {first.layer_map}, top_k {first.shape[2]}")
+            at += len(p)
+        keep_weights = all(p.weights is not None for p in parts)
+        weights = np.concatenate([p.weights.astype(np.float32) for p in parts]) if keep_weights else None
+        return cls(np.concatenate([p.ids for p in parts]), first.num_experts, weights=weights,
+                   valid=np.concatenate([p.valid for p in parts]), start=first.start, layers=first.layers,
+                   num_hidden_layers=first.num_hidden_layers)
+
     def all_layers(self, dense=0):
         """ids over every model layer: [tokens, num_hidden_layers, top_k] in the
         signed ids dtype, dense layers filled with `dense`, MoE layers the ids

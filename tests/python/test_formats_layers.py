@@ -52,3 +52,22 @@ def test_map_takes_part_in_equality_and_survives_with_layer_map():
     # The record bytes do not carry the map: decoding gives the default, with_layer_map restores it.
     back = RoutedExperts.from_bytes(placed.to_bytes())
     assert back.layers == (0, 1) and back.with_layer_map([1, 2], 4) == placed
+
+
+def test_concat_joins_a_prefix_and_its_continuation():
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 8, size=(9, 2, 2))
+    weights = rng.random((9, 2, 2)).astype(np.float32)
+    kw = dict(layers=[1, 3], num_hidden_layers=4)
+    prefix = RoutedExperts(ids[:5], 8, weights=weights[:5], **kw)
+    turn = RoutedExperts(ids[5:], 8, weights=weights[5:], valid=[True, False, True, True], start=5, **kw)
+    whole = RoutedExperts.concat([prefix, turn])
+    assert whole == RoutedExperts(ids, 8, weights=weights, valid=[True] * 6 + [False] + [True] * 2, **kw)
+    assert whole.to_nemo_rl().startswith("nrlre1:int8:10x4x2:")  # a whole-sequence format takes it now
+    with pytest.raises(ValueError, match="from position 0; this routing starts at position 5.*RoutedExperts.concat"):
+        turn.to_nemo_rl()
+    with pytest.raises(ValueError, match=r"parts\[1\] starts at position 5; the pieces before it end at 4"):
+        RoutedExperts.concat([RoutedExperts(ids[:4], 8, **kw), turn])
+    with pytest.raises(ValueError, match=r"parts\[1\] has num_experts 8, LayerMap\(layers=\(0, 1\)"):
+        RoutedExperts.concat([prefix, RoutedExperts(ids[5:], 8, start=5)])
+    assert RoutedExperts.concat([prefix, RoutedExperts(ids[5:], 8, start=5, **kw)]).weights is None

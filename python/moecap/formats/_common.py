@@ -14,7 +14,8 @@ def sequence_length(routed, num_tokens, consumer, whole=True):
     rows = routed.shape[0]
     if whole and routed.start != 0:
         raise ValueError(f"{consumer} takes a sequence's routing from position 0; this routing starts at position "
-                         f"{routed.start} (join it to the routing of positions [0, {routed.start}) first)")
+                         f"{routed.start} (join it after the routing of positions [0, {routed.start}) first: "
+                         "RoutedExperts.concat)")
     implied = routed.start + rows + 1
     if num_tokens is not None and int(num_tokens) != implied:
         raise ValueError(f"num_tokens is {int(num_tokens)}; the routing has {rows} rows from position {routed.start}, "
