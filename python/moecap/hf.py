@@ -56,14 +56,29 @@ def _model_type(model):
     return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
 
+def _router_output_order(router, output):
+    """Positions (logits, weights, indices) in a transformers >= 5 router's
+    output: three tensors, the indices the one integer tensor, the weights the
+    floating one of the indices' shape. Most routers return (logits, weights,
+    indices); GraniteMoE, from transformers 5.19, (indices, weights, logits)."""
+    if isinstance(output, tuple) and len(output) == 3 and all(hasattr(o, "dtype") for o in output):
+        integer = [i for i, o in enumerate(output) if not o.dtype.is_floating_point]
+        if len(integer) == 1:
+            ids = integer[0]
+            same = [i for i, o in enumerate(output) if i != ids and tuple(o.shape) == tuple(output[ids].shape)]
+            if len(same) == 1:
+                return 3 - ids - same[0], same[0], ids
+            if len(same) == 2 and ids in (0, 2):  # top_k == num_experts: the weights sit in the middle in both orders
+                return 2 - ids, 1, ids
+    raise UnknownArchitecture(
+        f"{type(router).__name__} returned {type(output).__name__}, not (logits, weights, indices); "
+        "pass selector=fn(router, inputs, output) -> (ids, weights)")
+
+
 def default_selector(router, inputs, output):
-    """The transformers >= 5 router contract: (logits, weights, indices)."""
-    if not (isinstance(output, tuple) and len(output) == 3 and hasattr(output[2], "dtype")
-            and not output[2].dtype.is_floating_point):
-        raise UnknownArchitecture(
-            f"{type(router).__name__} returned {type(output).__name__}, not (logits, weights, indices); "
-            "pass selector=fn(router, inputs, output) -> (ids, weights)")
-    return output[2], output[1]
+    """The transformers >= 5 router contract: logits, weights and indices."""
+    _, weights, ids = _router_output_order(router, output)
+    return output[ids], output[weights]
 
 
 class MoELayer:
@@ -359,7 +374,8 @@ def replay(model, ids, weights=None, routers=None):
 
     def make(layer):
         def hook(module, inputs, output):
-            logits, own_weights, own_ids = output
+            order = _router_output_order(module, output)
+            logits, own_weights, own_ids = (output[i] for i in order)
             forced = torch.as_tensor(ids[layer.index], device=own_ids.device).to(own_ids.dtype)
             if forced.shape != own_ids.reshape(-1, own_ids.shape[-1]).shape:
                 raise ValueError(f"layer {layer.index}: recorded ids {tuple(forced.shape)}, the forward routes "
@@ -368,7 +384,10 @@ def replay(model, ids, weights=None, routers=None):
                 w = torch.as_tensor(weights[layer.index], device=own_weights.device)
             else:
                 w = _recomputed_weights(module, logits, forced)
-            return logits, w.to(own_weights.dtype).reshape(own_weights.shape), forced.reshape(own_ids.shape)
+            replaced = [None] * 3
+            replaced[order[0]], replaced[order[1]], replaced[order[2]] = (
+                logits, w.to(own_weights.dtype).reshape(own_weights.shape), forced.reshape(own_ids.shape))
+            return tuple(replaced)
         return hook
 
     hooks = [layer.router.register_forward_hook(make(layer)) for layer in layers]
