@@ -124,10 +124,16 @@ void Capturer::require_host_memory(const DLTensor* t, const char* name) {
 
 bool Capturer::staged_index(const DLTensor* t, const char* name, bool graph) const {
   if (!graph && Backend::host_can_read(t->device)) return true;
-  if (backend_->kernel_can_read(t->device)) return false;
-  if (!Backend::host_can_read(t->device)) require_kernel_readable(t, name);
-  fail(MOECAP_ERROR_CAPTURE_ILLEGAL, name, " is in pageable host memory, which a graph replay cannot read; ",
-       "pass a device tensor");
+  if (!Backend::host_can_read(t->device)) {
+    require_kernel_readable(t, name);
+    return false;
+  }
+  // In a graph: the host backend's replays read host memory as it is then,
+  // which is the model of device memory there.
+  if (on_host()) return false;
+  fail(MOECAP_ERROR_CAPTURE_ILLEGAL, name, " is in host memory (", device_name(t->device),
+       "), which a graph replay would read at replay time, after the engine refilled it for a later step; ",
+       "copy it to a device tensor on the stream (cudaMemcpyAsync) and pass that");
 }
 
 void Capturer::check_request_rows(const DLTensor* t, const char* name, int64_t rows, const char* rows_from) const {
@@ -234,7 +240,8 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   backend_->capture(p, stream);
 }
 
-void Capturer::commit(const moecap_commit_args* caller_args, EngineStream stream) {
+void Capturer::commit(const moecap_commit_args* caller_args, EngineStream stream, std::unique_lock<std::mutex>* lock) {
+  const LockHold hold(lock);
   const moecap_commit_args args_copy = read_struct(caller_args, MOECAP_COMMIT_ARGS_SIZE_1_0, "args");
   const moecap_commit_args* args = &args_copy;
   require_stream(stream);
@@ -307,7 +314,8 @@ CommitParams Capturer::commit_params(int32_t mode) const {
   return p;
 }
 
-void Capturer::invalidate(const DLTensor* slots, EngineStream stream) {
+void Capturer::invalidate(const DLTensor* slots, EngineStream stream, std::unique_lock<std::mutex>* lock) {
+  const LockHold hold(lock);
   require_stream(stream);
   const bool graph = recording_ || (!stream.is_legacy_default() && backend_->stream_capturing(stream));
   const int32_t slots_elem = check_tensor(slots, {"slots", {kI32, kI64}, 1});
@@ -337,10 +345,12 @@ void Capturer::join_before_replay(EngineStream stream) {
   // A replay on CUDA's legacy default stream is refused by the launch; nothing is enqueued before.
   if (!on_host() && stream.is_legacy_default()) return;
   backend_->join(stream);
+  backend_->order_after_reads(stream);
 }
 
 void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,
                     std::unique_lock<std::mutex>* lock) {
+  const LockHold hold(lock);
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   constexpr uint32_t kKnownFlags = MOECAP_READ_NONBLOCKING | MOECAP_READ_STRICT;
@@ -460,6 +470,7 @@ HostView Capturer::host_view(const DLTensor* t, const char* name, EngineStream s
 
 void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream,
                      std::unique_lock<std::mutex>* lock) {
+  const LockHold hold(lock);
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   check_tensor(slots, {"slots", {kI32, kI64}, 1});
@@ -518,13 +529,15 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
 }
 
 void Capturer::synchronize(std::unique_lock<std::mutex>* lock) {
+  const LockHold hold(lock);
   require_not_recording();
   settle(true, nullptr, lock);
 }
 
-moecap_error_counts Capturer::errors(bool clear) {
+moecap_error_counts Capturer::errors(bool clear, std::unique_lock<std::mutex>* lock) {
+  const LockHold hold(lock);
   require_not_recording();
-  backend_->commits_done(true);
+  backend_->commits_done(true, nullptr, lock);
   const ErrorWord word = backend_->take_errors(reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset), clear);
   moecap_error_counts out{};
   out.struct_size = sizeof out;
