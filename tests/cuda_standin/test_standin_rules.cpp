@@ -6,6 +6,7 @@
 #include <functional>
 #include <thread>
 
+#include "base/cuda_driver.h"
 #include "tests/cuda_standin/engine.h"
 
 using namespace standin;
@@ -155,4 +156,21 @@ TEST_CASE("stand-in: cuGetProcAddress finds an entry point only in the ABI of a 
   int status = -1;
   CHECK(cuGetProcAddress_v2("cuNoSuchCall", &fn, 13000, 0, &status) == kNotFound);
   CHECK(status == 1);  // CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND
+}
+
+TEST_CASE("every entry point moecap resolves exists in the ABI of the oldest driver it accepts") {
+  // kEntryPointsVersion is the floor of kMinDriverVersion whatever toolkit built the kernels.
+  static_assert(moecap::cuda::kMinDriverVersion >= moecap::cuda::kEntryPointsVersion, "");
+#define MOECAP_TEST_RESOLVE(name, params)                                                                \
+  {                                                                                                     \
+    void* fn = nullptr;                                                                                 \
+    CHECK_MESSAGE(cuGetProcAddress_v2(#name, &fn, moecap::cuda::kEntryPointsVersion, 0, nullptr) == kOk, \
+                  #name);                                                                               \
+  }
+  MOECAP_CUDA_ENTRY_POINTS(MOECAP_TEST_RESOLVE)
+#undef MOECAP_TEST_RESOLVE
+  void* fn = nullptr;
+  CHECK(cuGetProcAddress_v2("cuStreamGetCaptureInfo", &fn, moecap::cuda::kCaptureInfoVersion, 0, nullptr) == kOk);
+  // A CUDA 11.0 build asking for 11.0's ABI, as moecap did before the floor, finds none of these.
+  CHECK(cuGetProcAddress_v2("cuGraphInstantiateWithFlags", &fn, 11000, 0, nullptr) == kNotFound);
 }
