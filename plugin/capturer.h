@@ -78,6 +78,9 @@ class Capturer {
   void require_not_capturing(EngineStream stream);
   // A commit or invalidation's parameters, without its index tensors.
   CommitParams commit_params(int32_t mode) const;
+  // read's outputs, checked: dtype, shape [t, num_layers, top_k], placement.
+  struct ReadOutputs;
+  ReadOutputs check_read_outputs(DLTensor* ids_out, DLTensor* weights_out, int64_t t, bool strict) const;
   // MOECAP_READ_STRICT: fails with NO_ROUTING unless every slot is plainly valid.
   void require_routing(const DLTensor* slots) const;
   // Argument placement: refuses a tensor the kernels cannot read in place.
