@@ -33,11 +33,14 @@ struct CallMeanwhile {
   std::atomic<bool> done{false};
   bool started = false;
   bool in_time = false;
+  // The hook is global: a host wait on another thread (an earlier test's
+  // capturer released late by moecap's thread) is not the call under test.
+  std::thread::id caller = std::this_thread::get_id();
 };
 
 void capture_while_waiting(void* arg) {
   auto* m = static_cast<CallMeanwhile*>(arg);
-  if (m->started) return;
+  if (std::this_thread::get_id() != m->caller || m->started) return;
   m->started = true;
   m->other = std::thread([m] {
     int64_t shape[2] = {1, cuda_config().top_k};

@@ -65,10 +65,12 @@ struct Replays {
   Exec exec;
   Stream stream;
   int launched = 0;
+  std::thread::id caller = std::this_thread::get_id();  // the hook is global: other threads' waits are not this call's
 };
 
 void replay_at_every_wait(void* arg) {
   auto* r = static_cast<Replays*>(arg);
+  if (std::this_thread::get_id() != r->caller) return;
   ++r->launched;
   driver().launch(r->exec, r->stream);
   standin_run_stream(r->stream);
@@ -126,11 +128,12 @@ struct EagerCallMeanwhile {
   std::atomic<bool> done{false};
   bool in_time = false;
   bool started = false;
+  std::thread::id caller = std::this_thread::get_id();  // the hook is global: other threads' waits are not this call's
 };
 
 void capture_meanwhile(void* arg) {
   auto* m = static_cast<EagerCallMeanwhile*>(arg);
-  if (m->started) return;
+  if (std::this_thread::get_id() != m->caller || m->started) return;
   m->started = true;
   m->other = std::thread([m] {
     int64_t shape[2] = {1, cuda_config().top_k};
