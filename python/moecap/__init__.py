@@ -29,6 +29,7 @@ from ._moecap import Buffer, ConfigFlag, DeviceType, DLPackView, Graph, IdDtype,
 
 if TYPE_CHECKING:
     from .ops import CapturerOps
+    from .record import LayerMap
 
 __all__ = ["BUFFERS", "Buffer", "Capturer", "Config", "ConfigFlag", "DLPackArray", "DLPackView", "DeviceType",
            "ErrorCounts", "Graph", "IdDtype", "MoecapError", "Plan", "RecordError", "RequestTable", "RoutedExperts",
@@ -339,6 +340,8 @@ class Capturer(_moecap.Capturer):
     config: Config
     plan: Plan
     id: int
+    #: Which model layer each captured layer is (set by moecap.hf.attach; RequestTable.finish passes it on).
+    layer_map: Optional[LayerMap]
 
     def __init__(self, config: Optional[Config] = None, /, **keywords: Any) -> None:
         config = _config("moecap.Capturer()", config, keywords)
@@ -346,6 +349,7 @@ class Capturer(_moecap.Capturer):
         self.config = config
         self.plan = Plan._of(self.get_plan())
         self.id = next(_ids)
+        self.layer_map = None
         _registry[self.id] = self
         self._ops: Optional[CapturerOps] = None
         self._states: Any = None
