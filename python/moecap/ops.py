@@ -62,7 +62,7 @@ def _copy_in(handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> No
     # What the graph wrote into the buffer before this op (a top-k kernel or
     # plain torch ops into a layer view) lives only in the copy: the C call must see it.
     global buffer_copies
-    if _is_copy(handed, real):
+    if handed is not None and real is not None and _is_copy(handed, real):
         real.copy_(handed)  # on torch's current stream, so ordered before the C call's kernel
         buffer_copies += 1
 
@@ -71,7 +71,7 @@ def _copy_out(handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> N
     # The C call wrote moecap's memory; the copy the backend writes back at the
     # end of the graph must carry the same contents, or the copy-back undoes it.
     global buffer_copies
-    if _is_copy(handed, real):
+    if handed is not None and real is not None and _is_copy(handed, real):
         handed.copy_(real)
         buffer_copies += 1
 
@@ -80,7 +80,7 @@ def _refuse_host_copy(op: str, name: str, handed: Optional[torch.Tensor], real: 
     # Keeping a copy of the host cache in step would cost the whole cache (GBs)
     # per call, and on CUDA the host-side copy would race the commit kernel
     # still writing that pinned memory: refuse instead.
-    if _is_copy(handed, real):
+    if handed is not None and real is not None and _is_copy(handed, real):
         raise MoecapError(Status.INVALID_ARGUMENT,
                           f"moecap::{op} was handed a copy of the capturer's {name} ({handed.numel()} elements), "
                           "not its memory: the torch.compile backend functionalizes without re-inplacing "
