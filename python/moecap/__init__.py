@@ -308,7 +308,7 @@ class ErrorCounts(_Fields):
     """Ids outside [0, num_experts) given to capture or written into a layer view (-1 not counted)."""
 
 
-def plan(config: Optional[Config] = None, /, **keywords: Any) -> Plan:
+def plan(config: Optional[Config] = None, **keywords: Any) -> Plan:
     """The layout for a configuration (a Config, or its fields as keywords, as Capturer takes), without
     allocating."""
     return Plan._of(_moecap.plan(_config("moecap.plan()", config, keywords)._c_config()))
@@ -343,7 +343,7 @@ class Capturer(_moecap.Capturer):
     #: Which model layer each captured layer is (set by moecap.hf.attach; RequestTable.finish passes it on).
     layer_map: Optional[LayerMap]
 
-    def __init__(self, config: Optional[Config] = None, /, **keywords: Any) -> None:
+    def __init__(self, config: Optional[Config] = None, **keywords: Any) -> None:
         config = _config("moecap.Capturer()", config, keywords)
         super().__init__(config._c_config())
         self.config = config

@@ -83,6 +83,9 @@ def test_a_config_object_and_keywords_build_the_same_capturer():
         assert a.config == b.config == config and a.plan == b.plan
         assert c.config.top_k == 1 and c.plan.row_elements == 2
         assert a.config["num_layers"] == 2 and a.config.get("weight_dtype") is None and "dp_size" in a.config
+    with moecap.Capturer(config=config) as d:
+        assert d.config == config
+    assert moecap.plan(config=config) == moecap.plan(config)
     with pytest.raises(TypeError, match="takes a moecap.Config or keywords, not dict"):
         moecap.Capturer(CONFIG)
 
