@@ -140,8 +140,10 @@ class CudaBackend final : public Backend {
       join_event_ = create_event();
     }
     // Duplicate slots in commits whose slots only the device knows.
-    claims_ = allocate_device(static_cast<size_t>(plan.config.host_slots) * sizeof(int32_t), "cuMemAlloc (claims)");
-    check(d_, d_.cuMemsetD8Async(claims_.get(), 0, static_cast<size_t>(plan.config.host_slots) * sizeof(int32_t),
+    claims_ = allocate_device(static_cast<size_t>(plan.config.host_slots) * sizeof(unsigned long long),
+                              "cuMemAlloc (claims)");
+    check(d_, d_.cuMemsetD8Async(claims_.get(), 0,
+                                 static_cast<size_t>(plan.config.host_slots) * sizeof(unsigned long long),
                                  internal_.get()),
           "cuMemsetD8Async");
     // Index lists copied at the call: two lists of device_rows int64 per entry.
@@ -233,7 +235,7 @@ class CudaBackend final : public Backend {
     const CUstream s = fork(cu_stream(stream));
     if (where.in_graph) {
       CommitParams params = p;
-      params.claims = reinterpret_cast<int32_t*>(claims_.get());
+      params.claims = reinterpret_cast<unsigned long long*>(claims_.get());
       launch_commit(params, s);
       // A plain record in a capture is only an edge inside the graph; an
       // external one is a node every replay performs. Each captured commit
@@ -253,7 +255,7 @@ class CudaBackend final : public Backend {
     if (where.slots_on_host) {
       done.slots = snapshot_slots(*snap, at, p, params);
     } else {
-      params.claims = reinterpret_cast<int32_t*>(claims_.get());
+      params.claims = reinterpret_cast<unsigned long long*>(claims_.get());
     }
     launch_commit(params, s);
     if (snap != nullptr) check(d_, d_.cuEventRecord(snap->done.get(), s), "cuEventRecord (snapshot)");
@@ -479,13 +481,17 @@ class CudaBackend final : public Backend {
     check(d_, d_.cuLaunchKernel(k.fn, blocks, 1, 1, kThreads, 1, 1, 0, s, args, nullptr), k.launch_what);
   }
 
-  // With claims: claim, commit, release, in stream order (4 bytes of device
+  // With claims: claim, commit, release, in stream order (8 bytes of device
   // memory per host slot; commits on other streams touch other claims
   // unless they target the same slots, which is a race in any case).
-  void launch_commit(const CommitParams& p, CUstream s) {
+  // Invalidations take no claims: emptying a slot twice is emptying it once.
+  // The release kernel consumes a commit's rows, one thread per element.
+  void launch_commit(const CommitParams& given, CUstream s) {
+    CommitParams p = given;
+    if (p.mode == kInvalidate) p.claims = nullptr;
     if (p.claims != nullptr) launch(claim_, p, p.count, s);
     launch(commit_, p, p.count, s);
-    if (p.claims != nullptr || p.mode == kCommitRows) launch(release_, p, p.count, s);
+    if (p.mode == kCommitRows) launch(release_, p, static_cast<int64_t>(p.num_layers) * p.count * p.top_k, s);
   }
 
   // Needs the context current.

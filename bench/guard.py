@@ -1,0 +1,65 @@
+"""CI regression guard: each step-path operation against its own baseline,
+measured in the same short moecap_bench run, fails below a floor ratio.
+
+    python3 bench/guard.py BUILD_DIR [--floor 0.5]
+
+Runs moecap_bench (build it first: cmake --build BUILD_DIR --target
+moecap_bench) over a few cases for about ten seconds and compares the median
+time per call: commit against a bare memcpy of each row to its random slot,
+read against an element-wise gather, capture against a slice copy. The floor
+is wide (noisy shared machines pass) and narrow enough to catch a loss of
+several times, like a second slow pass over every committed row.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+# (what, moecap case, baseline case, ratio the docs claim)
+PAIRS = [
+    ("commit 4096 rows, random slots, 262,144-slot cache", "BM_Commit_Moecap/4096/1/262144",
+     "BM_Commit_MemcpyRows/4096/1/262144"),
+    ("commit 512 rows, random slots", "BM_Commit_Moecap/512/1/131072", "BM_Commit_MemcpyRows/512/1/131072"),
+    ("read 4096 tokens", "BM_Read_Moecap/4096", "BM_Read_Baseline/4096"),
+    ("capture 512 rows", "BM_Capture_Moecap/512/32/4", "BM_Capture_Baseline/512"),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("build", help="the CMake build folder holding bench/moecap_bench")
+    parser.add_argument("--floor", type=float, default=0.5, help="fail below this baseline/moecap time ratio")
+    args = parser.parse_args()
+    exe = os.path.join(args.build, "bench", "moecap_bench")
+    names = [n for _, ours, theirs in PAIRS for n in (ours, theirs)]
+    pattern = "^(" + "|".join(names) + ")$"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "guard.json")
+        subprocess.run([exe, f"--benchmark_filter={pattern}", "--benchmark_min_time=0.05",
+                        "--benchmark_repetitions=3", "--benchmark_report_aggregates_only=true",
+                        f"--benchmark_out={out}", "--benchmark_out_format=json"],
+                       check=True, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            report = json.load(f)
+    median = {}
+    for b in report["benchmarks"]:
+        if b.get("aggregate_name") == "median":
+            median[b["run_name"]] = b["real_time"]
+    failed = False
+    print(f"moecap bench guard: baseline time / moecap time, floor {args.floor}x")
+    for what, ours, theirs in PAIRS:
+        if ours not in median or theirs not in median:
+            print(f"  {what}: case missing from the run ({ours} / {theirs})")
+            failed = True
+            continue
+        ratio = median[theirs] / median[ours]
+        verdict = "ok" if ratio >= args.floor else "TOO SLOW"
+        failed = failed or ratio < args.floor
+        print(f"  {what}: {ratio:.2f}x ({verdict})")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
