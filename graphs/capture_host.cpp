@@ -161,6 +161,17 @@ void consume_run(const CommitParams& p, int64_t layer, int64_t first_row, int64_
   }
 }
 
+struct CommitScratch {
+  std::vector<uint64_t> srcs, slots, bad, gathered, narrowed, staged, staged_w;
+  // `n` elements of T, 8-byte aligned, contents unspecified.
+  template <class T>
+  T* get(std::vector<uint64_t>& v, int64_t n) {
+    const size_t words = (static_cast<size_t>(n) * sizeof(T) + 7) / 8;
+    if (v.size() < words) v.resize(words);
+    return reinterpret_cast<T*>(v.data());
+  }
+};
+
 // Rows in tiles, each slot's row written once: first where each entry of the
 // tile goes (the kernels' decision, commit_goes_to), then layer by layer the
 // tile's rows of that layer are narrowed in one vectorized pass (read in place
@@ -186,12 +197,16 @@ void commit_rows(const CommitParams& p, bool consume) {
   const size_t id_chunk = static_cast<size_t>(top_k) * sizeof(D);
   const size_t in_chunk = static_cast<size_t>(top_k) * sizeof(S);
   const D no_expert = static_cast<D>(p.dst_no_expert);
-  std::vector<int64_t> srcs(static_cast<size_t>(tile)), slots(static_cast<size_t>(tile));
-  std::vector<uint8_t> bad(static_cast<size_t>(tile));
-  std::vector<S> gathered(static_cast<size_t>(tile * top_k));
-  std::vector<D> narrowed(static_cast<size_t>(tile * top_k));
-  std::vector<D> staged(static_cast<size_t>(tile * row));
-  std::vector<uint8_t> staged_w(static_cast<size_t>(tile * w_row));
+  // Scratch kept per thread: a decode step's commit is a few microseconds,
+  // which fresh allocations would lengthen.
+  thread_local CommitScratch scratch;
+  int64_t* srcs = scratch.get<int64_t>(scratch.srcs, tile);
+  int64_t* slots = scratch.get<int64_t>(scratch.slots, tile);
+  uint8_t* bad = scratch.get<uint8_t>(scratch.bad, tile);
+  S* gathered = scratch.get<S>(scratch.gathered, tile * top_k);
+  D* narrowed = scratch.get<D>(scratch.narrowed, tile * top_k);
+  D* staged = scratch.get<D>(scratch.staged, tile * row);
+  uint8_t* staged_w = scratch.get<uint8_t>(scratch.staged_w, tile * w_row);
   for (int64_t first = 0; first < p.count; first += tile) {
     const int64_t last = std::min(p.count, first + tile);
     int64_t n = 0;
@@ -202,9 +217,9 @@ void commit_rows(const CommitParams& p, bool consume) {
         p.dst_states[slot] = kSlotEmpty;
         continue;
       }
-      srcs[static_cast<size_t>(n)] = src;
-      slots[static_cast<size_t>(n)] = slot;
-      bad[static_cast<size_t>(n)] = 0;
+      srcs[n] = src;
+      slots[n] = slot;
+      bad[n] = 0;
       ++n;
     }
     if (p.mode == kInvalidate) continue;
@@ -212,49 +227,51 @@ void commit_rows(const CommitParams& p, bool consume) {
     const int64_t run_first = std::max<int64_t>(0, p.src_start + first);
     const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;
     bool consecutive = true;
-    for (int64_t i = 1; i < n; ++i) consecutive = consecutive && srcs[static_cast<size_t>(i)] == srcs[0] + i;
+    int64_t last_src = -1;  // the tile's highest source row: most layers wrote every row of a tile
+    for (int64_t i = 1; i < n; ++i) consecutive = consecutive && srcs[i] == srcs[0] + i;
+    for (int64_t i = 0; i < n; ++i) last_src = std::max(last_src, srcs[i]);
     for (int64_t l = 0; l < p.num_layers && n > 0; ++l) {
       const S* layer = reinterpret_cast<const S*>(p.src_ids) + l * layer_stride;
-      const S* in = gathered.data();
+      const S* in = gathered;
       if (consecutive) {
         in = layer + srcs[0] * top_k;
       } else {
         for (int64_t i = 0; i < n; ++i) {
-          std::memcpy(gathered.data() + i * top_k, layer + srcs[static_cast<size_t>(i)] * top_k, in_chunk);
+          std::memcpy(gathered + i * top_k, layer + srcs[i] * top_k, in_chunk);
         }
       }
       const int64_t written = layer_written_rows(p, l);
-      const bool all_written = written == INT64_MAX;
-      if (narrow_ids(in, narrowed.data(), n * top_k, experts) != 0) {
+      const bool all_written = last_src < written;
+      if (narrow_ids(in, narrowed, n * top_k, experts) != 0) {
         for (int64_t i = 0; i < n; ++i) {  // rare: which rows had no real id, counting the bad ones
-          if (!all_written && srcs[static_cast<size_t>(i)] >= written) continue;
+          if (!all_written && srcs[i] >= written) continue;
           uint8_t row_bad = 0;
           for (int64_t k = 0; k < top_k; ++k) if (committed_id_bad(p, in[i * top_k + k])) row_bad = 1;
-          bad[static_cast<size_t>(i)] = static_cast<uint8_t>(bad[static_cast<size_t>(i)] | row_bad);
+          bad[i] = static_cast<uint8_t>(bad[i] | row_bad);
         }
       }
-      D* out = staged.data() + l * top_k;
-      for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * row, narrowed.data() + i * top_k, id_chunk);
-      uint8_t* wout = staged_w.data() + l * top_k * w_bytes;
+      D* out = staged + l * top_k;
+      for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * row, narrowed + i * top_k, id_chunk);
+      uint8_t* wout = staged_w + l * top_k * w_bytes;
       for (int64_t i = 0; w_bytes > 0 && i < n; ++i) {
-        std::memcpy(wout + i * w_row, p.src_weights + (l * layer_stride + srcs[static_cast<size_t>(i)] * top_k) * w_bytes,
+        std::memcpy(wout + i * w_row, p.src_weights + (l * layer_stride + srcs[i] * top_k) * w_bytes,
                     static_cast<size_t>(top_k * w_bytes));
       }
       if (!all_written) {  // rows this step did not write in this layer: no routing
         for (int64_t i = 0; i < n; ++i) {
-          if (srcs[static_cast<size_t>(i)] < written) continue;
+          if (srcs[i] < written) continue;
           for (int64_t k = 0; k < top_k; ++k) out[i * row + k] = no_expert;
           if (w_bytes > 0) std::memset(wout + i * w_row, 0, static_cast<size_t>(top_k * w_bytes));
-          bad[static_cast<size_t>(i)] = 1;
+          bad[i] = 1;
         }
       }
       if (consume && run_rows > 0) consume_run(p, l, run_first, run_rows);
     }
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t slot = slots[static_cast<size_t>(i)];
-      std::memcpy(reinterpret_cast<D*>(p.dst_ids) + slot * row, staged.data() + i * row, static_cast<size_t>(row) * sizeof(D));
-      if (w_bytes > 0) std::memcpy(p.dst_weights + slot * w_row, staged_w.data() + i * w_row, static_cast<size_t>(w_row));
-      p.dst_states[slot] = committed_state(bad[static_cast<size_t>(i)] != 0);
+      const int64_t slot = slots[i];
+      std::memcpy(reinterpret_cast<D*>(p.dst_ids) + slot * row, staged + i * row, static_cast<size_t>(row) * sizeof(D));
+      if (w_bytes > 0) std::memcpy(p.dst_weights + slot * w_row, staged_w + i * w_row, static_cast<size_t>(w_row));
+      p.dst_states[slot] = committed_state(bad[i] != 0);
     }
     if (consume && n == 0 && run_rows > 0) {  // nothing went anywhere (slots -1): still consumed
       for (int64_t l = 0; l < p.num_layers; ++l) consume_run(p, l, run_first, run_rows);
