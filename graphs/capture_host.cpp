@@ -129,7 +129,7 @@ inline __attribute__((always_inline)) uint32_t narrow_body(const S* __restrict i
 #endif
 
 #define MOECAP_NARROW(S, D)                                                                                  \
-  MOECAP_NARROW_CLONES __attribute__((noinline)) uint32_t narrow_##S##_##D(const S* __restrict in,          \
+  MOECAP_NARROW_CLONES uint32_t narrow_##S##_##D(const S* __restrict in,          \
                                                                           D* __restrict out, int64_t n,      \
                                                                           uint32_t experts) {                \
     return narrow_body(in, out, n, experts);                                                                 \
