@@ -48,6 +48,7 @@ TEST_CASE("a step's rows are unusable after its commits at dp 2 and 4, skipped l
 TEST_CASE("a slot tensor that changes between the claim and release kernels leaves no claim behind") {
   using namespace moecap;
   auto load = entry<int (*)(void**, const void*)>("cuModuleLoadData");
+  auto unload = entry<int (*)(void*)>("cuModuleUnload");
   auto function = entry<int (*)(const void**, void*, const char*)>("cuModuleGetFunction");
   auto launch = entry<int (*)(const void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                               void*, void**, void**)>("cuLaunchKernel");
@@ -117,4 +118,5 @@ TEST_CASE("a slot tensor that changes between the claim and release kernels leav
   run(release, p);
   CHECK(states.as<uint8_t>()[5] == MOECAP_SLOT_VALID);
   CHECK(dst.as<uint8_t>()[5] == 9);
+  CHECK(unload(module) == 0);
 }
