@@ -310,10 +310,22 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
  * n <= device_rows, checked here on the host, so a check made at graph
  * capture holds for every replay. With MOECAP_FLAG_HISTOGRAM the same kernel
  * adds each kept id to histogram[layer][id]. Enqueued on `stream`.
+ * Steps: the first moecap_capture after a commit of rows starts a step; the
+ * commits that follow before the next capture (any number: a prefill part,
+ * a decode part, accepted verify rows) end it. A commit reads layer L of a
+ * row as routing only if moecap_capture wrote that row of L in the current
+ * step (rows [0, n) of any capture of L since the step began); any other row
+ * of L (another DP rank's row of an earlier step, a layer skipped this step,
+ * rows past a smaller batch) commits as "no routing" (see moecap_commit).
+ * Enqueued on `stream`; the bookkeeping is device memory, so captures and
+ * commits recorded in graphs keep it at every replay.
  * A top-k kernel may instead write a layer's ids (and weights) straight into
- * the MOECAP_BUFFER_LAYER_IDS (_WEIGHTS) view: commit checks every id. Such
- * a kernel must write, every step, every row it wants committed in every
- * layer: commit consumes rows (see moecap_commit). */
+ * the MOECAP_BUFFER_LAYER_IDS (_WEIGHTS) view: commit checks every id. A
+ * layer never passed to moecap_capture is such a layer: moecap cannot see
+ * which of its rows a step wrote, so every row of it counts as written, and
+ * the kernel must write, every step, every row it wants committed in that
+ * layer (commit consumes rows; at dp >= 2 also the other ranks' rows, which
+ * this rank's commits never consume). */
 MOECAP_API moecap_status moecap_capture(moecap_capturer* capturer, int32_t layer,
                                         const DLTensor* topk_ids, const DLTensor* topk_weights,
                                         void* stream);
@@ -381,8 +393,13 @@ typedef struct moecap_commit_args {
  * its slot) is reset, in every layer, to "no routing" (-1 in a signed
  * device dtype, all ones in an unsigned one; weights 0), which is also what
  * every row holds after create. So the device views show -1 after a
- * commit, and a row not written in every layer since the last commit
- * commits as VALID | INVALID_IDS (its unwritten layers read -1), never as
+ * commit. And a commit takes from each layer only rows captured in the
+ * current step (see moecap_capture, "Steps"): with DP attention each rank
+ * commits only its own rows of the gathered batch, and the other ranks'
+ * rows, never consumed here, stop counting once the next step begins. So
+ * every row a step wrote is unusable after that step's commits, whichever
+ * rank committed it; a row not written in every layer in its step commits
+ * as VALID | INVALID_IDS (its unwritten layers read -1, weight 0), never as
  * expert 0 or as an earlier request's routing. A device id outside
  * [0, num_experts) other than that code (a bad value a kernel wrote) is
  * counted in invalid_ids. A row listed twice is read twice, then consumed.

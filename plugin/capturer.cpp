@@ -58,6 +58,8 @@ Capturer::Capturer(const Plan& plan) : plan_(plan) {
   device_weights_ = place("device weights", plan_.device_weights_bytes);
   histogram_ = place("histogram", plan_.histogram_bytes);
   error_word_ = place("error word", sizeof(ErrorWord));
+  // Which rows each layer holds from the current step (kernel_params.h, StepWord).
+  step_word_ = place("step stamps", sizeof(StepWord) + sizeof(LayerStamp) * static_cast<size_t>(c.num_layers));
   const size_t device_block_bytes = at;
   at = 0;
   host_ids_ = place("host ids", plan_.host_ids_bytes);
@@ -229,6 +231,8 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
                                             static_cast<int64_t>(layer) * c.num_experts
                                       : nullptr;
   p.errors = reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset);
+  p.step = reinterpret_cast<StepWord*>(device_block_ + step_word_.offset);
+  p.stamp = reinterpret_cast<LayerStamp*>(device_block_ + step_word_.offset + sizeof(StepWord)) + layer;
   p.n = n;
   p.in_cols = static_cast<int32_t>(cols);
   p.top_k = c.top_k;
@@ -301,6 +305,8 @@ CommitParams Capturer::commit_params(int32_t mode) const {
   p.dst_weights = plan_.has_weights() ? host_block_on_device_ + host_weights_.offset : nullptr;
   p.dst_states = host_block_on_device_ + host_states_.offset;
   p.errors = reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset);
+  p.step = reinterpret_cast<StepWord*>(device_block_ + step_word_.offset);
+  p.stamps = reinterpret_cast<const LayerStamp*>(device_block_ + step_word_.offset + sizeof(StepWord));
   p.device_rows = plan_.device_rows;
   p.host_slots = c.host_slots;
   p.dst_no_expert = plan_.no_expert;
@@ -670,7 +676,7 @@ std::unique_ptr<BackendGraph> Capturer::graph_end() {
 
 void Capturer::write_guards() {
   std::vector<uint8_t> pattern(kGuardBytes, kGuardByte);
-  for (const Region* r : {&device_ids_, &device_weights_, &histogram_, &error_word_}) {
+  for (const Region* r : {&device_ids_, &device_weights_, &histogram_, &error_word_, &step_word_}) {
     backend_->copy_host_to_device(device_block_ + r->offset + r->bytes, pattern.data(), kGuardBytes);
   }
   for (const Region* r : {&host_ids_, &host_weights_, &host_states_}) {
@@ -690,7 +696,7 @@ const char* Capturer::damaged_guard(bool device_regions) {
     if (!intact(host_block_ + r->offset + r->bytes)) return r->name;
   }
   if (!device_regions) return nullptr;
-  for (const Region* r : {&device_ids_, &device_weights_, &histogram_, &error_word_}) {
+  for (const Region* r : {&device_ids_, &device_weights_, &histogram_, &error_word_, &step_word_}) {
     backend_->copy_device_to_host(seen, device_block_ + r->offset + r->bytes, kGuardBytes);
     if (!intact(seen)) return r->name;
   }

@@ -117,7 +117,7 @@ class Capturer {
   uint8_t* device_block_ = nullptr;
   uint8_t* host_block_ = nullptr;
   uint8_t* host_block_on_device_ = nullptr;  // the host cache as kernels address it
-  Region device_ids_{}, device_weights_{}, histogram_{}, error_word_{};
+  Region device_ids_{}, device_weights_{}, histogram_{}, error_word_{}, step_word_{};
   Region host_ids_{}, host_weights_{}, host_states_{};
   bool recording_ = false;
   EngineStream recording_stream_ = EngineStream::legacy_default();

@@ -159,8 +159,10 @@ class CudaBackend final : public Backend {
       join_event_ = create_event();
     }
     // Duplicate slots in commits whose slots only the device knows.
-    claims_ = allocate_device(static_cast<size_t>(plan.config.host_slots) * sizeof(int32_t), "cuMemAlloc (claims)");
-    check(d_, d_.cuMemsetD8Async(claims_.get(), 0, static_cast<size_t>(plan.config.host_slots) * sizeof(int32_t),
+    claims_ = allocate_device(static_cast<size_t>(plan.config.host_slots) * sizeof(unsigned long long),
+                              "cuMemAlloc (claims)");
+    check(d_, d_.cuMemsetD8Async(claims_.get(), 0,
+                                 static_cast<size_t>(plan.config.host_slots) * sizeof(unsigned long long),
                                  internal_.get()),
           "cuMemsetD8Async");
     // Index lists copied at the call: two lists of device_rows int64 per entry.
@@ -252,7 +254,7 @@ class CudaBackend final : public Backend {
     const CUstream s = fork(cu_stream(stream));
     if (where.in_graph) {
       CommitParams params = p;
-      params.claims = reinterpret_cast<int32_t*>(claims_.get());
+      params.claims = reinterpret_cast<unsigned long long*>(claims_.get());
       launch_commit(params, s);
       // A plain record in a capture is only an edge inside the graph; an
       // external one is a node every replay performs. Each captured commit
@@ -277,7 +279,7 @@ class CudaBackend final : public Backend {
     // an invalidation); rows only the device knows take the claim pass.
     const bool rows_known = p.mode == kInvalidate || p.src_rows == nullptr || where.rows_on_host;
     if (where.slots_on_host) snapshot_slots(*snap, at, p, params, rows_known);
-    if (!where.slots_on_host || !rows_known) params.claims = reinterpret_cast<int32_t*>(claims_.get());
+    if (!where.slots_on_host || !rows_known) params.claims = reinterpret_cast<unsigned long long*>(claims_.get());
     // A read into device tensors enqueued before this call gathers these
     // slots' rows on its stream: the new rows land after it.
     wait_for_reads(s, done.every_slot ? nullptr : &done.slots);
@@ -527,13 +529,17 @@ class CudaBackend final : public Backend {
     check(d_, d_.cuLaunchKernel(k.fn, blocks, 1, 1, kThreads, 1, 1, 0, s, args, nullptr), k.launch_what);
   }
 
-  // With claims: claim, commit, release, in stream order (4 bytes of device
+  // With claims: claim, commit, release, in stream order (8 bytes of device
   // memory per host slot; commits on other streams touch other claims
   // unless they target the same slots, which is a race in any case).
-  void launch_commit(const CommitParams& p, CUstream s) {
+  // Invalidations take no claims: emptying a slot twice is emptying it once.
+  // The release kernel consumes a commit's rows, one thread per element.
+  void launch_commit(const CommitParams& given, CUstream s) {
+    CommitParams p = given;
+    if (p.mode == kInvalidate) p.claims = nullptr;
     if (p.claims != nullptr) launch(claim_, p, p.count, s);
     launch(commit_, p, p.count, s);
-    if (p.claims != nullptr || p.mode == kCommitRows) launch(release_, p, p.count, s);
+    if (p.mode == kCommitRows) launch(release_, p, static_cast<int64_t>(p.num_layers) * p.count * p.top_k, s);
   }
 
   // Needs the context current.

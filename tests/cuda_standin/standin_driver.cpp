@@ -296,7 +296,7 @@ void run_commit(const void* v) {
   for (int64_t j = p.count - 1; j >= 0; --j) {
     int64_t src = 0, slot = 0;
     commit_source(p, j, &src, &slot);
-    if (p.claims != nullptr && commit_in_range(p, src, slot) && p.claims[slot] != j + 1) continue;
+    if (commit_in_range(p, src, slot) && !claim_won(p, j, slot)) continue;
     CommitParams row = p;
     row.count = 1;
     row.claims = nullptr;

@@ -102,6 +102,16 @@ struct Model {
   std::vector<int64_t> histogram;
   bool has_histogram = false;
   uint64_t skipped = 0, invalid = 0;
+  // Steps (moecap_capture, "Steps"): a layer's rows count only if captured
+  // this step; a layer never captured counts every row.
+  uint32_t step = 0;
+  bool committed = false;
+  std::vector<uint32_t> layer_step;
+  std::vector<int64_t> layer_rows;
+  bool written(int64_t layer, int64_t src) const {
+    const uint32_t s = layer_step[static_cast<size_t>(layer)];
+    return s == 0 || (s == step && src < layer_rows[static_cast<size_t>(layer)]);
+  }
 
   float round_weight(float v) const {
     uint8_t buf[4];
@@ -124,6 +134,15 @@ struct Model {
 // Model of capture: ids [n, cols] (first k kept), weights optional.
 void model_capture(Model& m, int32_t layer, const Tensor& ids, const Tensor* w) {
   const int64_t n = ids.shape[0], cols = ids.shape[1];
+  if (n > 0) {  // a capture of no rows enqueues nothing
+    if (m.committed || m.step == 0) {
+      ++m.step;
+      m.committed = false;
+    }
+    const auto l = static_cast<size_t>(layer);
+    m.layer_rows[l] = m.layer_step[l] == m.step ? std::max(m.layer_rows[l], n) : n;
+    m.layer_step[l] = m.step;
+  }
   for (int64_t r = 0; r < n; ++r)
     for (int64_t c = 0; c < m.k; ++c) {
       const int64_t v = ids.get(r * cols + c);
@@ -155,17 +174,19 @@ void model_commit(Model& m, int64_t count, const Tensor* src_rows, int64_t src_s
     bool bad = false;
     for (int64_t e = 0; e < m.row; ++e) {
       const size_t from = m.dev_at(e / m.k, src, e % m.k);
-      const int64_t v = m.dev_ids[from];
+      const bool fresh = m.written(e / m.k, src);
+      const int64_t v = fresh ? m.dev_ids[from] : m.device_no_expert;
       const bool ok = v >= 0 && v < m.experts;
       bad = bad || !ok;
       if (!ok && v != m.device_no_expert) ++m.invalid;  // a bad id written straight into a layer view
       m.host_ids[static_cast<size_t>(slot * m.row + e)] = ok ? v : -1;
-      if (m.weight_elem >= 0) m.host_w[static_cast<size_t>(slot * m.row + e)] = m.dev_w[from];
+      if (m.weight_elem >= 0) m.host_w[static_cast<size_t>(slot * m.row + e)] = fresh ? m.dev_w[from] : 0.0f;
     }
     m.states[static_cast<size_t>(slot)] =
         static_cast<uint8_t>(MOECAP_SLOT_VALID | (bad ? MOECAP_SLOT_INVALID_IDS : 0));
   }
   if (invalidate) return;
+  if (count > 0) m.committed = true;  // the next capture starts a step
   // Commit consumes every source row it names (slot -1 and skipped slots too)
   // once all of them were read: they hold "no routing" until written again.
   for (int64_t j = 0; j < count; ++j) {
@@ -304,6 +325,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   m.dev_w.assign(m.dev_ids.size(), 0.0f);
   m.host_w.assign(m.host_ids.size(), 0.0f);
   m.histogram.assign(static_cast<size_t>(m.layers * m.experts), 0);
+  m.layer_step.assign(static_cast<size_t>(m.layers), 0);
+  m.layer_rows.assign(static_cast<size_t>(m.layers), 0);
 
   for (int op = 0; op < 48 && !in.done(); ++op) {
     const std::vector<uint8_t> before = moecap_test::snapshot(h);
