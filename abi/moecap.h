@@ -46,7 +46,10 @@
  *   recording stream.
  * - Thread safety: every call on one capturer takes that capturer's lock, so
  *   calls from several threads are safe and serialize; different capturers
- *   share nothing. A read blocking on commits holds the lock while it waits.
+ *   share nothing. moecap_read, moecap_write and moecap_synchronize release
+ *   the lock while they wait for commits (other calls on the capturer
+ *   proceed meanwhile) and take it again before touching the host cache;
+ *   moecap_get_errors waits holding it.
  *   Using a capturer after moecap_destroy is undefined behaviour (debug builds
  *   detect it and return MOECAP_ERROR_INVALID_ARGUMENT).
  */
@@ -69,9 +72,15 @@ extern "C" {
 #endif
 
 /* ABI version: major in the high 16 bits, minor in the low 16 bits. A major
- * bump breaks compatibility; a minor bump only appends fields or functions. */
+ * bump breaks compatibility; a minor bump only appends fields or functions.
+ * The release is MAJOR.MINOR.PATCH, PATCH counting releases that change no
+ * interface. These three lines are the only place the version is written:
+ * CMake's project version (so the SONAME libmoecap.so.MAJOR), moecap.pc, the
+ * CMake package's version file and the Python wheel's version are read from
+ * them. */
 #define MOECAP_ABI_VERSION_MAJOR 1
 #define MOECAP_ABI_VERSION_MINOR 1
+#define MOECAP_VERSION_PATCH 0
 #define MOECAP_ABI_VERSION ((uint32_t)((MOECAP_ABI_VERSION_MAJOR << 16) | MOECAP_ABI_VERSION_MINOR))
 
 /* ------------------------------------------------------------------------ */
