@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Quick start 2: set up, build, run every test (GPU tests skip without a GPU).
+# Quick start 2: installs what is missing, makes the Python venv
+# (scripts/venv.sh; the first run downloads torch and its CUDA libraries, a
+# few GB), builds everything and runs every test (GPU tests skip without a
+# GPU). Extra arguments go to ctest (e.g. -R unit, -L standin).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-"$root/scripts/setup.sh"
-ctest --test-dir "$root/build" --output-on-failure -j 2
+"$root/scripts/setup.sh" --python
+ctest --test-dir "$root/build" --output-on-failure -j "${MOECAP_JOBS:-2}" "$@"
