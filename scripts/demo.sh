@@ -5,5 +5,11 @@
 # (--help lists them).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+# Without a GPU the kernels would go unused: a first build skips them (the
+# longest step of the build). scripts/test.sh asks for them again, and an
+# existing build/ keeps what it was configured with.
+if [ ! -f "$root/build/CMakeCache.txt" ] && ! { [ -e /dev/nvidia0 ] || nvidia-smi -L >/dev/null 2>&1; }; then
+  export MOECAP_CMAKE_ARGS="-DMOECAP_CUDA=OFF ${MOECAP_CMAKE_ARGS:-}"
+fi
 "$root/scripts/setup.sh" engine_sim
 exec "$root/build/examples/engine_sim" --backend auto "$@"
