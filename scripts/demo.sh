@@ -5,11 +5,19 @@
 # (--help lists them).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-# Without a GPU the kernels would go unused: a first build skips them (the
-# longest step of the build). scripts/test.sh asks for them again, and an
-# existing build/ keeps what it was configured with.
-if [ ! -f "$root/build/CMakeCache.txt" ] && ! { [ -e /dev/nvidia0 ] || nvidia-smi -L >/dev/null 2>&1; }; then
-  export MOECAP_CMAKE_ARGS="-DMOECAP_CUDA=OFF ${MOECAP_CMAKE_ARGS:-}"
+# The kernels are the longest step of the build. A first build on a machine
+# without a GPU skips them (they would go unused; scripts/test.sh asks for
+# them again), and on one with GPUs builds them for those GPUs only (unless
+# CUDAARCHS says otherwise). An existing build/ keeps its configuration.
+if [ ! -f "$root/build/CMakeCache.txt" ]; then
+  if ! { [ -e /dev/nvidia0 ] || nvidia-smi -L >/dev/null 2>&1; }; then
+    export MOECAP_CMAKE_ARGS="-DMOECAP_CUDA=OFF ${MOECAP_CMAKE_ARGS:-}"
+  elif [ -z "${CUDAARCHS:-}" ]; then
+    # "9.0" per GPU -> "90-real"; nothing (an older nvidia-smi) keeps the default list.
+    archs=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
+            sed -n 's/^ *\([0-9]*\)\.\([0-9]*\) *$/\1\2-real/p' | sort -u | paste -sd ';' || true)
+    [ -z "$archs" ] || export MOECAP_CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=$archs ${MOECAP_CMAKE_ARGS:-}"
+  fi
 fi
 "$root/scripts/setup.sh" engine_sim
 exec "$root/build/examples/engine_sim" --backend auto "$@"
