@@ -6,13 +6,17 @@ forward, commit_batch moves each step's rows to the tokens' KV slots, and
 RequestTable reads a finished request's routing. Each request's routing
 leaves as a routing record (bytes).
 
-Trainer side: decode the record, run the policy over the whole sequence with
-every router forced to the recorded experts (moecap.hf.replay, fed the
-Megatron-LM per-layer layout), and check that the outputs equal what the
-rollout computed. Then simulate a policy update that moves the routers: the
-free-running forward now routes differently, the replayed one does not.
+Trainer side: decode the record and hand it to megatron-core's own router
+replay: RoutedExperts.to_megatron(num_tokens=T) gives one [T, top_k] tensor
+per MoE layer (the T-1 forwarded tokens' experts, and a filler route for the
+last token, which rollout never forwarded), RouterReplay.set_replay_data
+takes them, and every router of the trainer's model routes through
+Megatron's topk_routing_with_score_function in REPLAY_FORWARD. The replayed
+forward over the whole sequence reproduces the rollout's outputs. Then a
+policy update moves the routers: the free-running forward now routes
+differently, the replayed one does not.
 
-    python examples/python/rl_replay.py      # needs torch >= 2.4 and transformers
+    python examples/python/rl_replay.py  # needs torch >= 2.4, transformers, megatron-core
 """
 import inspect
 import os
@@ -22,6 +26,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+
+from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function  # noqa: E402
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # noqa: E402
 
 import moecap  # noqa: E402
 from moecap import hf  # noqa: E402
@@ -69,34 +76,73 @@ def rollout(model, capturer, prompts, new_tokens, rng):
             routed = table.finish(rid)               # read the request's routing, free its slots
             free.extend(int(s) for s in slots)       # the KV pool reuses them
             forwarded = tokens[:-1]                  # the last token is never forwarded
-            results.append((forwarded, torch.cat(logits), routed.to_bytes()))
+            results.append((forwarded, tokens[-1], torch.cat(logits), routed.to_bytes()))
     return results
 
 
-def train_side(model, forwarded, record):
-    """Decodes the record and replays it over the whole sequence in one
-    forward. Returns the replayed logits and, per (token, layer), whether the
-    replayed and the free-running forwards routed unlike the rollout."""
+class MegatronRouting:
+    """The trainer's routers, routed by megatron-core: one RouterReplay per MoE
+    layer (as Megatron's TopKRouter builds them), and a hook on each router of
+    the transformers model that takes its logits through Megatron's
+    topk_routing_with_score_function. With REPLAY_FORWARD set, Megatron picks
+    the replayed experts; without, it computes its own top-k of the softmax
+    (Qwen3-MoE's rule)."""
+
+    def __init__(self, layers):
+        RouterReplay.clear_global_router_replay_instances()
+        self.layers = layers
+        self.replays = [RouterReplay() for _ in layers]
+
+    def _hook(self, layer):
+        def hook(module, inputs, output):
+            logits = output[0].reshape(-1, output[0].shape[-1])
+            probs, routing_map = topk_routing_with_score_function(
+                logits.float(), module.top_k, use_pre_softmax=True, score_function="softmax",
+                router_replay=self.replays[layer.index])
+            ids = routing_map.nonzero()[:, 1].reshape(-1, module.top_k)  # each token's experts, ascending
+            weights = probs.gather(1, ids)
+            if module.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return output[0], weights.to(output[1].dtype), ids
+        return hook
+
+    def forward(self, model, ids, per_layer=None):
+        """logits of `ids` [1, T]; per_layer: the replayed routing, or None to route freely.
+        Also returns each MoE layer's experts per token, [T, layers, top_k] sorted."""
+        if per_layer is not None:
+            RouterReplay.set_replay_data(per_layer)
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        seen = []
+        hooks = [layer.router.register_forward_hook(self._hook(layer)) for layer in self.layers]
+        hooks += [layer.router.register_forward_hook(lambda m, i, o: seen.append(o[2])) for layer in self.layers]
+        try:
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0]
+        finally:
+            for h in hooks:
+                h.remove()
+            RouterReplay.clear_global_router_replay_action()
+            RouterReplay.clear_global_indices()
+        return logits, torch.stack(seen, 1).sort(-1)[0]
+
+
+def train_side(model, megatron, forwarded, next_token, record):
+    """Decodes the record and replays it through Megatron's RouterReplay over
+    the whole sequence (T tokens: the forwarded ones and the last sampled one).
+    Returns the replayed logits of the forwarded tokens and, per (token,
+    layer), whether the replayed and the free-running forwards routed unlike
+    the rollout."""
     routed = RoutedExperts.from_bytes(record)
-    assert routed.valid.all() and routed.shape[0] == len(forwarded)
+    tokens = forwarded + [next_token]
+    assert routed.valid.all() and routed.shape[0] == len(tokens) - 1  # T-1 rows: the last token never forwarded
+    per_layer = routed.to_megatron(num_tokens=len(tokens))  # [T, top_k] int64 per MoE layer
     recorded = torch.from_numpy(routed.ids.astype(np.int64)).sort(-1)[0]
-    ids = torch.tensor([forwarded])
-    seen = []
-    spy = lambda module, inputs, output: seen.append(output[2].reshape(-1, output[2].shape[-1]))  # noqa: E731
-    with torch.no_grad(), hf.replay(model, routed.to_megatron()) as layers:
-        hooks = [layer.router.register_forward_hook(spy) for layer in layers]  # after replay's: sees forced ids
-        replayed = model(input_ids=ids).logits[0]
-        for h in hooks:
-            h.remove()
-    replay_differs = (torch.stack(seen, 1).sort(-1)[0] != recorded).any(-1)
-    seen.clear()
-    with torch.no_grad():
-        hooks = [layer.router.register_forward_hook(spy) for layer in layers]
-        model(input_ids=ids)
-        for h in hooks:
-            h.remove()
-    free_differs = (torch.stack(seen, 1).sort(-1)[0] != recorded).any(-1)
-    return replayed, replay_differs, free_differs
+    ids = torch.tensor([tokens])
+    replayed, routes = megatron.forward(model, ids, per_layer)
+    replay_differs = (routes[:-1] != recorded).any(-1)
+    _, free_routes = megatron.forward(model, ids)
+    free_differs = (free_routes[:-1] != recorded).any(-1)
+    return replayed[:-1], replay_differs, free_differs
 
 
 def main():
@@ -111,14 +157,15 @@ def main():
     print(f"rollout: {len(results)} requests on {type(model).__name__}, {len(layers)} MoE layers, "
           f"top-{router.top_k} of {router.num_experts} experts")
 
+    megatron = MegatronRouting(layers)
     worst = 0.0
-    for rid, (forwarded, served_logits, record) in enumerate(results):
-        replayed, replay_differs, free_differs = train_side(model, forwarded, record)
+    for rid, (forwarded, last, served_logits, record) in enumerate(results):
+        replayed, replay_differs, free_differs = train_side(model, megatron, forwarded, last, record)
         gap = (replayed - served_logits).abs().max().item()
         worst = max(worst, gap)
         same_tokens = torch.equal(replayed.argmax(-1), served_logits.argmax(-1))
-        print(f"  request {rid}: {len(forwarded)} tokens, record {len(record)} bytes; replayed logits within "
-              f"{gap:.1e} of the rollout's, greedy tokens equal: {same_tokens}")
+        print(f"  request {rid}: {len(forwarded) + 1} tokens, record {len(record)} bytes; replayed through "
+              f"Megatron's RouterReplay, logits within {gap:.1e} of the rollout's, greedy tokens equal: {same_tokens}")
         assert same_tokens and gap < 1e-4, "the replayed forward must reproduce the rollout"
         assert not replay_differs.any() and not free_differs.any(), "unchanged weights route as recorded"
 
@@ -127,15 +174,16 @@ def main():
         for layer in layers:
             layer.router.weight.add_(torch.randn_like(layer.router.weight) * 0.01)
     drifted = held = 0
-    for forwarded, _, record in results:
-        _, replay_differs, free_differs = train_side(model, forwarded, record)
+    for forwarded, last, _, record in results:
+        _, replay_differs, free_differs = train_side(model, megatron, forwarded, last, record)
         drifted += int(free_differs.sum())
         held += int(replay_differs.sum())
-    total = sum(len(f) * len(layers) for f, _, _ in results)
+    total = sum(len(f) * len(layers) for f, _, _, _ in results)
     print(f"after a policy update: {drifted} of {total} (token, layer) routings differ from the rollout's "
-          f"without replay, {held} with replay")
+          f"without replay, {held} with replay (Megatron's RouterReplay)")
     assert drifted > 0 and held == 0
     print(f"replayed outputs equal the recorded ones (max |logit difference| {worst:.1e})")
+    RouterReplay.clear_global_router_replay_instances()
     capturer.close()
 
 

@@ -112,13 +112,17 @@ class RequestTable:
             self.capturer.read(slots, out=ids)
         else:
             self.capturer.read(slots, out=ids, weights_out=weights)
+        # The model layer of each captured layer, where attach (or the engine) said it.
+        layer_map = getattr(self.capturer, "layer_map", None) or (None, None)
         slot_states = getattr(self.capturer, "slot_states", None)
         if slot_states is None:  # a library before 1.1: a token whose ids all read -1 had no routing
-            routed = RoutedExperts.from_read(ids, self.num_experts, weights=weights, start=self._start[rid])
+            routed = RoutedExperts.from_read(ids, self.num_experts, weights=weights, start=self._start[rid],
+                                             layers=layer_map[0], num_hidden_layers=layer_map[1])
         else:  # which slots held committed routing, also where every id of a token was out of range
             from . import SLOT_VALID
             valid = (np.asarray(slot_states(slots)) & SLOT_VALID) != 0
-            routed = RoutedExperts(ids, self.num_experts, weights=weights, valid=valid, start=self._start[rid])
+            routed = RoutedExperts(ids, self.num_experts, weights=weights, valid=valid, start=self._start[rid],
+                                   layers=layer_map[0], num_hidden_layers=layer_map[1])
         self.abort(rid)
         return routed
 

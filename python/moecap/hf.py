@@ -10,7 +10,9 @@ picked, whatever its rule (softmax then top-k for Mixtral, Qwen2/3-MoE and
 OLMoE; top-k then softmax for GraniteMoE; PhiMoE's sparsemixer; DeepSeek-V3's
 grouped top-k over biased sigmoid scores). attach hooks those modules'
 outputs, so nothing is re-derived, numbers the MoE layers in order (dense
-layers in between are skipped), and captures each layer's ids (and weights,
+layers in between are skipped, and each MoE layer's decoder layer is kept in
+the handle's and the capturer's ``layer_map``, so a request read back knows
+which model layers it covers), and captures each layer's ids (and weights,
 if the capturer keeps them) inside the forward. A model's shared expert can
 ride along as an extra column (id num_experts), the fused-shared-expert
 layout engines use; the capturer accepts and drops it.
@@ -54,21 +56,37 @@ def _model_type(model):
     return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
 
+def _router_output_order(router, output):
+    """Positions (logits, weights, indices) in a transformers >= 5 router's
+    output: three tensors, the indices the one integer tensor, the weights the
+    floating one of the indices' shape. Most routers return (logits, weights,
+    indices); GraniteMoE, from transformers 5.19, (indices, weights, logits)."""
+    if isinstance(output, tuple) and len(output) == 3 and all(hasattr(o, "dtype") for o in output):
+        integer = [i for i, o in enumerate(output) if not o.dtype.is_floating_point]
+        if len(integer) == 1:
+            ids = integer[0]
+            same = [i for i, o in enumerate(output) if i != ids and tuple(o.shape) == tuple(output[ids].shape)]
+            if len(same) == 1:
+                return 3 - ids - same[0], same[0], ids
+            if len(same) == 2 and ids in (0, 2):  # top_k == num_experts: the weights sit in the middle in both orders
+                return 2 - ids, 1, ids
+    raise UnknownArchitecture(
+        f"{type(router).__name__} returned {type(output).__name__}, not (logits, weights, indices); "
+        "pass selector=fn(router, inputs, output) -> (ids, weights)")
+
+
 def default_selector(router, inputs, output):
-    """The transformers >= 5 router contract: (logits, weights, indices)."""
-    if not (isinstance(output, tuple) and len(output) == 3 and hasattr(output[2], "dtype")
-            and not output[2].dtype.is_floating_point):
-        raise UnknownArchitecture(
-            f"{type(router).__name__} returned {type(output).__name__}, not (logits, weights, indices); "
-            "pass selector=fn(router, inputs, output) -> (ids, weights)")
-    return output[2], output[1]
+    """The transformers >= 5 router contract: logits, weights and indices."""
+    _, weights, ids = _router_output_order(router, output)
+    return output[ids], output[weights]
 
 
 class MoELayer:
     """One MoE layer as attach found it."""
 
-    def __init__(self, index, name, router, block):
+    def __init__(self, index, name, router, block, model_layer=None):
         self.index = index      # the capturer's layer number
+        self.model_layer = model_layer  # its decoder layer in the model (None where attach cannot tell)
         self.name = name        # qualified name of the router module
         self.router = router
         self.block = block      # the module that owns the router (the sparse MoE block)
@@ -80,7 +98,8 @@ class MoELayer:
                 break
 
     def __repr__(self):
-        return f"MoELayer({self.index}, {self.name!r}, shared={self.shared is not None})"
+        return (f"MoELayer({self.index}, {self.name!r}, model_layer={self.model_layer}, "
+                f"shared={self.shared is not None})")
 
 
 def find_moe_layers(model, routers=None):
@@ -107,16 +126,69 @@ def find_moe_layers(model, routers=None):
         layers.append(MoELayer(i, names[id(r)], r, parents.get(id(r), r)))
     if not layers:
         raise UnknownArchitecture(f"{type(model).__name__} has no router modules to capture")
+    located = _decoder_layers(model, [layer.name for layer in layers])
+    if located is not None:
+        for layer, model_layer in zip(layers, located):
+            layer.model_layer = model_layer
     return layers
 
 
-class Attached:
-    """What attach returns: the layers it hooks; detach() removes every hook."""
+def num_hidden_layers(model):
+    """The model's decoder layer count (its config's num_hidden_layers, or the
+    text config's for a multimodal wrapper); None if it declares none."""
+    config = getattr(model, "config", None)
+    for c in (config, getattr(config, "text_config", None)):
+        n = getattr(c, "num_hidden_layers", None)
+        if isinstance(n, int):
+            return n
+    return None
 
-    def __init__(self, layers, hooks, runner):
+
+def _decoder_layers(model, router_names):
+    """The decoder layer index of each router: its position in the model's
+    decoder ModuleList (the one with num_hidden_layers entries that holds every
+    router), which is how DeepSeek's first dense layers and Qwen2-MoE's
+    mlp_only_layers show up (no router there). None if no such list holds them."""
+    hidden = num_hidden_layers(model)
+    if hidden is None:
+        return None
+    for list_name, module in model.named_modules():
+        if type(module).__name__ != "ModuleList" or len(module) != hidden:
+            continue
+        prefix = f"{list_name}." if list_name else ""
+        found = []
+        for name in router_names:
+            head = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
+            if not head.isdigit():
+                break
+            found.append(int(head))
+        if len(found) == len(router_names) and all(b > a for a, b in zip(found, found[1:])):
+            return found
+    return None
+
+
+def layer_map(model, layers=None):
+    """The LayerMap (moecap.record) of a model's MoE layers: each one's decoder
+    layer and the model's num_hidden_layers. None where attach cannot place the
+    routers in the model's decoder layers (routers outside a decoder ModuleList)."""
+    from .record import LayerMap
+    layers = find_moe_layers(model) if layers is None else layers
+    hidden = num_hidden_layers(model)
+    if hidden is None or any(layer.model_layer is None for layer in layers):
+        return None
+    return LayerMap(tuple(layer.model_layer for layer in layers), hidden)
+
+
+class Attached:
+    """What attach returns: the layers it hooks; detach() removes every hook.
+    layer_map: each MoE layer's model layer and the model's num_hidden_layers
+    (a moecap.record.LayerMap, also set as the capturer's `layer_map`), or None."""
+
+    def __init__(self, layers, hooks, runner, layer_map=None):
         self.layers = layers
         self._hooks = hooks
         self._runner = runner
+        self.layer_map = layer_map
 
     num_layers = property(lambda self: len(self.layers))
     num_experts = property(lambda self: self._runner.num_experts)
@@ -209,6 +281,13 @@ def attach(model, capturer, *, selector=None, routers=None, shared_expert=None, 
     if shared_expert and extra < 1:
         raise ValueError("shared_expert=True needs a capturer with extra_columns >= 1")
     keep_weights = config.get("weight_dtype") is not None
+    mapped = layer_map(model, layers)
+    if mapped is not None:
+        # RequestTable reads it at finish: what a request read from this capturer comes back as.
+        try:
+            capturer.layer_map = mapped
+        except AttributeError:  # a capturer that takes no attributes: the handle still says it
+            pass
     runner = _Runner(capturer, gather, keep_weights, int(bool(shared_expert)), num_experts, top_k, stream)
     hooks = []
     for layer in layers:
@@ -217,7 +296,7 @@ def attach(model, capturer, *, selector=None, routers=None, shared_expert=None, 
             hooks.append(layer.block.register_forward_hook(_block_hook(layer, runner)))
             if layer.shared_gate is not None:
                 hooks.append(layer.shared_gate.register_forward_hook(_gate_hook(layer, runner)))
-    return Attached(layers, hooks, runner)
+    return Attached(layers, hooks, runner, mapped)
 
 
 def _router_hook(layer, runner, selector, shared_expert):
@@ -295,7 +374,8 @@ def replay(model, ids, weights=None, routers=None):
 
     def make(layer):
         def hook(module, inputs, output):
-            logits, own_weights, own_ids = output
+            order = _router_output_order(module, output)
+            logits, own_weights, own_ids = (output[i] for i in order)
             forced = torch.as_tensor(ids[layer.index], device=own_ids.device).to(own_ids.dtype)
             if forced.shape != own_ids.reshape(-1, own_ids.shape[-1]).shape:
                 raise ValueError(f"layer {layer.index}: recorded ids {tuple(forced.shape)}, the forward routes "
@@ -304,7 +384,10 @@ def replay(model, ids, weights=None, routers=None):
                 w = torch.as_tensor(weights[layer.index], device=own_weights.device)
             else:
                 w = _recomputed_weights(module, logits, forced)
-            return logits, w.to(own_weights.dtype).reshape(own_weights.shape), forced.reshape(own_ids.shape)
+            replaced = [None] * 3
+            replaced[order[0]], replaced[order[1]], replaced[order[2]] = (
+                logits, w.to(own_weights.dtype).reshape(own_weights.shape), forced.reshape(own_ids.shape))
+            return tuple(replaced)
         return hook
 
     hooks = [layer.router.register_forward_hook(make(layer)) for layer in layers]

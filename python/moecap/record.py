@@ -4,10 +4,11 @@ the shapes RL trainers take.
 ``to_bytes()`` writes the routing record of ``abi/moecap_record.h`` (specified
 in ``docs/RECORD_FORMAT.md``), byte for byte what ``moecap_record_encode``
 writes from C; ``from_bytes()`` reads either. The converters give what each
-consumer takes: SGLang's base64 fields, Megatron-LM's per-layer router-replay
-indices, verl's left-padded batch, NeMo-RL's narrow signed ids.
+consumer takes (moecap.formats has one module per consumer, with its rules
+and a decoder; docs/CONSUMERS.md has the table).
 """
 import base64
+import collections
 import struct
 
 import numpy as np
@@ -61,6 +62,38 @@ def _to_numpy(x):
     return np.asarray(x)
 
 
+#: Which model layers a capturer's layers are: `layers`, the model layer (0-based) of
+#: each captured (MoE) layer, strictly increasing; `num_hidden_layers`, the model's.
+#: moecap.hf.attach sets one as `capturer.layer_map`; RequestTable.finish reads it.
+LayerMap = collections.namedtuple("LayerMap", "layers num_hidden_layers")
+
+
+def _layer_map(moe_layers, layers, num_hidden_layers):
+    """Checks a layer map against ids with `moe_layers` layers: (layers tuple, num_hidden_layers)."""
+    if layers is None:
+        layers = tuple(range(moe_layers))
+    else:
+        layers = _to_numpy(layers)
+        array = np.asarray(layers)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise ValueError(f"layers must be a sequence of ints, not {array.dtype} of shape {array.shape}")
+        layers = tuple(int(x) for x in array)
+    if len(layers) != moe_layers:
+        raise ValueError(f"layers has {len(layers)} entries; ids has {moe_layers} layers")
+    if layers and layers[0] < 0:
+        raise ValueError(f"layers[0] is {layers[0]}; model layers start at 0")
+    for i in range(1, len(layers)):
+        if layers[i] <= layers[i - 1]:
+            raise ValueError(f"layers[{i}] is {layers[i]} after {layers[i - 1]}; layers must be strictly increasing")
+    least = layers[-1] + 1 if layers else 0
+    if num_hidden_layers is None:
+        num_hidden_layers = least
+    num_hidden_layers = int(num_hidden_layers)
+    if num_hidden_layers < least:
+        raise ValueError(f"num_hidden_layers is {num_hidden_layers}; layers names model layer {least - 1}")
+    return layers, num_hidden_layers
+
+
 class RoutedExperts:
     """One request's routed experts.
 
@@ -71,9 +104,16 @@ class RoutedExperts:
     num_experts  routed experts of the model; ids are [0, num_experts)
     start    position in its sequence of the first token (a prefix-cache hit or
              a continued request starts past 0)
+    layers   the model layer (0-based) of each entry of ids' layer axis, strictly
+             increasing: ids holds the MoE layers only, in model order, and the
+             layers missing from this tuple are dense (DeepSeek's first layers,
+             Qwen2-MoE's mlp_only_layers). Default range(layers of ids).
+    num_hidden_layers  the model's num_hidden_layers (default layers[-1] + 1):
+             the layer axis of every all-layer payload (SGLang, vLLM, verl, ...)
     """
 
-    def __init__(self, ids, num_experts, weights=None, valid=None, start=0):
+    def __init__(self, ids, num_experts, weights=None, valid=None, start=0, *, layers=None,
+                 num_hidden_layers=None):
         ids = _to_numpy(ids)
         if ids.ndim != 3 or ids.dtype.kind not in "iu":
             raise ValueError(f"ids must be an integer [tokens, layers, top_k] array, not {ids.dtype} {ids.shape}")
@@ -98,14 +138,62 @@ class RoutedExperts:
             raise ValueError(f"valid has shape {v.shape}; expected ({ids.shape[0]},)")
         self.valid = v
         self.start = int(start)
+        self.layers, self.num_hidden_layers = _layer_map(ids.shape[1], layers, num_hidden_layers)
 
     @classmethod
-    def from_read(cls, ids, num_experts, weights=None, start=0):
+    def from_read(cls, ids, num_experts, weights=None, start=0, *, layers=None, num_hidden_layers=None):
         """A read's output: a token whose every id is -1 was an empty slot (never
         committed, or invalidated), which moecap_read reports as -1 ids."""
         ids = _to_numpy(ids)
         valid = ~(ids < 0).all(axis=(1, 2)) if ids.size else np.ones(ids.shape[0], dtype=bool)
-        return cls(ids, num_experts, weights=weights, valid=valid, start=start)
+        return cls(ids, num_experts, weights=weights, valid=valid, start=start, layers=layers,
+                   num_hidden_layers=num_hidden_layers)
+
+    @property
+    def layer_map(self):
+        return LayerMap(self.layers, self.num_hidden_layers)
+
+    def with_layer_map(self, layers, num_hidden_layers=None):
+        """The same routing placed at model layers `layers` (e.g. a record read
+        back with from_bytes, which does not carry the map)."""
+        return type(self)(self.ids, self.num_experts, weights=self.weights, valid=self.valid, start=self.start,
+                          layers=layers, num_hidden_layers=num_hidden_layers)
+
+    @classmethod
+    def concat(cls, parts):
+        """One routing from consecutive pieces of a sequence (a prefix, then the
+        routing of each continuation, as multi-turn serving reads them): each
+        piece starts where the one before it ends, with the same num_experts,
+        layer map and top_k. Weights are kept where every piece has them."""
+        parts = list(parts)
+        if not parts:
+            raise ValueError("parts is empty; concat needs at least one routing")
+        first = parts[0]
+        at = first.start + len(first)
+        for i, p in enumerate(parts[1:], 1):
+            if p.start != at:
+                raise ValueError(f"parts[{i}] starts at position {p.start}; the pieces before it end at {at}")
+            if (p.num_experts, p.layer_map, p.shape[2]) != (first.num_experts, first.layer_map, first.shape[2]):
+                raise ValueError(f"parts[{i}] has num_experts {p.num_experts}, {p.layer_map}, top_k {p.shape[2]}; "
+                                 f"parts[0] has {first.num_experts}, {first.layer_map}, top_k {first.shape[2]}")
+            at += len(p)
+        keep_weights = all(p.weights is not None for p in parts)
+        weights = np.concatenate([p.weights.astype(np.float32) for p in parts]) if keep_weights else None
+        return cls(np.concatenate([p.ids for p in parts]), first.num_experts, weights=weights,
+                   valid=np.concatenate([p.valid for p in parts]), start=first.start, layers=first.layers,
+                   num_hidden_layers=first.num_hidden_layers)
+
+    def all_layers(self, dense=0):
+        """ids over every model layer: [tokens, num_hidden_layers, top_k] in the
+        signed ids dtype, dense layers filled with `dense`, MoE layers the ids
+        (-1 throughout a token that has no routing)."""
+        info = np.iinfo(self.ids.dtype)
+        if not info.min <= int(dense) <= info.max:
+            raise ValueError(f"dense is {dense}; the ids dtype {self.ids.dtype} holds [{info.min}, {info.max}]")
+        tokens, _, top_k = self.shape
+        out = np.full((tokens, self.num_hidden_layers, top_k), dense, dtype=self.ids.dtype)
+        out[:, list(self.layers), :] = np.where(self.valid[:, None, None], self.ids, -1)
+        return out
 
     @property
     def shape(self):
@@ -120,13 +208,19 @@ class RoutedExperts:
         same_w = (self.weights is None) == (other.weights is None) and (
             self.weights is None or np.array_equal(self.weights[self.valid], other.weights[other.valid]))
         return (self.num_experts == other.num_experts and self.start == other.start
+                and self.layers == other.layers and self.num_hidden_layers == other.num_hidden_layers
                 and np.array_equal(self.valid, other.valid) and same_w
                 and np.array_equal(self.ids[self.valid], other.ids[other.valid]))
 
     def __repr__(self):
         return (f"RoutedExperts(tokens={self.shape[0]}, layers={self.shape[1]}, top_k={self.shape[2]}, "
                 f"num_experts={self.num_experts}, start={self.start}, weights={self.weights is not None}, "
-                f"invalid={int((~self.valid).sum())})")
+                f"invalid={int((~self.valid).sum())}{self._layer_repr()})")
+
+    def _layer_repr(self):
+        if self.layers == tuple(range(self.num_hidden_layers)):
+            return ""
+        return f", layers={list(self.layers)}, num_hidden_layers={self.num_hidden_layers}"
 
     # --- the record ---------------------------------------------------------
 
@@ -240,30 +334,44 @@ class RoutedExperts:
         return {"routed_experts": base64.b64encode(ids.astype(dt).tobytes()).decode("ascii"),
                 "routed_experts_dtype": dt.name, "routed_experts_shape": list(self.shape)}
 
-    def to_megatron(self):
-        """Megatron-LM router replay: one int64 [tokens, top_k] tensor per layer
-        (torch if installed, else numpy), the indices each layer's router is forced to."""
-        per_layer = [np.ascontiguousarray(self.ids[:, layer, :]).astype(np.int64) for layer in range(self.shape[1])]
-        try:
-            import torch
-        except ImportError:
-            return per_layer
-        return [torch.from_numpy(x) for x in per_layer]
+    # The trainers (moecap.formats.<consumer> has each format's rules and decoder).
 
-    def to_verl(self, total_len, pad_value=0):
-        """verl's routed_experts: (1, total_len, layers, top_k) int64, the request's
-        tokens at the right end (left padding, as verl pads its prompts), pad_value
-        elsewhere; invalid tokens also pad_value (verl masks by attention_mask)."""
-        tokens, layers, top_k = self.shape
-        if total_len < tokens:
-            raise ValueError(f"total_len is {total_len}; the request has {tokens} tokens")
-        out = np.full((1, total_len, layers, top_k), pad_value, dtype=np.int64)
-        out[0, total_len - tokens:] = np.where(self.valid[:, None, None], self.ids, pad_value)
-        return out
+    def to_megatron(self, dtype="int64", num_tokens=None, invalid="raise"):
+        """Megatron-core RouterReplay.set_replay_data: one torch [tokens, top_k]
+        int64 (or int32) per MoE layer. num_tokens=T adds the last token's row
+        (experts arange(top_k)); tokens without routing are refused, or routed
+        to arange(top_k) with invalid="arange"."""
+        from .formats import megatron
+        return megatron.encode(self, dtype, num_tokens, invalid)
 
-    def to_nemo_rl(self):
-        """NeMo-RL: the narrowest signed dtype holding every id, -1 for 'none'."""
-        return np.where(self.valid[:, None, None], self.ids, -1).astype(signed_dtype(self.num_experts))
+    def to_verl(self, prompt_len, prompt_width, response_width):
+        """verl's batch field routed_experts for this sequence: int16 [1,
+        prompt_width + response_width, num_hidden_layers, top_k], the prompt
+        left-padded, 0 elsewhere (the last token's row too)."""
+        from .formats import verl
+        return verl.encode(self, prompt_len, prompt_width, response_width)
+
+    def to_slime(self, num_tokens=None):
+        """slime's rollout_routed_experts: int32 [T-1-start, num_hidden_layers, top_k]."""
+        from .formats import slime
+        return slime.encode(self, num_tokens)
+
+    def to_nemo_rl(self, num_tokens=None, padded_length=None, layout="full"):
+        """NeMo-RL's envelope ``nrlre1:<dtype>:<S>x<L>x<K>:<base64>``: narrowest
+        signed dtype, default route arange(top_k) past T-1, -1 rows for tokens
+        without routing."""
+        from .formats import nemo_rl
+        return nemo_rl.encode(self, num_tokens, padded_length, layout)
+
+    def to_skyrl(self, num_tokens=None):
+        """SkyRL's {"data", "shape", "dtype"}: T-1 rows, canonical dtype."""
+        from .formats import skyrl
+        return skyrl.encode(self, num_tokens)
+
+    def to_prime_rl(self, num_tokens=None):
+        """prime-rl's {"data", "shape", "start", "dtype"}: uint8, or uint16 past id 255."""
+        from .formats import prime_rl
+        return prime_rl.encode(self, num_tokens)
 
 
 def sglang_base64_bytes_per_token(layers, top_k, dtype_bytes=4):

@@ -19,6 +19,10 @@ from moecap import hf  # noqa: E402
 import hf_serving  # noqa: E402
 
 ARCHITECTURES = sorted(hf.KNOWN)
+# hf_serving's tiny configs have 3 decoder layers: Qwen2-MoE's layer 1 is in mlp_only_layers,
+# DeepSeek-V3's first layer is dense (first_k_dense_replace=1); the others are MoE throughout.
+LAYER_MAPS = {t: ((0, 1, 2), 3) for t in ARCHITECTURES}
+LAYER_MAPS.update(qwen2_moe=((0, 2), 3), deepseek_v3=((1, 2), 3))
 
 
 def config_or_skip(model_type):
@@ -49,6 +53,7 @@ def check(ranks, rtol=1.3e-6):
             routed = req.routed
             assert routed.shape[0] == req.forwarded == len(req.expected_ids)
             assert routed.valid.all(), f"request {req.rid}: a committed token reads as an empty slot"
+            assert routed.layer_map == rank.handle.layer_map == LAYER_MAPS[rank.model.config.model_type]
             want = torch.stack(req.expected_ids).numpy()
             got = routed.ids.astype(np.int64)
             assert np.array_equal(got, want), f"request {req.rid} of rank {rank.rank}: ids differ"
@@ -183,3 +188,55 @@ def test_detach_removes_every_hook():
     handle.detach()
     with torch.no_grad():
         model(torch.randint(3, hf_serving.VOCAB, (1, 20)))  # 20 rows > 8 device rows: would fail if captured
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_layer_map_places_moe_layers_among_dense_ones(model_type):
+    """attach finds each MoE layer's decoder layer (dense ones have no router),
+    and a request read back carries it: all_layers() puts its routing at those
+    layers and 0 at the dense ones, as SGLang and vLLM lay out their payloads."""
+    model = hf_serving.build(config_or_skip(model_type))
+    layers = hf.find_moe_layers(model)
+    want = LAYER_MAPS[model_type]
+    assert tuple(layer.model_layer for layer in layers) == want[0] and hf.layer_map(model) == want
+    router = layers[0].router
+    cap = moecap.Capturer(num_layers=len(layers), top_k=router.top_k, num_experts=router.num_experts, host_slots=16,
+                          max_running_requests=1, chunked_prefill_size=16)
+    table = moecap.RequestTable(cap)  # made before attach: it reads the map at finish
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 5))
+    with hf.attach(model, cap) as handle, torch.no_grad():
+        assert handle.layer_map == cap.layer_map == want
+        out = model(tokens, output_router_logits=True)
+    table.start("r")
+    table.append("r", np.arange(5))
+    moecap.commit_batch(cap, np.arange(5))
+    routed = table.finish("r")
+    assert routed.layers == want[0] and routed.num_hidden_layers == want[1]
+    full = routed.all_layers()
+    assert full.shape == (5, 3, router.top_k)
+    for layer, logits in zip(layers, out.router_logits):
+        want_ids, _ = hf_serving.reference(layer.router, logits)
+        assert np.array_equal(np.sort(full[:, layer.model_layer], -1), np.sort(want_ids.numpy(), -1))
+    dense = sorted(set(range(3)) - set(want[0]))
+    assert (full[:, dense] == 0).all()
+
+
+def test_layer_map_is_none_where_routers_sit_outside_decoder_layers():
+    """Routers passed by hand that no decoder ModuleList holds: attach still
+    captures, and says it cannot place them (RequestTable keeps the default map)."""
+    model = hf_serving.build(config_or_skip("olmoe"))
+    routers = [layer.router for layer in hf.find_moe_layers(model)]
+    model.config.num_hidden_layers = 5  # no ModuleList of 5 decoder layers holds the routers now
+    assert all(layer.model_layer is None for layer in hf.find_moe_layers(model, routers))
+    assert hf.layer_map(model, hf.find_moe_layers(model, routers)) is None
+
+
+def test_router_output_order_is_found_not_assumed():
+    """transformers 5.19's GraniteMoE router returns (indices, weights, logits),
+    the others (logits, weights, indices): the selector takes each by its kind."""
+    ids, weights, logits = torch.tensor([[3, 1]]), torch.tensor([[0.7, 0.3]]), torch.randn(1, 8)
+    for output in ((logits, weights, ids), (ids, weights, logits)):
+        got_ids, got_weights = hf.default_selector(None, None, output)
+        assert got_ids is ids and got_weights is weights
+    with pytest.raises(hf.UnknownArchitecture, match="not \\(logits, weights, indices\\); pass selector="):
+        hf.default_selector(None, None, (logits, weights, weights))

@@ -200,19 +200,7 @@ def test_consumer_shapes():
     assert fields["routed_experts_dtype"] == "int32" and fields["routed_experts_shape"] == [6, 3, 2]
     with pytest.raises(ValueError, match="uint8 cannot hold expert 299"):
         RoutedExperts(ids, 300).to_sglang("uint8")
-    # Megatron-LM router replay: one [tokens, top_k] int64 per layer
-    per_layer = r.to_megatron()
-    assert len(per_layer) == 3 and all(tuple(x.shape) == (6, 2) for x in per_layer)
-    assert np.array_equal(np.asarray(per_layer[1]), ids[:, 1, :])
-    # verl: (1, total_len, layers, top_k), left padded
-    v = r.to_verl(10)
-    assert v.shape == (1, 10, 3, 2) and (v[0, :4] == 0).all()
-    assert np.array_equal(v[0, 4:][valid], ids[valid])
-    with pytest.raises(ValueError, match="total_len is 5"):
-        r.to_verl(5)
-    # NeMo-RL: narrowest signed, -1 for none
-    n = r.to_nemo_rl()
-    assert n.dtype == np.int16 and (n[~valid] == -1).all() and np.array_equal(n[valid], ids[valid])
+    # The trainers' formats are tested against their consumers in test_formats_*.py.
 
 
 def test_from_read_marks_empty_slots_invalid():

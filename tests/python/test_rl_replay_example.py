@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("torch", minversion="2.4", reason="the example needs torch >= 2.4 (the test venv)")
 pytest.importorskip("transformers", reason="the example needs transformers (the test venv)")
+pytest.importorskip("megatron.core", reason="the example replays through megatron-core's RouterReplay (the test venv)")
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python", "rl_replay.py")
 

@@ -1,0 +1,86 @@
+"""What the trainer formats share: the T-1 row check, the refusal of tokens
+without routing where a format has no value for them, and the way back from
+an all-layer array to a RoutedExperts."""
+import numpy as np
+
+from ..record import RoutedExperts
+
+
+def sequence_length(routed, num_tokens, consumer, whole=True):
+    """T, the sequence's token count, from the routing's rows: moecap reads the
+    tokens that went through a forward, positions [start, T - 1) (the last
+    sampled token never does). num_tokens, when given, must agree. whole: the
+    consumer takes a sequence's routing from position 0 only."""
+    rows = routed.shape[0]
+    if whole and routed.start != 0:
+        raise ValueError(f"{consumer} takes a sequence's routing from position 0; this routing starts at position "
+                         f"{routed.start} (join it after the routing of positions [0, {routed.start}) first: "
+                         "RoutedExperts.concat)")
+    implied = routed.start + rows + 1
+    if num_tokens is not None and int(num_tokens) != implied:
+        raise ValueError(f"num_tokens is {int(num_tokens)}; the routing has {rows} rows from position {routed.start}, "
+                         f"which is a sequence of {implied} tokens ({consumer} takes T-1 rows: the last token is "
+                         "never forwarded)")
+    return implied
+
+
+def require_routing(routed, consumer, instead=""):
+    """Refuses tokens without routing for a format that has no value meaning
+    'none' (any value it could carry would be replayed as real experts)."""
+    missing = np.flatnonzero(~routed.valid)
+    if missing.size:
+        raise ValueError(f"{consumer} has no value for 'no routing', and {missing.size} token(s) have none (the first "
+                         f"at position {routed.start + int(missing[0])}); {instead or 'nothing was encoded'}")
+
+
+def moe_rows(routed, layout):
+    """[tokens, layers, top_k] ids in the routing's signed dtype: every model
+    layer with dense ones 0 ("full", what engines send), or the MoE layers only
+    ("moe"); -1 throughout a token without routing."""
+    if layout == "full":
+        return routed.all_layers(dense=0)
+    if layout == "moe":
+        return np.where(routed.valid[:, None, None], routed.ids, -1).astype(routed.ids.dtype)
+    raise ValueError(f"layout must be 'full' or 'moe', not {layout!r}")
+
+
+def fits(ids, dtype, consumer):
+    info = np.iinfo(dtype)
+    if ids.size and (int(ids.max()) > info.max or int(ids.min()) < info.min):
+        raise ValueError(f"{consumer}'s {np.dtype(dtype).name} cannot hold expert {int(ids.max())}")
+    return ids.astype(np.dtype(dtype).newbyteorder("<"))
+
+
+def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start=0, valid=None):
+    """A RoutedExperts from a payload's [tokens, L, top_k] ids, whose layer axis
+    is either every model layer (dense ones must read 0) or the MoE layers only.
+    layers: the MoE layers' model indices (default: every layer of the payload
+    is MoE)."""
+    ids = np.asarray(ids)
+    if ids.ndim != 3:
+        raise ValueError(f"{consumer} payload has shape {ids.shape}; expected [tokens, layers, top_k]")
+    width = ids.shape[1]
+    if layers is None:
+        layers = range(width)
+    layers = [int(x) for x in layers]
+    if num_hidden_layers is None:
+        num_hidden_layers = width if width != len(layers) else (layers[-1] + 1 if layers else 0)
+    if width == len(layers) and width != num_hidden_layers:
+        moe = ids  # the MoE layers only
+    elif width == num_hidden_layers:
+        if layers and layers[-1] >= width:
+            raise ValueError(f"layers names model layer {layers[-1]}; the {consumer} payload has {width} layers")
+        dense = sorted(set(range(width)) - set(layers))
+        rows = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(valid)
+        if dense and (ids[rows][:, dense] != 0).any():
+            bad = next(d for d in dense if (ids[rows][:, d] != 0).any())
+            raise ValueError(f"{consumer} payload: layer {bad} is dense (not in layers) but holds expert ids")
+        moe = ids[:, layers]
+    else:
+        raise ValueError(f"the {consumer} payload has {width} layers; expected {len(layers)} (MoE layers only) or "
+                         f"{num_hidden_layers} (every model layer)")
+    moe = moe.astype(np.int64)
+    if valid is not None:
+        moe = np.where(np.asarray(valid)[:, None, None], moe, -1)
+    return RoutedExperts(moe, num_experts, valid=valid, start=start, layers=layers,
+                         num_hidden_layers=num_hidden_layers)

@@ -1,0 +1,66 @@
+"""prime-rl (its own vLLM wrapper and trainer): routed_experts as a dict.
+
+prime-rl's inference side sends vLLM's rows as ``{"data": base64 of the raw
+bytes, "shape": [rows, L, K], "start": prompt start, "dtype": name}``
+(``serialize_routed_experts``): uint8 unless the largest id present is over
+255, then uint16 (it asserts ids are in [0, 65535]). vLLM's rows run from
+routed_experts_prompt_start (``start``) to T-1; the layer axis is every model
+layer, dense layers 0, which prime-rl's trainer models index with the global
+layer number. The orchestrator then aligns a sequence to its len(token_ids)
+rows, zero-padding the tail (the last token's row is 0) and hands
+``[batch, seq, layers, top_k]`` to the trainer, whose MoE router gathers its
+scores at those ids.
+
+Rows: T-1-start (the dict carries start). Tokens without routing: refused
+(prime-rl asserts ids are non-negative and has no other "none").
+"""
+import base64
+
+import numpy as np
+
+from ._common import from_layer_axis, moe_rows, require_routing, sequence_length
+
+CONSUMER = "prime-rl"
+_DTYPES = {"uint8": np.dtype("u1"), "uint16": np.dtype("<u2")}
+
+
+def encode(routed, num_tokens=None):
+    """``{"data", "shape", "start", "dtype"}``, keys in that order."""
+    require_routing(routed, CONSUMER)
+    sequence_length(routed, num_tokens, CONSUMER, whole=False)
+    rows = moe_rows(routed, "full")
+    top = int(rows.max()) if rows.size else 0
+    if top > 0xFFFF:
+        raise ValueError(f"prime-rl's payload holds ids up to 65535; expert {top} does not fit")
+    rows = rows.astype(_DTYPES["uint8" if top <= 0xFF else "uint16"])
+    return {"data": base64.b64encode(rows.tobytes()).decode("ascii"), "shape": list(rows.shape),
+            "start": routed.start, "dtype": rows.dtype.name}
+
+
+def trainer_array(routed, num_tokens=None):
+    """[T-start, L, K] of the payload's dtype: the rows and the orchestrator's
+    zero row for the last token (what prime-rl's trainer receives per sample)."""
+    payload = encode(routed, num_tokens)
+    rows = np.frombuffer(base64.b64decode(payload["data"]), dtype=_DTYPES[payload["dtype"]])
+    rows = rows.reshape(payload["shape"])
+    return np.concatenate([rows, np.zeros((1, *rows.shape[1:]), dtype=rows.dtype)])
+
+
+def decode(payload, num_experts, layers=None, num_hidden_layers=None):
+    """A RoutedExperts from the dict (its start included). layers: the MoE
+    layers' model indices (dense layers must read 0)."""
+    try:
+        name, shape, data = payload.get("dtype", "uint8"), tuple(payload["shape"]), payload["data"]
+        start = int(payload.get("start", 0))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"not a prime-rl routed_experts dict ({{data, shape, start, dtype}}): {e}") from None
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r}; prime-rl's are {sorted(_DTYPES)}")
+    if len(shape) != 3 or start < 0:
+        raise ValueError(f"shape {list(shape)} / start {start}: expected 3 dimensions and start >= 0")
+    raw = base64.b64decode(data, validate=True)
+    if len(raw) != shape[0] * shape[1] * shape[2] * _DTYPES[name].itemsize:
+        raise ValueError(f"data has {len(raw)} bytes; {name}{list(shape)} takes "
+                         f"{shape[0] * shape[1] * shape[2] * _DTYPES[name].itemsize}")
+    ids = np.frombuffer(raw, dtype=_DTYPES[name]).reshape(shape)
+    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=start)

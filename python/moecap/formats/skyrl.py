@@ -1,0 +1,63 @@
+"""SkyRL (vLLM rollout, Megatron's RouterReplay): the packed routed_experts.
+
+SkyRL's inference server sends vLLM's T-1 rows as ``{"data": base64, "shape":
+[T-1, L, K], "dtype": name}`` (``pack_routed_experts``; data first, so its
+client can cut the base64 out of the raw body), with the dtype made canonical
+from the largest id present (``compact_routed_expert_indices``: uint8 below
+256, int16 below 2**15, else int32), and its client refuses any other dtype
+for the same values and any negative id. The layer axis is every model layer,
+dense layers 0; SkyRL maps it to MoE routers by each router's layer number.
+Its preprocessing left-pads each sequence to the batch width with the default
+route ``arange(K)``.
+
+Rows: T-1 from position 0 (the dict carries no start). Tokens without
+routing: refused (SkyRL rejects negative ids and has no other "none").
+"""
+import base64
+
+import numpy as np
+
+from ._common import from_layer_axis, moe_rows, require_routing, sequence_length
+
+CONSUMER = "SkyRL"
+_DTYPES = {"uint8": np.dtype("u1"), "int16": np.dtype("<i2"), "int32": np.dtype("<i4")}
+
+
+def canonical_dtype(ids):
+    """SkyRL's dtype for these ids: from the largest present, not num_experts."""
+    top = int(ids.max()) if ids.size else 0
+    return _DTYPES["uint8" if top < 2 ** 8 else "int16" if top < 2 ** 15 else "int32"]
+
+
+def encode(routed, num_tokens=None):
+    """``{"data", "shape", "dtype"}``, keys in that order, shape [T-1, L, K]."""
+    require_routing(routed, CONSUMER)
+    sequence_length(routed, num_tokens, CONSUMER)
+    rows = moe_rows(routed, "full")
+    rows = rows.astype(canonical_dtype(rows))
+    return {"data": base64.b64encode(rows.tobytes()).decode("ascii"), "shape": list(rows.shape),
+            "dtype": rows.dtype.name}
+
+
+def decode(payload, num_experts, layers=None, num_hidden_layers=None):
+    """A RoutedExperts from the dict, checked as SkyRL's client checks it
+    (dtype name, canonical dtype, byte count). layers: the MoE layers' model
+    indices (dense layers must read 0)."""
+    try:
+        name, shape, data = payload["dtype"], tuple(payload["shape"]), payload["data"]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"not a SkyRL routed_experts dict ({{data, shape, dtype}}): {e}") from None
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r}; SkyRL's are {sorted(_DTYPES)}")
+    if len(shape) != 3 or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+        raise ValueError(f"shape {list(shape)} is not 3 non-negative dimensions")
+    raw = base64.b64decode(data, validate=True)
+    if len(raw) != shape[0] * shape[1] * shape[2] * _DTYPES[name].itemsize:
+        raise ValueError(f"data has {len(raw)} bytes; {name}{list(shape)} takes "
+                         f"{shape[0] * shape[1] * shape[2] * _DTYPES[name].itemsize}")
+    ids = np.frombuffer(raw, dtype=_DTYPES[name]).reshape(shape)
+    if ids.size and int(ids.min()) < 0:
+        raise ValueError("SkyRL's routed experts are non-negative; this payload holds a negative id")
+    if canonical_dtype(ids) != _DTYPES[name]:
+        raise ValueError(f"dtype {name} is not canonical for these ids; SkyRL expects {canonical_dtype(ids).name}")
+    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER)

@@ -1,0 +1,73 @@
+"""The layer map of RoutedExperts: which model layer each MoE entry of ids
+is, and the all-layer view every all-layer payload is built from (dense
+layers filled, MoE layers the ids, -1 throughout a token without routing)."""
+import numpy as np
+import pytest
+
+from moecap.record import RoutedExperts
+
+
+def test_default_map_is_every_layer_moe():
+    r = RoutedExperts(np.zeros((2, 3, 2), dtype=np.int32), 8)
+    assert r.layers == (0, 1, 2) and r.num_hidden_layers == 3
+    assert np.array_equal(r.all_layers(), r.ids)
+
+
+def test_all_layers_fills_dense_layers_and_keeps_invalid_tokens_at_minus_one():
+    ids = np.array([[[1, 2], [3, 4]], [[5, 6], [7, 0]], [[2, 3], [4, 5]]])
+    r = RoutedExperts(ids, 8, valid=[True, False, True], layers=[1, 3], num_hidden_layers=5)
+    assert r.layers == (1, 3) and r.num_hidden_layers == 5
+    full = r.all_layers()
+    assert full.shape == (3, 5, 2) and full.dtype == np.int8
+    assert (full[:, [0, 2, 4]] == 0).all()
+    assert np.array_equal(full[[0, 2]][:, [1, 3]], ids[[0, 2]])
+    assert (full[1, [1, 3]] == -1).all()  # no routing: not mistakable for experts 0
+    assert (r.all_layers(dense=-1)[:, [0, 2, 4]] == -1).all()
+    with pytest.raises(ValueError, match="dense is 300; the ids dtype int8"):
+        r.all_layers(dense=300)
+
+
+def test_map_is_checked():
+    ids = np.zeros((1, 2, 1), dtype=np.int32)
+    with pytest.raises(ValueError, match="layers has 3 entries; ids has 2 layers"):
+        RoutedExperts(ids, 4, layers=[0, 1, 2])
+    with pytest.raises(ValueError, match=r"layers\[1\] is 1 after 1; layers must be strictly increasing"):
+        RoutedExperts(ids, 4, layers=[1, 1])
+    with pytest.raises(ValueError, match=r"layers\[0\] is -1"):
+        RoutedExperts(ids, 4, layers=[-1, 0])
+    with pytest.raises(ValueError, match="num_hidden_layers is 3; layers names model layer 4"):
+        RoutedExperts(ids, 4, layers=[1, 4], num_hidden_layers=3)
+    with pytest.raises(ValueError, match="layers must be a sequence of ints"):
+        RoutedExperts(ids, 4, layers=[0.5, 1.5])
+    r = RoutedExperts(ids, 4, layers=np.array([2, 5]))
+    assert r.layers == (2, 5) and r.num_hidden_layers == 6
+
+
+def test_map_takes_part_in_equality_and_survives_with_layer_map():
+    ids = np.arange(6).reshape(3, 2, 1)
+    plain = RoutedExperts(ids, 8)
+    placed = plain.with_layer_map([1, 2], 4)
+    assert placed != plain and placed == RoutedExperts(ids, 8, layers=(1, 2), num_hidden_layers=4)
+    assert "layers=[1, 2], num_hidden_layers=4" in repr(placed)
+    # The record bytes do not carry the map: decoding gives the default, with_layer_map restores it.
+    back = RoutedExperts.from_bytes(placed.to_bytes())
+    assert back.layers == (0, 1) and back.with_layer_map([1, 2], 4) == placed
+
+
+def test_concat_joins_a_prefix_and_its_continuation():
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 8, size=(9, 2, 2))
+    weights = rng.random((9, 2, 2)).astype(np.float32)
+    kw = dict(layers=[1, 3], num_hidden_layers=4)
+    prefix = RoutedExperts(ids[:5], 8, weights=weights[:5], **kw)
+    turn = RoutedExperts(ids[5:], 8, weights=weights[5:], valid=[True, False, True, True], start=5, **kw)
+    whole = RoutedExperts.concat([prefix, turn])
+    assert whole == RoutedExperts(ids, 8, weights=weights, valid=[True] * 6 + [False] + [True] * 2, **kw)
+    assert whole.to_nemo_rl().startswith("nrlre1:int8:10x4x2:")  # a whole-sequence format takes it now
+    with pytest.raises(ValueError, match="from position 0; this routing starts at position 5.*RoutedExperts.concat"):
+        turn.to_nemo_rl()
+    with pytest.raises(ValueError, match=r"parts\[1\] starts at position 5; the pieces before it end at 4"):
+        RoutedExperts.concat([RoutedExperts(ids[:4], 8, **kw), turn])
+    with pytest.raises(ValueError, match=r"parts\[1\] has num_experts 8, LayerMap\(layers=\(0, 1\)"):
+        RoutedExperts.concat([prefix, RoutedExperts(ids[5:], 8, start=5)])
+    assert RoutedExperts.concat([prefix, RoutedExperts(ids[5:], 8, start=5, **kw)]).weights is None

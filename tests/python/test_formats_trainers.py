@@ -1,0 +1,376 @@
+"""Every trainer format decoded the way its consumer decodes it.
+
+The consumer-side functions here restate, line for line in meaning, what each
+project does with the payload (verl's agent loop and R3 alignment, slime's
+meta-array decoding and pad rows, NeMo-RL's alignment and envelope codec,
+SkyRL's pack/unpack with its canonical dtype, prime-rl's serializer and
+orchestrator padding): none of these trainers installs on this CPU-only test
+venv, so their decoding is restated, and the engine rows they start from are
+what SGLang and vLLM send (every layer, dense ones 0, T-1 rows). Megatron's
+own RouterReplay runs for real in test_formats_megatron.py.
+"""
+import base64
+
+import numpy as np
+import pytest
+
+from moecap import formats
+from moecap.formats import nemo_rl, prime_rl, skyrl, slime, verl
+from moecap.record import RoutedExperts
+
+torch = pytest.importorskip("torch", reason="the trainers' decoding runs on torch tensors (the test venv)")
+
+LAYERS, HIDDEN, TOP_K = (1, 2, 4), 5, 2  # model layers 0 and 3 are dense
+
+
+def routing(rng, tokens=7, num_experts=8, start=0, valid=None, layers=LAYERS, hidden=HIDDEN, top_k=TOP_K):
+    """T-1 = `tokens` rows of distinct experts per (token, MoE layer), as routers pick them."""
+    ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens * len(layers))])
+    return RoutedExperts(ids.reshape(tokens, len(layers), top_k), num_experts, valid=valid, start=start,
+                         layers=layers, num_hidden_layers=hidden)
+
+
+def engine_rows(routed, dtype):
+    """What SGLang (int32) and vLLM (uint8/uint16) send: T-1 rows over every layer, dense 0."""
+    return routed.all_layers(dense=0).astype(dtype)
+
+
+def moe_ids(routed):
+    return routed.ids.astype(np.int64)
+
+
+# --- verl ---------------------------------------------------------------------
+
+def verl_agent_loop(experts_tensor, prompt_len, prompt_width, response_width):
+    """verl's _postprocess: the routes into zeros(1, total_length, L, K) at the
+    left-padded prompt's first token, in the int16 verl stores."""
+    experts_tensor = experts_tensor.to(torch.int16)
+    total_length = prompt_width + response_width
+    length, layer_num, topk_num = experts_tensor.shape
+    routed_experts = torch.zeros(1, total_length, layer_num, topk_num, dtype=experts_tensor.dtype)
+    start_pos = prompt_width - prompt_len
+    end_pos = min(start_pos + length, total_length)
+    assert start_pos >= 0 and end_pos <= total_length
+    routed_experts[:, start_pos:end_pos] = experts_tensor.unsqueeze(0)
+    return routed_experts
+
+
+def verl_replay_targets(routed_experts, attention_mask, response_mask, num_layers):
+    """verl's replay side for one sample: padding removed by the attention mask,
+    routes aligned to the input (a placeholder row if one short), the replay
+    mask leaving the last row native, one int64 [tokens, K] per layer."""
+    routes = routed_experts[0][attention_mask[0].bool()]
+    input_len = int(attention_mask.sum())
+    if routes.shape[0] == input_len - 1:
+        routes = torch.cat([routes, torch.zeros((1, *routes.shape[1:]), dtype=routes.dtype)])
+    assert routes.shape[0] == input_len
+    replay_len = input_len - 1 if int(response_mask.sum()) > 0 else 0
+    replay = torch.arange(input_len) < replay_len
+    per_layer = routes.permute(1, 0, 2)
+    assert per_layer.shape[0] == num_layers  # index_by_layer: the full-layer layout
+    return [per_layer[i].to(torch.int64) for i in range(num_layers)], replay
+
+
+def test_verl_batch_row_is_byte_identical_and_replays_the_routing():
+    rng = np.random.default_rng(1)
+    r = routing(rng, tokens=9, num_experts=200)  # a 10-token sequence: 4-token prompt, 6 response tokens
+    prompt_len, prompt_width, response_width = 4, 6, 8
+    ours = r.to_verl(prompt_len, prompt_width, response_width)
+    theirs = verl_agent_loop(torch.from_numpy(engine_rows(r, np.int32)), prompt_len, prompt_width, response_width)
+    assert ours.dtype == np.int16 and ours.shape == (1, 14, HIDDEN, TOP_K)
+    assert ours.tobytes() == theirs.numpy().tobytes()
+    attention_mask = torch.zeros(1, 14, dtype=torch.long)
+    attention_mask[0, 2:12] = 1  # 2 left-pad, 10 tokens, 2 right-pad
+    response_mask = torch.zeros(1, 8, dtype=torch.long)
+    response_mask[0, :6] = 1
+    targets, replay = verl_replay_targets(torch.from_numpy(ours), attention_mask, response_mask, HIDDEN)
+    assert replay[:-1].all() and not replay[-1]
+    for i, layer in enumerate(LAYERS):
+        assert torch.equal(targets[layer][:-1], torch.from_numpy(moe_ids(r)[:, i]))
+    assert all((targets[d] == 0).all() for d in (0, 3))
+    assert verl.decode(ours, 200, prompt_len, 10, prompt_width=prompt_width, layers=LAYERS) == r
+
+
+def test_verl_aligned_sequence_has_the_zero_placeholder_row():
+    r = routing(np.random.default_rng(2), tokens=5)
+    a = verl.aligned(r, num_tokens=6)
+    assert a.dtype == np.int16 and a.shape == (6, HIDDEN, TOP_K)
+    assert (a[-1] == 0).all() and np.array_equal(a[:-1], engine_rows(r, np.int16))
+
+
+def test_verl_refuses_what_it_cannot_carry():
+    rng = np.random.default_rng(3)
+    with pytest.raises(ValueError, match="verl has no value for 'no routing'.*position 2"):
+        routing(rng, valid=[True, True, False, True, True, True, True]).to_verl(3, 4, 8)
+    with pytest.raises(ValueError, match="from position 0; this routing starts at position 3"):
+        routing(rng, start=3).to_verl(3, 4, 8)
+    with pytest.raises(ValueError, match="expected 1 to response_width=3"):
+        routing(rng, tokens=7).to_verl(2, 4, 3)  # 8 tokens: 6 response tokens > 3
+    with pytest.raises(ValueError, match="prompt_len is 5; it must be in \\[1, prompt_width=4\\]"):
+        routing(rng).to_verl(5, 4, 8)
+    with pytest.raises(ValueError, match="verl's int16 cannot hold expert"):
+        routing(rng, num_experts=40000).to_verl(3, 4, 8)
+
+
+# --- slime --------------------------------------------------------------------
+
+def slime_decode(meta_info, tokens, num_layers, topk):
+    """slime: decode_int32_meta_array, then Sample's exact T-1-start check and reshape."""
+    value = meta_info["routed_experts"]
+    flat = torch.frombuffer(bytearray(base64.b64decode(value.encode("ascii"))), dtype=torch.int32)
+    start_len = meta_info.get("routed_experts_start_len", 0)
+    expected_rows = len(tokens) - 1 - start_len
+    assert flat.numel() == expected_rows * num_layers * topk
+    return flat.reshape(expected_rows, num_layers, topk)
+
+
+def slime_pad(experts, pad, num_experts):
+    """slime's pad rows: arange(pad * L * K) % num_experts, distinct and valid."""
+    _, num_layers, topk = experts.shape
+    pad_rows = torch.arange(pad * num_layers * topk, dtype=experts.dtype).reshape(pad, num_layers, topk) % num_experts
+    return torch.cat([experts, pad_rows])
+
+
+@pytest.mark.parametrize("num_experts", [5, 300])
+def test_slime_rows_are_exactly_t_minus_one_and_pad_like_slime(num_experts):
+    r = routing(np.random.default_rng(4), tokens=6, num_experts=num_experts)
+    tokens = list(range(7))
+    experts = slime_decode(slime.meta_info(r), tokens, HIDDEN, TOP_K)
+    assert experts.dtype == torch.int32
+    assert experts.numpy().tobytes() == r.to_slime(num_tokens=7).tobytes() == engine_rows(r, "<i4").tobytes()
+    padded = slime_pad(experts, 1, num_experts)
+    assert np.array_equal(padded.numpy(), slime.padded(r, 7))
+    assert len(set(padded[-1, 0].tolist())) == TOP_K  # the pad row routes to distinct experts
+    for i, layer in enumerate(LAYERS):  # slime records [:, layer_id] per local MoE layer, replays it as int32
+        assert torch.equal(padded[:-1, layer].to(torch.int32), torch.from_numpy(moe_ids(r)[:, i]).to(torch.int32))
+        assert (padded[:-1, layer] != 0).any()  # slime's validator refuses an all-zero MoE layer
+    assert slime.decode(slime.meta_info(r)["routed_experts"], num_experts, HIDDEN, TOP_K, 7, layers=LAYERS) == r
+
+
+def test_slime_continuation_carries_its_start_len():
+    r = routing(np.random.default_rng(5), tokens=4, start=3)  # positions 3..6 of an 8-token sequence
+    meta = slime.meta_info(r, num_tokens=8)
+    assert meta["routed_experts_start_len"] == 3
+    assert slime_decode(meta, list(range(8)), HIDDEN, TOP_K).shape == (4, HIDDEN, TOP_K)
+    with pytest.raises(ValueError, match="num_tokens is 9; the routing has 4 rows from position 3, which is a "
+                                         "sequence of 8 tokens"):
+        r.to_slime(num_tokens=9)
+    with pytest.raises(ValueError, match="slime has no value for 'no routing'"):
+        routing(np.random.default_rng(6), tokens=2, valid=[False, True]).to_slime()
+    with pytest.raises(ValueError, match="the slime payload has 20 values"):
+        slime.decode(np.zeros(20, dtype=np.int32), 8, HIDDEN, TOP_K, num_tokens=4)
+
+
+# --- NeMo-RL ------------------------------------------------------------------
+
+def nemo_align(routed, valid_length, padded_length, dtype):
+    """NeMo-RL's pad_and_align_routed_expert_indices: the default route
+    arange(K) everywhere, the T-1 routes copied in, missing routes -1."""
+    routed = torch.as_tensor(routed).to(dtype)
+    expected_routes = min(max(valid_length - 1, 0), padded_length)
+    missing = max(expected_routes - int(routed.shape[0]), 0)
+    default_route = torch.arange(routed.shape[2], dtype=dtype)
+    full = default_route.view(1, 1, -1).expand(padded_length, routed.shape[1], routed.shape[2]).clone()
+    copy = min(expected_routes, routed.shape[0])
+    full[:copy] = routed[:copy]
+    if missing:
+        full[copy:expected_routes] = -1
+    return full
+
+
+def nemo_encode(t):
+    name = {torch.int8: "int8", torch.int16: "int16", torch.int32: "int32"}[t.dtype]
+    s, layers, k = t.shape
+    return f"nrlre1:{name}:{s}x{layers}x{k}:{base64.b64encode(t.contiguous().numpy().tobytes()).decode('ascii')}"
+
+
+def nemo_decode(payload, dtype):
+    """NeMo-RL's decode_routed_experts: the envelope's four fields, frombuffer, reshape, .to(dtype)."""
+    magic, name, shape_text, data = payload.split(":", 3)
+    assert magic == "nrlre1"
+    shape = tuple(int(d) for d in shape_text.split("x"))
+    arr = np.frombuffer(base64.b64decode(data), dtype={"int8": np.int8, "int16": np.int16, "int32": np.int32}[name])
+    assert arr.size == shape[0] * shape[1] * shape[2]
+    return torch.from_numpy(arr.reshape(shape).copy()).to(dtype)
+
+
+def nemo_dtype(num_experts):
+    """resolve_routed_experts_dtype: the narrowest signed dtype holding num_experts - 1 and -1."""
+    for dtype in (torch.int8, torch.int16):
+        if num_experts - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int32
+
+
+@pytest.mark.parametrize("num_experts, name", [(128, "int8"), (129, "int16"), (32768, "int16"), (32769, "int32")])
+def test_nemo_rl_envelope_is_what_nemo_rl_writes(num_experts, name):
+    r = routing(np.random.default_rng(7), tokens=6, num_experts=num_experts)
+    vllm_rows = engine_rows(r, np.uint8 if num_experts <= 256 else np.uint16 if num_experts <= 65536 else np.int32)
+    for padded_length in (None, 10):
+        ours = r.to_nemo_rl(num_tokens=7, padded_length=padded_length)
+        assert ours.startswith(f"nrlre1:{name}:{padded_length or 7}x{HIDDEN}x{TOP_K}:")
+        assert ours == nemo_encode(nemo_align(vllm_rows, 7, padded_length or 7, nemo_dtype(num_experts)))
+        decoded = nemo_decode(ours, torch.long)
+        for i, layer in enumerate(LAYERS):  # NeMo-RL's Megatron side, full-layer layout: [:, layer, :].to(long)
+            assert torch.equal(decoded[:6, layer, :], torch.from_numpy(moe_ids(r)[:, i]))
+        assert (decoded[6:] == torch.arange(TOP_K)).all()
+        assert nemo_rl.decode(ours, num_experts, num_tokens=7, layers=LAYERS) == r
+
+
+def test_nemo_rl_marks_tokens_without_routing_minus_one_and_takes_the_moe_layout():
+    r = routing(np.random.default_rng(8), tokens=5, valid=[True, False, True, True, False])
+    env = r.to_nemo_rl(layout="moe")
+    decoded = nemo_decode(env, torch.long)
+    assert decoded.shape == (6, len(LAYERS), TOP_K)  # the compressed MoE-only layout NeMo-RL also accepts
+    fallback = decoded.eq(-1).all(dim=-1)  # NeMo-RL's patched replay routes these rows natively
+    assert fallback[:, 0].tolist() == [False, True, False, False, True, False]
+    assert not (decoded.lt(0).any(-1) & ~fallback).any()  # never a partly -1 row
+    back = formats.decode(env, 8, layers=LAYERS, num_hidden_layers=HIDDEN)
+    assert back == r and back.valid.tolist() == [True, False, True, True, False]
+    full = nemo_decode(r.to_nemo_rl(), torch.long)
+    assert (full[1] == -1).all() and (full[4] == -1).all()  # the whole row, as NeMo-RL marks a missing route
+
+
+def test_nemo_rl_refuses_bad_envelopes():
+    r = routing(np.random.default_rng(9), tokens=3)
+    env = r.to_nemo_rl()
+    with pytest.raises(ValueError, match="not a NeMo-RL routed_experts envelope"):
+        nemo_rl.decode("nrlre2" + env[6:], 8)
+    with pytest.raises(ValueError, match="envelope holds"):
+        nemo_rl.decode(env.replace(f"4x{HIDDEN}", f"5x{HIDDEN}"), 8)
+    bad = nemo_rl.array(r).copy()
+    bad[1, 1, 0] = -1
+    partial = f"nrlre1:int8:4x{HIDDEN}x{TOP_K}:" + base64.b64encode(bad.tobytes()).decode()
+    with pytest.raises(ValueError, match="row 1 mixes -1 with expert ids"):
+        nemo_rl.decode(partial, 8, layers=LAYERS)
+    with pytest.raises(ValueError, match="padded_length is 3; the sequence has 4 tokens"):
+        r.to_nemo_rl(padded_length=3)
+
+
+# --- SkyRL --------------------------------------------------------------------
+
+def skyrl_compact(routed_experts):
+    """compact_routed_expert_indices: the dtype from the largest id present."""
+    assert routed_experts.min(initial=0) >= 0
+    top = int(routed_experts.max(initial=0))
+    dtype = np.uint8 if top < 2 ** 8 else np.int16 if top < 2 ** 15 else np.int32
+    return routed_experts.astype(dtype)
+
+
+def skyrl_unpack(payload):
+    """unpack_ndarray + decode_packed_routed_experts: allowed dtype, byte count, canonical dtype."""
+    allowed = {"uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
+    dtype = allowed[payload["dtype"]]
+    shape = tuple(payload["shape"])
+    data = base64.b64decode(payload["data"], validate=True)
+    assert len(shape) == 3 and len(data) == int(np.prod(shape)) * dtype.itemsize
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    assert skyrl_compact(array).dtype == array.dtype
+    return array
+
+
+@pytest.mark.parametrize("num_experts", [8, 300, 40000])
+def test_skyrl_dict_is_what_its_server_packs_and_its_client_reads(num_experts):
+    r = routing(np.random.default_rng(10), tokens=6, num_experts=num_experts)
+    compact = skyrl_compact(engine_rows(r, np.int64))
+    want = {"data": base64.b64encode(compact.tobytes()).decode("ascii"), "shape": list(compact.shape),
+            "dtype": compact.dtype.name}
+    ours = r.to_skyrl(num_tokens=7)
+    assert ours == want and list(ours) == ["data", "shape", "dtype"]  # data first: SkyRL's client splices it
+    array = skyrl_unpack(ours)
+    # SkyRL's preprocessing: left-pad to the batch width with the default route arange(K).
+    width = 10
+    batch = np.empty((1, width, HIDDEN, TOP_K), dtype=array.dtype)
+    batch[...] = np.arange(TOP_K, dtype=array.dtype)
+    batch[0, width - 7:width - 1] = array
+    for i, layer in enumerate(LAYERS):  # per MoE router (by layer number): int32 [B*S, K]
+        per_layer = torch.from_numpy(batch[:, :, layer].reshape(-1, TOP_K).astype(np.int32))
+        assert torch.equal(per_layer[3:9].long(), torch.from_numpy(moe_ids(r)[:, i]))
+    assert skyrl.decode(ours, num_experts, layers=LAYERS) == r
+
+
+def test_skyrl_dtype_follows_the_largest_id_not_num_experts():
+    ids = np.array([[[0, 1]], [[2, 3]]])
+    payload = RoutedExperts(ids, 1000).to_skyrl()
+    assert payload["dtype"] == "uint8"  # 1000 experts, but no id above 255
+    bloated = dict(payload, dtype="int16",
+                   data=base64.b64encode(ids.astype("<i2").tobytes()).decode())
+    with pytest.raises(ValueError, match="dtype int16 is not canonical for these ids; SkyRL expects uint8"):
+        skyrl.decode(bloated, 1000)
+    with pytest.raises(ValueError, match="SkyRL has no value for 'no routing'"):
+        RoutedExperts(ids, 8, valid=[True, False]).to_skyrl()
+    with pytest.raises(ValueError, match="from position 0"):
+        RoutedExperts(ids, 8, start=1).to_skyrl()
+
+
+# --- prime-rl -----------------------------------------------------------------
+
+def prime_rl_serialize(routed_experts, start):
+    """prime-rl's serialize_routed_experts: uint8 unless an id is over 255, then uint16."""
+    array = np.asarray(routed_experts)
+    dtype = np.uint8
+    if array.size:
+        assert array.min() >= 0
+        if array.max() > np.iinfo(np.uint8).max:
+            assert array.max() <= np.iinfo(np.uint16).max
+            dtype = np.uint16
+    compact = np.ascontiguousarray(array.astype(dtype, copy=False))
+    return {"data": base64.b64encode(memoryview(compact)).decode("ascii"), "shape": list(compact.shape),
+            "start": start, "dtype": np.dtype(dtype).name}
+
+
+def prime_rl_orchestrator(payload, num_tokens):
+    """Decode (np.dtype(payload.get("dtype", "uint8"))), then _encode_routed_experts:
+    truncate or zero-pad the token axis to num_tokens."""
+    arr = np.frombuffer(base64.b64decode(payload["data"]), dtype=np.dtype(payload.get("dtype", "uint8")))
+    arr = arr.reshape(payload["shape"])
+    if arr.shape[0] < num_tokens:
+        arr = np.concatenate([arr, np.zeros((num_tokens - arr.shape[0], *arr.shape[1:]), dtype=arr.dtype)])
+    return arr[:num_tokens]
+
+
+@pytest.mark.parametrize("num_experts, dtype", [(256, "uint8"), (512, "uint16")])
+def test_prime_rl_dict_is_what_its_wrapper_serializes(num_experts, dtype):
+    rng = np.random.default_rng(11)
+    r = routing(rng, tokens=6, num_experts=num_experts)
+    if dtype == "uint16":  # the dtype follows the largest id present
+        r.ids[0, 0, 0] = 300
+    ours = r.to_prime_rl(num_tokens=7)
+    assert ours == prime_rl_serialize(engine_rows(r, np.int64), 0) and ours["dtype"] == dtype
+    assert list(ours) == ["data", "shape", "start", "dtype"]
+    sample = prime_rl_orchestrator(ours, 7)
+    assert np.array_equal(sample, prime_rl.trainer_array(r)) and (sample[-1] == 0).all()
+    batch = torch.from_numpy(sample.astype(np.int64))[None]  # (batch, seq, num_hidden_layers, top_k)
+    scores = torch.rand(7, num_experts)
+    for i, layer in enumerate(LAYERS):  # the trainer indexes the global layer, its router gathers there
+        chosen = batch[:, :, layer, :].reshape(-1, TOP_K)
+        assert torch.equal(chosen[:6], torch.from_numpy(moe_ids(r)[:, i]))
+        assert torch.equal(scores.gather(1, chosen)[:6], scores[:6].gather(1, torch.from_numpy(moe_ids(r)[:, i])))
+    assert formats.decode(ours, num_experts, layers=LAYERS) == r
+
+
+def test_prime_rl_keeps_the_start_of_a_continuation():
+    r = routing(np.random.default_rng(12), tokens=3, start=5)
+    payload = r.to_prime_rl(num_tokens=9)
+    assert payload["start"] == 5 and payload["shape"] == [3, HIDDEN, TOP_K]
+    back = prime_rl.decode(payload, 8, layers=LAYERS)
+    assert back == r and back.start == 5
+    with pytest.raises(ValueError, match="prime-rl has no value for 'no routing'"):
+        routing(np.random.default_rng(13), tokens=2, valid=[True, False]).to_prime_rl()
+    with pytest.raises(ValueError, match="ids up to 65535"):
+        RoutedExperts(np.array([[[70000]]]), 70001).to_prime_rl()
+
+
+# --- decoding in general --------------------------------------------------------
+
+def test_decoders_check_dense_layers_and_name_unknown_payloads():
+    r = routing(np.random.default_rng(14), tokens=3)
+    payload = r.to_skyrl()
+    with pytest.raises(ValueError, match="layer 4 is dense \\(not in layers\\) but holds expert ids"):
+        skyrl.decode(payload, 8, layers=(1, 2))  # layer 4 taken for dense: a real MoE layer
+    with pytest.raises(ValueError, match="the SkyRL payload has 5 layers; expected 2"):
+        skyrl.decode(payload, 8, layers=(1, 2), num_hidden_layers=7)
+    plain = skyrl.decode(payload, 8)  # no map given: every layer taken for MoE, dense ones as expert 0
+    assert plain.layers == tuple(range(HIDDEN))
+    with pytest.raises(ValueError, match="cannot tell which consumer's payload"):
+        formats.decode([1, 2, 3], 8)
