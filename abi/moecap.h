@@ -76,9 +76,15 @@ extern "C" {
 #endif
 
 /* ABI version: major in the high 16 bits, minor in the low 16 bits. A major
- * bump breaks compatibility; a minor bump only appends fields or functions. */
+ * bump breaks compatibility; a minor bump only appends fields or functions.
+ * The release is MAJOR.MINOR.PATCH, PATCH counting releases that change no
+ * interface. These three lines are the only place the version is written:
+ * CMake's project version (so the SONAME libmoecap.so.MAJOR), moecap.pc, the
+ * CMake package's version file and the Python wheel's version are read from
+ * them. */
 #define MOECAP_ABI_VERSION_MAJOR 1
 #define MOECAP_ABI_VERSION_MINOR 1
+#define MOECAP_VERSION_PATCH 0
 #define MOECAP_ABI_VERSION ((uint32_t)((MOECAP_ABI_VERSION_MAJOR << 16) | MOECAP_ABI_VERSION_MINOR))
 
 /* ------------------------------------------------------------------------ */

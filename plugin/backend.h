@@ -11,6 +11,7 @@
 #include "graphs/kernel_params.h"
 #include "moecap.h"
 #include "plugin/plan.h"
+#include "plugin/tensor_args.h"
 
 namespace moecap {
 
@@ -46,7 +47,11 @@ class Backend {
   // Whether kernels may read a tensor on `d` directly.
   virtual bool kernel_can_read(DLDevice d) const = 0;
   // Whether the host may read a tensor on `d` now (at the call).
-  static bool host_can_read(DLDevice d) { return d.device_type == kDLCPU || d.device_type == kDLCUDAHost; }
+  // (Device types are compared as integers: see device_kind.)
+  static bool host_can_read(const DLDevice& d) {
+    const int32_t kind = device_kind(d);
+    return kind == kDLCPU || kind == kDLCUDAHost;
+  }
 
   // Allocation happens at create only. Memory comes back zeroed. The frees
   // never throw: they run from destructors, also at process exit.

@@ -19,17 +19,6 @@ constexpr uint8_t kGuardByte = 0xA5;
 
 size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-// Ids [0, n) an output dtype holds.
-int64_t id_limit(int32_t elem) {
-  switch (elem) {
-    case kU8: return 256;
-    case kI8: return 128;
-    case kU16: return 65536;
-    case kI16: return 32768;
-    default: return int64_t{1} << 31;
-  }
-}
-
 bool is_unsigned(int32_t elem) { return elem == kU8 || elem == kU16; }
 
 static_assert(kSlotEmpty == MOECAP_SLOT_EMPTY && kSlotValid == MOECAP_SLOT_VALID &&
@@ -457,11 +446,42 @@ void Capturer::require_routing(const DLTensor* slots) const {
   }
   if (missing > 0) {
     const int64_t slot = load_int(tensor_data(slots), elem, first);
-    fail(MOECAP_ERROR_NO_ROUTING, "slots[", first, "] = ", slot, " holds ",
-         states[slot] == kSlotEmpty ? "no committed routing (never committed, or invalidated)"
-                                    : "ids that were out of range at capture",
+    fail(MOECAP_ERROR_NO_ROUTING, "slots[", first, "] = ", slot, " ",
+         states[slot] == kSlotEmpty ? "holds no committed routing (never committed, or invalidated)"
+                                    : why_no_routing(slot),
          "; ", missing, " of ", slots->shape[0], " slots have no usable routing (MOECAP_READ_STRICT)");
   }
+}
+
+// A VALID | INVALID_IDS slot has two causes, told apart by what it stores.
+// Commit consumes device rows, so a row no capture (or top-k kernel) wrote
+// again in some layer commits that whole layer as "no expert"; an id out of
+// range at capture, or a bad value written into a layer view, makes single
+// ids "no expert". A layer of all "no expert" is named as the first cause
+// (it is also what a layer of only bad ids gives). Where the host dtype has
+// no spare value (u8 with 256 experts), the stored ids cannot say which.
+std::string Capturer::why_no_routing(int64_t slot) const {
+  const moecap_config& c = plan_.config;
+  if (plan_.no_expert_is_id) {
+    return cat("holds ids that are no real expert: a layer not captured again since the row's last commit, or ids "
+               "out of range (with ", c.num_experts, " experts in ", elem_name(plan_.id_elem),
+               " the two cannot be told apart)");
+  }
+  const uint8_t* row = host_block_ + host_ids_.offset + slot * plan_.id_row_bytes();
+  int32_t partial_layer = -1;
+  for (int32_t layer = 0; layer < c.num_layers; ++layer) {
+    int32_t none = 0;
+    for (int32_t k = 0; k < c.top_k; ++k) {
+      none += load_int(row, plan_.id_elem, int64_t{layer} * c.top_k + k) == plan_.no_expert ? 1 : 0;
+    }
+    if (none == c.top_k) {
+      return cat("has no routing in layer ", layer, ": its row was not captured again in that layer before it was "
+                 "committed (commit consumes rows), or every id there was out of range (or -1 in moecap_write)");
+    }
+    if (none > 0 && partial_layer < 0) partial_layer = layer;
+  }
+  return cat("holds ids that were out of range in layer ", partial_layer,
+             " (at capture, or written so into a layer view by a kernel)");
 }
 
 // Where write's inputs are read from: host tensors in place, device tensors

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "base/stream.h"
 #include "moecap.h"
@@ -83,6 +84,7 @@ class Capturer {
   ReadOutputs check_read_outputs(DLTensor* ids_out, DLTensor* weights_out, int64_t t, bool strict) const;
   // MOECAP_READ_STRICT: fails with NO_ROUTING unless every slot is plainly valid.
   void require_routing(const DLTensor* slots) const;
+  std::string why_no_routing(int64_t slot) const;
   // Argument placement: refuses a tensor the kernels cannot read in place.
   void require_kernel_readable(const DLTensor* t, const char* name) const;
   // Refuses a tensor the host cannot read now.

@@ -188,8 +188,8 @@ class CudaBackend final : public Backend {
 
   DLDevice device() const override { return DLDevice{kDLCUDA, ordinal_}; }
   bool kernel_can_read(DLDevice d) const override {
-    return ((d.device_type == kDLCUDA || d.device_type == kDLCUDAManaged) && d.device_id == ordinal_) ||
-           d.device_type == kDLCUDAHost;
+    const int32_t kind = device_kind(d);  // an integer: never a DLDeviceType load
+    return ((kind == kDLCUDA || kind == kDLCUDAManaged) && d.device_id == ordinal_) || kind == kDLCUDAHost;
   }
 
   void* alloc_device(size_t bytes) override {
