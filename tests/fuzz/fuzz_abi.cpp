@@ -116,8 +116,9 @@ struct Model {
   int64_t read_id(int64_t slot, int64_t e) const {
     return readable(slot) ? host_ids[static_cast<size_t>(slot * row + e)] : -1;
   }
+  // Every id that reads -1 carries weight 0, whatever made it -1 (see read_id).
   float read_weight(int64_t slot, int64_t e) const {
-    return readable(slot) ? host_w[static_cast<size_t>(slot * row + e)] : 0.0f;
+    return read_id(slot, e) != -1 ? host_w[static_cast<size_t>(slot * row + e)] : 0.0f;
   }
 };
 
