@@ -5,7 +5,9 @@
 // local_rows, export and release, ids written straight into a layer view,
 // graph record and replay, error counters, histogram reset). After every call:
 //   - a failed call changed nothing (every buffer byte and counter equal),
-//   - a successful one left exactly what a simple model predicts,
+//   - a successful one left exactly what a simple model predicts: every
+//     buffer (device ids and weights, host cache, slot states, histogram)
+//     and both error counters, compared through moecap's own exports,
 // and the sanitizers watch for everything else.
 //
 // The model (struct Model) rests on these documented library behaviours;
@@ -127,7 +129,7 @@ constexpr int64_t kNoExpert = -1;
 // from a readable slot (kNoExpert for "no expert"), beside each slot's state.
 struct Model {
   int64_t rows = 0, slots = 0, row = 0, layers = 0, k = 0, experts = 0;
-  int32_t device_elem = 0, weight_elem = -1;
+  int32_t device_elem = 0, host_elem = 0, weight_elem = -1;
   int64_t device_no_expert = -1;  // the device dtype's no-routing code (all ones)
   bool no_expert_is_id = false;   // the host dtype has no spare value (u8 with 256 experts)
   std::vector<int64_t> dev_ids, host_ids;
@@ -367,10 +369,14 @@ Model model_of(moecap_capturer* h, const CallerConfig& caller, const moecap_conf
   m.k = config.top_k;
   m.row = plan.row_elements;
   m.experts = config.num_experts;
-  m.device_elem = plan.device_id_dtype == MOECAP_IDS_U8    ? moecap::kU8
-                  : plan.device_id_dtype == MOECAP_IDS_U16 ? moecap::kU16
-                  : plan.device_id_dtype == MOECAP_IDS_I16 ? moecap::kI16
-                                                           : moecap::kI32;
+  auto elem_of = [](int32_t id_dtype) {
+    return id_dtype == MOECAP_IDS_U8    ? moecap::kU8
+           : id_dtype == MOECAP_IDS_U16 ? moecap::kU16
+           : id_dtype == MOECAP_IDS_I16 ? moecap::kI16
+                                        : moecap::kI32;
+  };
+  m.device_elem = elem_of(plan.device_id_dtype);
+  m.host_elem = elem_of(plan.id_dtype);
   const bool device_unsigned = m.device_elem == moecap::kU8 || m.device_elem == moecap::kU16;
   m.device_no_expert = device_unsigned ? (int64_t{1} << (8 * plan.device_id_bytes)) - 1 : -1;
   REQUIRE(m.device_no_expert < 0 || m.device_no_expert >= m.experts);  // the plan keeps it apart from the ids
@@ -617,14 +623,85 @@ moecap_status op_histogram_reset(Run& r) {
   return s;
 }
 
-// The model's view of the buffers after every call, through moecap's own exports.
+// A view of one of the capturer's buffers, released at scope exit.
+class View {
+ public:
+  View(moecap_capturer* h, int32_t which) { status_ = moecap_export(h, which, 0, &v_); }
+  ~View() {
+    if (v_ != nullptr) v_->deleter(v_);
+  }
+  View(const View&) = delete;
+  View& operator=(const View&) = delete;
+  moecap_status status() const { return status_; }
+  const void* data() const { return v_->dl_tensor.data; }
+  int64_t elements() const {
+    int64_t n = 1;
+    for (int32_t d = 0; d < v_->dl_tensor.ndim; ++d) n *= v_->dl_tensor.shape[d];
+    return n;
+  }
+
+ private:
+  DLManagedTensorVersioned* v_ = nullptr;
+  moecap_status status_;
+};
+
+// Element i of `view` (of dtype `elem`) is `expected`, truncated to the
+// dtype as a store would (-1 becomes all ones in an unsigned one).
+bool same_int(const View& view, int32_t elem, int64_t i, int64_t expected) {
+  uint8_t want[8];
+  moecap::store_int(want, elem, 0, expected);
+  return moecap::load_int(view.data(), elem, i) == moecap::load_int(want, elem, 0);
+}
+
+// Bit for bit: weights are copied, never recomputed, after their first rounding.
+bool same_weight(const View& view, int32_t elem, int64_t i, float expected) {
+  uint8_t want[4];
+  moecap::store_float(want, elem, 0, expected);
+  const int64_t bytes = moecap::elem_bytes(elem);
+  return std::memcmp(static_cast<const uint8_t*>(view.data()) + i * bytes, want, static_cast<size_t>(bytes)) == 0;
+}
+
+// After every call, every buffer and counter, through moecap's own exports,
+// holds what the model says: a disagreement shows at the call that caused
+// it, not only when a read happens to look. Device buffer: what capture,
+// kernels and commit's consumption left (documented: a committed row reads
+// -1 in the device views). Host cache: ids with "no expert" as all ones,
+// weights as stored (also behind ids that read -1), one state byte a slot.
 void check_buffers(const Run& r) {
   const Model& m = r.m;
-  DLManagedTensorVersioned* v = nullptr;
-  REQUIRE(moecap_export(r.h, MOECAP_BUFFER_HISTOGRAM, 0, &v) == (m.has_histogram ? MOECAP_OK : MOECAP_ERROR_INVALID_ARGUMENT));
-  if (v != nullptr) {
-    REQUIRE(std::memcmp(v->dl_tensor.data, m.histogram.data(), m.histogram.size() * 8) == 0);
-    v->deleter(v);
+  {
+    View states(r.h, MOECAP_BUFFER_HOST_STATES);
+    REQUIRE(states.status() == MOECAP_OK && states.elements() == m.slots);
+    REQUIRE(std::memcmp(states.data(), m.states.data(), m.states.size()) == 0);
+  }
+  {
+    View dev(r.h, MOECAP_BUFFER_DEVICE_IDS);
+    View host(r.h, MOECAP_BUFFER_HOST_IDS);
+    REQUIRE(dev.status() == MOECAP_OK && host.status() == MOECAP_OK);
+    REQUIRE(dev.elements() == static_cast<int64_t>(m.dev_ids.size()));
+    REQUIRE(host.elements() == static_cast<int64_t>(m.host_ids.size()));
+    for (size_t i = 0; i < m.dev_ids.size(); ++i) REQUIRE(same_int(dev, m.device_elem, static_cast<int64_t>(i), m.dev_ids[i]));
+    for (size_t i = 0; i < m.host_ids.size(); ++i) REQUIRE(same_int(host, m.host_elem, static_cast<int64_t>(i), m.host_ids[i]));
+  }
+  if (m.weight_elem >= 0) {
+    View dev(r.h, MOECAP_BUFFER_DEVICE_WEIGHTS);
+    View host(r.h, MOECAP_BUFFER_HOST_WEIGHTS);
+    REQUIRE(dev.status() == MOECAP_OK && host.status() == MOECAP_OK);
+    for (size_t i = 0; i < m.dev_w.size(); ++i) REQUIRE(same_weight(dev, m.weight_elem, static_cast<int64_t>(i), m.dev_w[i]));
+    for (size_t i = 0; i < m.host_w.size(); ++i) REQUIRE(same_weight(host, m.weight_elem, static_cast<int64_t>(i), m.host_w[i]));
+  }
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  REQUIRE(moecap_get_errors(r.h, &e, 0) == MOECAP_OK);
+  REQUIRE(e.skipped_rows == m.skipped);
+  REQUIRE(e.invalid_ids == m.invalid);
+  // Last: without a histogram this export fails, and its message would hide the call's own.
+  {
+    View hist(r.h, MOECAP_BUFFER_HISTOGRAM);
+    REQUIRE(hist.status() == (m.has_histogram ? MOECAP_OK : MOECAP_ERROR_INVALID_ARGUMENT));
+    if (hist.status() == MOECAP_OK) {
+      REQUIRE(std::memcmp(hist.data(), m.histogram.data(), m.histogram.size() * 8) == 0);
+    }
   }
 }
 
