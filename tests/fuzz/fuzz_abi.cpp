@@ -5,9 +5,10 @@
 // local_rows, export and release, ids written straight into a layer view,
 // graph record and replay, error counters, histogram reset). After every call:
 //   - a failed call changed nothing (every buffer byte and counter equal),
-//   - a successful one left exactly what a simple model predicts: every
-//     buffer (device ids and weights, host cache, slot states, histogram)
-//     and both error counters, compared through moecap's own exports,
+//   - a successful one left exactly what a simple model predicts: the
+//     buffers (device ids and weights, host cache, slot states, histogram)
+//     and both error counters, compared through moecap's own exports
+//     (check_buffers says which bytes),
 // and the sanitizers watch for everything else.
 //
 // The model (struct Model) rests on these documented library behaviours;
@@ -25,9 +26,11 @@
 //     source row outside [0, device_rows) is skipped and counted in
 //     skipped_rows; every id outside [0, num_experts) is stored as -1 and
 //     marks the slot VALID | INVALID_IDS, counted in invalid_ids unless it is
-//     the no-routing code; weights are copied bit for bit; then every source
-//     row the commit names (whatever its slot) is consumed: every layer back
-//     to no routing, weights 0 (Model::commit, Model::consume_row);
+//     the no-routing code (on the host backend for every entry that reaches
+//     a slot, also one a later entry for the same slot overrides); weights
+//     are copied bit for bit; then every source row the commit names
+//     (whatever its slot) is consumed: every layer back to no routing,
+//     weights 0 (Model::commit, Model::consume_row);
 //   - invalidate: slots become EMPTY, -1 ignored (Model::invalidate);
 //   - write: ids stored as given, -1 as "no expert"; a token of only -1 ids
 //     makes its slot EMPTY, one with some VALID | INVALID_IDS (Model::write);
@@ -35,6 +38,10 @@
 //     spare value (U8 with 256 experts), reads -1 throughout; every id that
 //     reads -1, whatever made it so, reads weight 0 (Model::read_id,
 //     Model::read_weight); STRICT fails unless every slot is exactly VALID;
+//   - read and write fail with ROWS_SKIPPED exactly while skipped rows are
+//     not cleared by get_errors (step);
+//   - local_rows: EAGER packs the ranks back to back, GRAPH puts rank r at
+//     r * padded_tokens_per_rank (op_local_rows);
 //   - graphs: recording runs nothing; a replay reads what the recorded
 //     tensors hold at launch;
 //   - a failed call changes nothing and sets moecap_last_error.
@@ -45,6 +52,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "graphs/element.h"
@@ -674,12 +682,14 @@ bool same_weight(const View& view, int32_t elem, int64_t i, float expected) {
   return std::memcmp(static_cast<const uint8_t*>(view.data()) + i * bytes, want, static_cast<size_t>(bytes)) == 0;
 }
 
-// After every call, every buffer and counter, through moecap's own exports,
-// holds what the model says: a disagreement shows at the call that caused
-// it, not only when a read happens to look. Device buffer: what capture,
-// kernels and commit's consumption left (documented: a committed row reads
-// -1 in the device views). Host cache: ids with "no expert" as all ones,
-// weights as stored (also behind ids that read -1), one state byte a slot.
+// After every call, the buffers and counters, through moecap's own exports,
+// hold what the model says: a disagreement shows at the call that caused
+// it, not only when a read happens to look. Only what the ABI documents is
+// compared: every device id (capture's and commit's "no routing" code
+// included), every slot state, the histogram and both counters; weights
+// where the id beside them is a real one; the host ids and weights of the
+// slots a read returns as stored (not an EMPTY slot's leftovers, nor the
+// weight kept behind an id that reads -1).
 void check_buffers(const Run& r) {
   const Model& m = r.m;
   {
@@ -688,20 +698,35 @@ void check_buffers(const Run& r) {
     REQUIRE(std::memcmp(states.data(), m.states.data(), m.states.size()) == 0);
   }
   {
-    View dev(r.h, MOECAP_BUFFER_DEVICE_IDS);
-    View host(r.h, MOECAP_BUFFER_HOST_IDS);
-    REQUIRE(dev.status() == MOECAP_OK && host.status() == MOECAP_OK);
-    REQUIRE(dev.elements() == static_cast<int64_t>(m.dev_ids.size()));
-    REQUIRE(host.elements() == static_cast<int64_t>(m.host_ids.size()));
-    for (size_t i = 0; i < m.dev_ids.size(); ++i) REQUIRE(same_int(dev, m.device_elem, static_cast<int64_t>(i), m.dev_ids[i]));
-    for (size_t i = 0; i < m.host_ids.size(); ++i) REQUIRE(same_int(host, m.host_elem, static_cast<int64_t>(i), m.host_ids[i]));
+    View ids(r.h, MOECAP_BUFFER_DEVICE_IDS);
+    REQUIRE(ids.status() == MOECAP_OK && ids.elements() == static_cast<int64_t>(m.dev_ids.size()));
+    for (size_t i = 0; i < m.dev_ids.size(); ++i) REQUIRE(same_int(ids, m.device_elem, static_cast<int64_t>(i), m.dev_ids[i]));
+    if (m.weight_elem >= 0) {
+      View w(r.h, MOECAP_BUFFER_DEVICE_WEIGHTS);
+      REQUIRE(w.status() == MOECAP_OK);
+      for (size_t i = 0; i < m.dev_w.size(); ++i) {
+        if (m.real_id(m.dev_ids[i])) REQUIRE(same_weight(w, m.weight_elem, static_cast<int64_t>(i), m.dev_w[i]));
+      }
+    }
   }
-  if (m.weight_elem >= 0) {
-    View dev(r.h, MOECAP_BUFFER_DEVICE_WEIGHTS);
-    View host(r.h, MOECAP_BUFFER_HOST_WEIGHTS);
-    REQUIRE(dev.status() == MOECAP_OK && host.status() == MOECAP_OK);
-    for (size_t i = 0; i < m.dev_w.size(); ++i) REQUIRE(same_weight(dev, m.weight_elem, static_cast<int64_t>(i), m.dev_w[i]));
-    for (size_t i = 0; i < m.host_w.size(); ++i) REQUIRE(same_weight(host, m.weight_elem, static_cast<int64_t>(i), m.host_w[i]));
+  {
+    View ids(r.h, MOECAP_BUFFER_HOST_IDS);
+    REQUIRE(ids.status() == MOECAP_OK && ids.elements() == static_cast<int64_t>(m.host_ids.size()));
+    std::unique_ptr<View> w;
+    if (m.weight_elem >= 0) {
+      w = std::make_unique<View>(r.h, MOECAP_BUFFER_HOST_WEIGHTS);
+      REQUIRE(w->status() == MOECAP_OK);
+    }
+    for (int64_t slot = 0; slot < m.slots; ++slot) {
+      if (!m.readable(slot)) continue;
+      for (int64_t e = 0; e < m.row; ++e) {
+        const size_t at = m.host_at(slot, e);
+        REQUIRE(same_int(ids, m.host_elem, static_cast<int64_t>(at), m.host_ids[at]));
+        if (w && m.host_ids[at] != kNoExpert) {
+          REQUIRE(same_weight(*w, m.weight_elem, static_cast<int64_t>(at), m.host_w[at]));
+        }
+      }
+    }
   }
   moecap_error_counts e{};
   e.struct_size = sizeof e;
