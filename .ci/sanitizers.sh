@@ -71,6 +71,7 @@ fuzz_status=0
   -artifact_prefix="$findings/" "$work/new" "$root/tests/fuzz/corpus") >"$work/log" 2>&1 || fuzz_status=$?
 grep -E "^#[0-9]+[[:space:]]+(INITED|DONE)|ERROR|violated|SUMMARY" "$work/log" || true
 executions=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/log" | tail -n 1)
+fuzz_seed=$(sed -n 's/^INFO: Seed: //p' "$work/log" | head -n 1 | grep . || echo "$fuzz_seed")  # what libFuzzer used (0 picks one)
 echo "fuzz: seed ${fuzz_seed}, ${executions:-unknown} executions in ${fuzz_seconds} s, exit status ${fuzz_status}"
 if [ "$fuzz_status" -ne 0 ]; then
   tail -n 40 "$work/log"
