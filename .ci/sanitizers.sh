@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reliability checks (issue: sanitizers, fuzzing): the whole ctest suite
+# Reliability checks: the whole ctest suite
 # under ASan+UBSan (halt on the first error, leaks checked), the concurrency
 # test under TSan, and the ABI fuzzer for FUZZ_SECONDS (default 60) from the
 # seed corpus, and the CUDA backend's stand-in scenarios under both

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Turns moecap_bench's JSON (--benchmark_out) into the README's tables:
+"""Turns moecap_bench's JSON (--benchmark_out) into docs/BENCHMARKS.md's tables:
 each moecap case beside its baseline from the same run, as a ratio.
 
     python3 bench/report.py build/moecap_bench.json

@@ -169,5 +169,5 @@ TEST_CASE("a blocking read does not hold the capturer's lock while it waits") {
   CHECK(moecap_destroy(h) == MOECAP_OK);
 }
 
-// Issue 11 on the CUDA backend: slots fail closed. Nothing runs until a host
+// Slots fail closed on the CUDA backend. Nothing runs until a host
 // wait, so a read that did not wait for an invalidation would see the rows.

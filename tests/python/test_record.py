@@ -163,7 +163,7 @@ def test_round_trip_keeps_everything():
 
 def test_sizes_for_a_deepseek_v3_request():
     """61 layers, top-8 of 256 experts: bytes per token against SGLang's
-    int32 base64 (the README table)."""
+    int32 base64 (docs/CONSUMERS.md's table)."""
     tokens = 4096
     ids = np.zeros((tokens, 61, 8), dtype=np.int16)
     r = RoutedExperts(ids, 256)
