@@ -325,6 +325,13 @@ def test_a_slot_without_routing_is_never_sent_as_routing(sgl):
         ours.invalid = "zero"
         zeroed = np.frombuffer(base64.b64decode(sgl.b64([ours.get_topk(0, 5, sched.pool, 0)])[0]), "<i4")
         assert not zeroed.reshape(4, NUM_LAYERS, TOP_K)[1].any()
+        # Slots in req_to_token that no forward ever committed: SGLang sends expert 0 for every layer.
+        sched.reqs[1] = [1, 0, 3]
+        sched.keep(1, sched.alloc(3))
+        a, _ = payloads(sgl, theirs, sched, 1, 4, 0)
+        assert len(a) and not np.frombuffer(base64.b64decode(a), "<i4").any()
+        ours.invalid = "omit"
+        assert ours.get_topk(1, 4, sched.pool, 0) is None
 
 
 def test_streaming_reads_only_new_positions(sgl):

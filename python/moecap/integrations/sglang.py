@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import Capturer, SLOT_VALID
 from ..formats import sglang as sglang_format
-from ..record import RoutedExperts
+from ..record import LayerMap, RoutedExperts
 from . import _model
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class MoecapRoutedExpertsCapturer:
             max_running_requests=int(max_running_requests), dp_size=dp_size, verify_tokens=max(verify_tokens, 1),
             chunked_prefill_size=max(chunked, 0), max_batch_tokens=max(batch_tokens, 0),
             device="cpu" if self.device == "cpu" else (self.device if ":" in self.device else "cuda:0"))
+        self.capturer.layer_map = LayerMap(self.moe_layers, self.num_layers)  # for RequestTable and readers
         self.dp_size = dp_size
         self.plan = self.capturer.plan
 

@@ -29,6 +29,7 @@ changes); ``uninstall()`` restores vLLM's.
 import numpy as np
 
 from .. import Capturer
+from ..record import LayerMap
 from . import _model
 
 INVALID = ("raise", "zero")
@@ -91,6 +92,7 @@ class MoecapRoutedExpertsCapturer:
                                  host_slots=1, max_running_requests=1, max_batch_tokens=self.max_num_batched_tokens,
                                  device=dev)
         self.moe_layers = layers
+        self.capturer.layer_map = LayerMap(layers, self.shape_per_token[0])
         self._ordinal = {layer: i for i, layer in enumerate(layers)}
         ops = self.capturer.ops
         self._device_ids = ops.device_ids  # [moe_layers, rows, top_k], moecap's device dtype
