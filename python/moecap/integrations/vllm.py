@@ -26,7 +26,6 @@ interface over a ``moecap.Capturer``:
 ``install()`` makes the connector build this class and bind it (no vLLM file
 changes); ``uninstall()`` restores vLLM's.
 """
-import numpy as np
 
 from .. import Capturer
 from ..record import LayerMap
