@@ -120,7 +120,7 @@ class Scheduler:
         self.reqs[rid][1] += len(slots)
 
 
-def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=None, shared_cols=0):
+def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=None, shared_cols=0, overlap=False):
     """One forward: every MoE layer's top-k through SGLang's capture site for
     each capturer (the global one), then on_forward_end on each.
     rows_ids: [rows, moe_layers, top_k] of the gathered batch (graph-padded
@@ -143,8 +143,11 @@ def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=
             if tokens_per_rank is not None:
                 fb.global_num_tokens_cpu = list(tokens_per_rank)
             out = cap.on_forward_end(forward_batch=fb, can_run_graph=graph_bs is not None, cuda_graph_batch=graph_bs,
-                                     no_copy_to_cpu=False)
-            assert out is None
+                                     no_copy_to_cpu=overlap)
+            if out is not None:  # SGLang's overlap path: GenerationBatchResult.copy_to_cpu, then the processor's finalize
+                assert overlap and isinstance(cap, sgl.re.RoutedExpertsCapturer)
+                out.map_device_tensors(lambda t: t.to("cpu", copy=True))
+                out.finalize()
         finally:
             sgl.re.set_global_experts_capturer(None)
 
@@ -155,7 +158,7 @@ def payloads(sgl, cap, sched, rid, seqlen, start_len):
     return sgl.b64([tensor])[0], tensor
 
 
-def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4):
+def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4, overlap=False):
     """Prefill (two chunks), decode steps (or verify steps with `verify` draft
     tokens each), then every request's payload from both capturers."""
     sched = Scheduler(sgl, 400, requests + 1, rng)
@@ -173,7 +176,7 @@ def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4):
             loc += slots
             lens[rid] += n
         rows = rng.integers(0, NUM_EXPERTS, size=(len(loc), len(MOE_LAYERS), TOP_K))
-        run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc)
+        run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc, overlap=overlap)
     for _ in range(steps):
         per = verify or 1
         loc, keep = [], {}
@@ -183,7 +186,7 @@ def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4):
             accepted = int(rng.integers(0, per)) + 1 if verify else 1
             keep[rid] = slots[:accepted]
         rows = rng.integers(0, NUM_EXPERTS, size=(len(loc), len(MOE_LAYERS), TOP_K))
-        run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc)
+        run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc, overlap=overlap)
         for rid in rids:  # accepted tokens (and the bonus token) reach req_to_token; rejected slots are freed
             sched.keep(rid, keep[rid])
             lens[rid] += len(keep[rid])
@@ -204,12 +207,15 @@ def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4):
     return sched, checked
 
 
-def test_payloads_equal_sglangs_at_dp1(sgl):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_payloads_equal_sglangs_at_dp1(sgl, overlap):
+    """SGLang's synchronous copy, and its overlap scheduler's deferred copy and
+    finalize (moecap's commit is stream-ordered: it returns nothing to finalize)."""
     with server(sgl):
         theirs, ours = create_pair(sgl, num_tokens=400, max_running=4)
         assert ours.moe_layers == MOE_LAYERS  # from mlp_only_layers: dense layers take no memory
         assert ours.capturer.config["num_layers"] == len(MOE_LAYERS)
-        _, checked = scenario(sgl, theirs, ours, np.random.default_rng(0))
+        _, checked = scenario(sgl, theirs, ours, np.random.default_rng(0), overlap=overlap)
     assert checked == 12
     # Dense layers read 0 in both: SGLang's own payload, decoded, has nothing in layers 0 and 3.
 
