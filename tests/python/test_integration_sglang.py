@@ -53,7 +53,7 @@ def sgl():
 
 
 @contextlib.contextmanager
-def server(sgl, chunked_prefill_size=64, dp_size=1, dp_rank=0):
+def server(sgl, chunked_prefill_size=64, dp_size=1, dp_rank=0, attention=True):
     ctx = sgl.rc.get_context().override_server_args(enable_return_routed_experts=True, device="cpu",
                                                     chunked_prefill_size=chunked_prefill_size,
                                                     disable_overlap_schedule=True)
@@ -64,7 +64,7 @@ def server(sgl, chunked_prefill_size=64, dp_size=1, dp_rank=0):
         else:
             flags = sgl.rc.get_flags().dp
             enabled = flags.enabled
-            flags.enabled = True
+            flags.enabled = attention  # False: DP replicas, each with a batch of its own
             try:
                 with sgl.rc.get_parallel().override(attn_dp_size=dp_size, attn_tp_size=1, attn_dp_rank=dp_rank,
                                                     attn_tp_rank=0, tp_rank=dp_rank, tp_size=dp_size,
@@ -306,6 +306,16 @@ def test_payloads_equal_sglangs_at_dp2(sgl, graph):
             slots = scheds[r].pool.req_to_token[rid, :seqlen - 1].tolist()
             got = RoutedExperts.from_sglang(b, NUM_EXPERTS, NUM_LAYERS, TOP_K, layers=MOE_LAYERS).ids
             assert np.array_equal(got, np.stack([expected[r][s] for s in slots]))  # this rank's own rows
+
+
+def test_dp_replicas_without_dp_attention_commit_their_own_batch(sgl):
+    """Two DP replicas (no DP attention): SGLang counts both in num_dp_ranks,
+    but each replica's MoE layers see its own tokens only; so does moecap."""
+    with server(sgl, dp_size=2, dp_rank=1, attention=False):
+        theirs, ours = create_pair(sgl, num_tokens=400, max_running=4)
+        assert ours.dp_size == 1
+        _, checked = scenario(sgl, theirs, ours, np.random.default_rng(8))
+    assert checked == 12
 
 
 def test_a_slot_without_routing_is_never_sent_as_routing(sgl):

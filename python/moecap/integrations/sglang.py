@@ -149,7 +149,8 @@ class MoecapRoutedExpertsCapturer:
             slots = forward_batch.out_cache_loc
         n = int(slots.shape[0])
         tokens_per_rank = getattr(forward_batch, "global_num_tokens_cpu", None)
-        if self.dp_size > 1 and tokens_per_rank is not None:
+        # One entry: SGLang skipped the all-gather and the batch is this rank's alone.
+        if self.dp_size > 1 and tokens_per_rank is not None and len(tokens_per_rank) > 1:
             tokens_per_rank = [int(t) for t in tokens_per_rank]
             rank = self._local_rank(tokens_per_rank)
             padded = int(cuda_graph_batch) if can_run_graph and cuda_graph_batch else None
@@ -238,7 +239,10 @@ def _runtime_sizes():
     except ImportError:
         return out
     try:
-        out["dp_size"] = int(rc.get_parallel().num_dp_ranks)
+        # The MoE layers see other ranks' tokens only under DP attention (then
+        # num_dp_ranks of them, gathered); DP replicas each run their own batch.
+        if rc.get_flags().dp.enabled:
+            out["dp_size"] = int(rc.get_parallel().num_dp_ranks)
     except Exception:
         pass
     try:
