@@ -46,7 +46,14 @@
  *   recording stream.
  * - Thread safety: every call on one capturer takes that capturer's lock, so
  *   calls from several threads are safe and serialize; different capturers
- *   share nothing. A read blocking on commits holds the lock while it waits.
+ *   share nothing. No call holds the lock while it blocks on the host: a
+ *   wait for commits, reads or the engine's stream (read, write,
+ *   synchronize, get_errors) or for a snapshot entry (an eager commit or
+ *   invalidate with host lists, a read into GPU tensors) releases it while
+ *   it sleeps and takes it again after, so another thread's capture or
+ *   commit never waits behind a monitoring thread's get_errors. Calls racing
+ *   on the same slots from several threads are ordered by the engine, not
+ *   by the lock.
  *   Using a capturer after moecap_destroy is undefined behaviour (debug builds
  *   detect it and return MOECAP_ERROR_INVALID_ARGUMENT).
  */
@@ -69,9 +76,15 @@ extern "C" {
 #endif
 
 /* ABI version: major in the high 16 bits, minor in the low 16 bits. A major
- * bump breaks compatibility; a minor bump only appends fields or functions. */
+ * bump breaks compatibility; a minor bump only appends fields or functions.
+ * The release is MAJOR.MINOR.PATCH, PATCH counting releases that change no
+ * interface. These three lines are the only place the version is written:
+ * CMake's project version (so the SONAME libmoecap.so.MAJOR), moecap.pc, the
+ * CMake package's version file and the Python wheel's version are read from
+ * them. */
 #define MOECAP_ABI_VERSION_MAJOR 1
 #define MOECAP_ABI_VERSION_MINOR 1
+#define MOECAP_VERSION_PATCH 0
 #define MOECAP_ABI_VERSION ((uint32_t)((MOECAP_ABI_VERSION_MAJOR << 16) | MOECAP_ABI_VERSION_MINOR))
 
 /* ------------------------------------------------------------------------ */
@@ -276,7 +289,12 @@ MOECAP_API moecap_status moecap_create(const moecap_config* config, moecap_captu
  * exists (the engine's captures, moecap graphs, their child-graph clones):
  * each holds a CUDA user object, and the memory is freed, on a thread of
  * moecap's, once the driver releases the last of them. Waits for in-flight
- * commits. Illegal while the capturer records a graph. */
+ * commits. Illegal while the capturer records a graph. Legal while another
+ * thread captures a graph (in any capture mode): every free and unload runs
+ * in relaxed capture mode, on whichever thread releases the memory, so it
+ * never invalidates that capture. The events of commits recorded in a graph
+ * are freed with that graph (once the driver releases its last copy and
+ * its last replay completed), so recapturing graphs does not grow them. */
 MOECAP_API moecap_status moecap_destroy(moecap_capturer* capturer);
 
 /* The plan the capturer was created with. */
@@ -298,10 +316,22 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
  * n <= device_rows, checked here on the host, so a check made at graph
  * capture holds for every replay. With MOECAP_FLAG_HISTOGRAM the same kernel
  * adds each kept id to histogram[layer][id]. Enqueued on `stream`.
+ * Steps: the first moecap_capture after a commit of rows starts a step; the
+ * commits that follow before the next capture (any number: a prefill part,
+ * a decode part, accepted verify rows) end it. A commit reads layer L of a
+ * row as routing only if moecap_capture wrote that row of L in the current
+ * step (rows [0, n) of any capture of L since the step began); any other row
+ * of L (another DP rank's row of an earlier step, a layer skipped this step,
+ * rows past a smaller batch) commits as "no routing" (see moecap_commit).
+ * Enqueued on `stream`; the bookkeeping is device memory, so captures and
+ * commits recorded in graphs keep it at every replay.
  * A top-k kernel may instead write a layer's ids (and weights) straight into
- * the MOECAP_BUFFER_LAYER_IDS (_WEIGHTS) view: commit checks every id. Such
- * a kernel must write, every step, every row it wants committed in every
- * layer: commit consumes rows (see moecap_commit). */
+ * the MOECAP_BUFFER_LAYER_IDS (_WEIGHTS) view: commit checks every id. A
+ * layer never passed to moecap_capture is such a layer: moecap cannot see
+ * which of its rows a step wrote, so every row of it counts as written, and
+ * the kernel must write, every step, every row it wants committed in that
+ * layer (commit consumes rows; at dp >= 2 also the other ranks' rows, which
+ * this rank's commits never consume). */
 MOECAP_API moecap_status moecap_capture(moecap_capturer* capturer, int32_t layer,
                                         const DLTensor* topk_ids, const DLTensor* topk_weights,
                                         void* stream);
@@ -352,7 +382,9 @@ typedef struct moecap_commit_args {
   const DLTensor* dst_slots; /* [count] int32/int64 host-cache slots; count is its
                                 length. Slot -1 drops the row (padding, rejected
                                 drafts). A slot listed twice gets the row of its
-                                last entry. Host memory, or device memory on CUDA. */
+                                last entry whose row is in range. Host memory,
+                                or device memory on CUDA (in a graph on CUDA:
+                                device memory only, see moecap_commit). */
 } moecap_commit_args;
 
 #define MOECAP_COMMIT_ARGS_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_commit_args, dst_slots)
@@ -367,12 +399,19 @@ typedef struct moecap_commit_args {
  * its slot) is reset, in every layer, to "no routing" (-1 in a signed
  * device dtype, all ones in an unsigned one; weights 0), which is also what
  * every row holds after create. So the device views show -1 after a
- * commit, and a row not written in every layer since the last commit
- * commits as VALID | INVALID_IDS (its unwritten layers read -1), never as
+ * commit. And a commit takes from each layer only rows captured in the
+ * current step (see moecap_capture, "Steps"): with DP attention each rank
+ * commits only its own rows of the gathered batch, and the other ranks'
+ * rows, never consumed here, stop counting once the next step begins. So
+ * every row a step wrote is unusable after that step's commits, whichever
+ * rank committed it; a row not written in every layer in its step commits
+ * as VALID | INVALID_IDS (its unwritten layers read -1, weight 0), never as
  * expert 0 or as an earlier request's routing. A device id outside
  * [0, num_experts) other than that code (a bad value a kernel wrote) is
  * counted in invalid_ids. A row listed twice is read twice, then consumed.
- * A slot listed twice gets the row of its last entry (on every backend).
+ * A slot listed twice gets the row of its last entry whose slot and row are
+ * in range (on every backend; an entry skipped at run time leaves the slot
+ * to the entry before it).
  * Slots whose values the host can see now (host tensors, outside a graph)
  * are checked here: one outside [-1, host_slots) fails with OUT_OF_RANGE and
  * nothing is written. Slots read at run time (device tensors, graph replays)
@@ -380,8 +419,15 @@ typedef struct moecap_commit_args {
  * moecap_write / moecap_synchronize then returns MOECAP_ERROR_ROWS_SKIPPED
  * until moecap_get_errors clears the count. Outside a graph, host slots and
  * rows (pageable or pinned) are copied at the call: the caller may refill
- * them at once. In a graph, pinned (kDLCUDAHost) and device tensors are read
- * at each replay. */
+ * them at once. In a graph on CUDA (the engine's capture or a moecap graph)
+ * slots and rows must be device tensors, read at each replay: host memory,
+ * pinned (kDLCUDAHost, or pin_memory's kDLCPU) too, fails with
+ * MOECAP_ERROR_CAPTURE_ILLEGAL, since a replay would read what the host
+ * holds then, after the engine refilled its pinned lists for a later step;
+ * copy them to a device tensor on the stream instead. (The host backend's
+ * graphs read host memory at each replay.) An eager commit is ordered on
+ * the GPU after earlier reads of its slots into GPU tensors (any stream);
+ * a moecap_graph_launch after every earlier such read. */
 MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_commit_args* args,
                                        void* stream);
 
@@ -426,8 +472,11 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
  * or with MOECAP_READ_NONBLOCKING returns NOT_READY while one is; filled
  * before the call returns. Outputs on the capturer's GPU (both, or neither):
  * a kernel enqueued on `stream`, ordered there after those commits (the
- * host does not wait; ready in stream order). The wait releases the
- * capturer's lock: other calls proceed meanwhile. */
+ * host does not wait; ready in stream order); later eager commits and
+ * invalidations of those slots, and moecap_graph_launch, are ordered after
+ * it, whatever their stream (an engine replaying its own graph that commits
+ * to those slots orders the replay after `stream` itself). The wait
+ * releases the capturer's lock: other calls proceed meanwhile. */
 MOECAP_API moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTensor* ids_out,
                                      DLTensor* weights_out, uint32_t flags, void* stream);
 
@@ -448,7 +497,8 @@ MOECAP_API moecap_status moecap_write(moecap_capturer* capturer, const DLTensor*
  * -1 for them until a commit or write fills them again. slots: [n]
  * int32/int64, host memory or on the capturer's GPU; -1 entries are
  * ignored. Stream-ordered on `stream` after earlier commits; legal in a graph
- * (recorded like a commit: device slots are read at each replay). Host-visible
+ * (recorded like a commit: device slots are read at each replay; host slots
+ * are refused there on CUDA, as for moecap_commit). Host-visible
  * slots outside [-1, host_slots) fail with OUT_OF_RANGE, nothing changed;
  * device slots out of range are skipped and counted as skipped_rows. (1.1) */
 MOECAP_API moecap_status moecap_invalidate(moecap_capturer* capturer, const DLTensor* slots, void* stream);
@@ -552,7 +602,8 @@ MOECAP_API moecap_status moecap_graph_launch(moecap_graph* graph, void* stream);
  * a child graph node. MOECAP_ERROR_INVALID_ARGUMENT on the host backend. */
 MOECAP_API moecap_status moecap_graph_native(moecap_graph* graph, void** cu_graph);
 
-/* Frees the graph. NULL is a no-op. */
+/* Frees the graph. NULL is a no-op. Legal while another thread captures a
+ * graph (the frees run in relaxed capture mode). */
 MOECAP_API moecap_status moecap_graph_destroy(moecap_graph* graph);
 
 /* ------------------------------------------------------------------------ */

@@ -55,14 +55,20 @@ constexpr int kCaptureModeRelaxed = 2;
 constexpr unsigned kUserObjectNoDestructorSync = 0x1;
 constexpr unsigned kGraphUserObjectMove = 0x1;
 
-// The oldest driver moecap needs: the one of the toolkit that built the
-// kernels (SASS from CUDA N.x needs a driver for CUDA N.0; PTX JIT failures
-// are reported at module load). Without kernels, 11.4: the first with every
-// entry point below.
+// The first CUDA release with every entry point below: cuGetProcAddress
+// finds an entry point only in the ABI of a release that has it.
+constexpr int kEntryPointsVersion = 11040;
+// The oldest driver moecap needs, and the ABI its entry points are resolved
+// in: the one of the toolkit that built the kernels (SASS from CUDA N.x needs
+// a driver for CUDA N.0; PTX JIT failures are reported at module load), but
+// never older than kEntryPointsVersion (a CUDA 11.x build asking for 11.0's
+// ABI would find no cuGraphInstantiateWithFlags).
 #if defined(MOECAP_KERNELS_CUDA_VERSION)
-constexpr int kMinDriverVersion = MOECAP_KERNELS_CUDA_VERSION / 1000 * 1000;
+constexpr int kMinDriverVersion = MOECAP_KERNELS_CUDA_VERSION / 1000 * 1000 > kEntryPointsVersion
+                                      ? MOECAP_KERNELS_CUDA_VERSION / 1000 * 1000
+                                      : kEntryPointsVersion;
 #else
-constexpr int kMinDriverVersion = 11040;
+constexpr int kMinDriverVersion = kEntryPointsVersion;
 #endif
 // cuStreamGetCaptureInfo is resolved in CUDA 11.3's ABI (with the capture's
 // graph, without 12.3's edge data), whatever the minimum above.
@@ -150,11 +156,14 @@ void check_module_load(const Driver& d, CUresult r);
 // (a wait, copy or allocation), restoring its mode after: in the default
 // global mode such calls fail, and invalidate the capture, while any thread
 // captures a graph (torch.cuda.graph on another thread, or this one).
-// Never throws (frees use it too): if the exchange fails, the mode stays.
+// Never throws (frees use it too): if the exchange fails, the mode stays
+// (also where a driver table lacks the entry point: tests' counting drivers).
 class RelaxedCaptureScope {
  public:
   explicit RelaxedCaptureScope(const Driver& d) noexcept
-      : d_(d), exchanged_(d_.cuThreadExchangeStreamCaptureMode(&mode_) == kSuccess) {}
+      : d_(d),
+        exchanged_(d_.cuThreadExchangeStreamCaptureMode != nullptr &&
+                   d_.cuThreadExchangeStreamCaptureMode(&mode_) == kSuccess) {}
   ~RelaxedCaptureScope() {
     if (exchanged_) d_.cuThreadExchangeStreamCaptureMode(&mode_);
   }

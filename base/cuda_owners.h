@@ -2,7 +2,12 @@
 // in the context it was made in, from its destructor. Frees never throw: they
 // run from destructors, also at process exit after the driver began
 // unloading; a driver that cannot make the context current anymore keeps the
-// object (the process is ending and it goes with it).
+// object (the process is ending and it goes with it). Every free runs in
+// relaxed stream-capture mode: frees and module unloads are unsafe calls, and
+// in the thread's default global mode one made while any thread captures a
+// graph in global mode (torch.cuda.graph) fails and invalidates that capture.
+// That covers destructors run at moecap_destroy, by the thread releasing a
+// graph's last hold on the capturer, and moecap_graph_destroy.
 #pragma once
 
 #include <utility>
@@ -39,6 +44,7 @@ class Unique {
 
   void reset() noexcept {
     if (handle_ == Handle{}) return;
+    const RelaxedCaptureScope relaxed(*d_);
     if (d_->cuCtxPushCurrent(ctx_) == kSuccess) {
       (d_->*Destroy)(handle_);
       CUcontext popped = nullptr;
@@ -90,6 +96,7 @@ class PrimaryContext {
  private:
   void reset() noexcept {
     if (ctx_ == nullptr) return;
+    const RelaxedCaptureScope relaxed(*d_);
     d_->cuDevicePrimaryCtxRelease(device_);
     ctx_ = nullptr;
   }

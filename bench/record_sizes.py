@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Bytes per token of one request's routing in each wire form, measured on
-the bytes each encoder writes (the README's record table).
+the bytes each encoder writes (docs/CONSUMERS.md's record table).
 
     PYTHONPATH=build/python ~/.cache/moecap/venv/bin/python bench/record_sizes.py [layers top_k experts tokens]
 """

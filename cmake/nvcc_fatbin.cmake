@@ -32,7 +32,7 @@ function(moecap_nvcc_fatbin output source)
   add_custom_command(
     OUTPUT ${output}
     COMMAND ${CMAKE_CUDA_COMPILER} -fatbin -std=c++17 ${host_compiler} ${user_flags} ${gencode}
-            -I${CMAKE_SOURCE_DIR} -o ${output} ${CMAKE_CURRENT_SOURCE_DIR}/${source}
+            -I${PROJECT_SOURCE_DIR} -o ${output} ${CMAKE_CURRENT_SOURCE_DIR}/${source}
     DEPENDS ${source} ${F_DEPENDS}
     COMMENT "nvcc: building the moecap kernels fatbin (${CMAKE_CUDA_ARCHITECTURES})"
     VERBATIM)

@@ -84,6 +84,7 @@ bool capture_fast(const CaptureParams& p) {
 }  // namespace
 
 void capture_on_host(const CaptureParams& p) {
+  stamp_capture(p);
   if (p.dst_weights == nullptr && p.histogram == nullptr) {
     if (p.ids_elem == kI32 ? capture_fast<int32_t>(p) : capture_fast<int64_t>(p)) return;
   }
@@ -98,7 +99,8 @@ namespace {
 // becomes id | all-ones: no select, and the loop vectorizes. Returns nonzero
 // when an id was outside [0, experts).
 template <class S, class D>
-uint32_t narrow_ids(const S* __restrict in, D* __restrict out, int64_t n, uint32_t experts) {
+inline __attribute__((always_inline)) uint32_t narrow_body(const S* __restrict in, D* __restrict out, int64_t n,
+                                                           uint32_t experts) {
   // Compared at the source width (the plan keeps num_experts within it), so
   // the vector lanes stay narrow; as unsigned, one compare is both bounds: a
   // negative id wraps above experts.
@@ -114,114 +116,236 @@ uint32_t narrow_ids(const S* __restrict in, D* __restrict out, int64_t n, uint32
   return bad;
 }
 
-// Rows in blocks: first where each row of the block goes (the kernels'
-// decision, commit_goes_to), then layer by layer: the block's rows of that
-// layer are narrowed in one vectorized pass (read in place when the source
-// rows are consecutive, as in a prefill) and scattered to their slots. Rows
-// keep list order within every layer, so a slot listed twice keeps its last row.
-// TopK > 0 fixes the width at compile time (the common top-k values), so the
-// per-row copies are single moves rather than calls.
+// One entry point per dtype pair, compiled twice on x86-64 (AVX2 and the
+// baseline) and picked at load time by the CPU (an ifunc): the narrowing is
+// most of a commit's arithmetic, and AVX2 doubles its lanes.
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define MOECAP_NARROW_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef MOECAP_NARROW_CLONES
+#define MOECAP_NARROW_CLONES
+#endif
+
+#define MOECAP_NARROW(S, D)                                                                                  \
+  MOECAP_NARROW_CLONES uint32_t narrow_##S##_##D(const S* __restrict in,          \
+                                                                          D* __restrict out, int64_t n,      \
+                                                                          uint32_t experts) {                \
+    return narrow_body(in, out, n, experts);                                                                 \
+  }                                                                                                          \
+  inline uint32_t narrow_ids(const S* in, D* out, int64_t n, uint32_t experts) {                            \
+    return narrow_##S##_##D(in, out, n, experts);                                                            \
+  }
+#define MOECAP_NARROW_FROM(S) \
+  MOECAP_NARROW(S, uint8_t)   \
+  MOECAP_NARROW(S, uint16_t)  \
+  MOECAP_NARROW(S, int16_t)   \
+  MOECAP_NARROW(S, int32_t)
+MOECAP_NARROW_FROM(uint8_t)
+MOECAP_NARROW_FROM(uint16_t)
+MOECAP_NARROW_FROM(int16_t)
+MOECAP_NARROW_FROM(int32_t)
+#undef MOECAP_NARROW_FROM
+#undef MOECAP_NARROW
+
+// The device buffer's "no routing" is all ones in every dtype, its no weight
+// zero: consuming is a fill of bytes.
+void consume_run(const CommitParams& p, int64_t layer, int64_t first_row, int64_t rows) {
+  const int64_t id_bytes = elem_bytes(p.src_id_elem);
+  const int64_t at = (layer * p.device_rows + first_row) * p.top_k;
+  std::memset(p.src_ids + at * id_bytes, 0xff, static_cast<size_t>(rows * p.top_k * id_bytes));
+  if (p.src_weights != nullptr) {
+    const int64_t w_bytes = elem_bytes(p.weight_elem);
+    std::memset(p.src_weights + at * w_bytes, 0, static_cast<size_t>(rows * p.top_k * w_bytes));
+  }
+}
+
+struct CommitScratch {
+  std::vector<uint64_t> srcs, slots, bad, gathered, narrowed, staged, staged_w;
+  // `n` elements of T, 8-byte aligned, contents unspecified.
+  template <class T>
+  T* get(std::vector<uint64_t>& v, int64_t n) {
+    const size_t words = (static_cast<size_t>(n) * sizeof(T) + 7) / 8;
+    if (v.size() < words) v.resize(words);
+    return reinterpret_cast<T*>(v.data());
+  }
+};
+
+// Rows in tiles, each slot's row written once: first where each entry of the
+// tile goes (the kernels' decision, commit_goes_to), then layer by layer the
+// tile's rows of that layer are narrowed in one vectorized pass (read in place
+// when the source rows are consecutive, as in a prefill) into a slot-major
+// staging tile that stays in L1/L2, and finally each row of the tile goes to
+// its slot as one contiguous copy: the layer-major -> slot-major transpose
+// costs what a memcpy per row costs. Rows keep list order, so a slot listed
+// twice keeps its last row. With `consume`, a row range is consumed layer by
+// layer right after it was read (rows of a range are distinct, so each is
+// read once before it is consumed). TopK > 0 fixes the width at compile time
+// (the common top-k values), so the per-row copies are single moves.
 template <int TopK, class S, class D>
-void commit_rows(const CommitParams& p) {
+void commit_rows(const CommitParams& p, bool consume) {
   const int64_t top_k = TopK > 0 ? TopK : p.top_k;
   const int64_t row = p.num_layers * top_k;
   const int64_t layer_stride = p.device_rows * top_k;
-  const int64_t block = std::max<int64_t>(1, 4096 / top_k);
   const uint32_t experts = static_cast<uint32_t>(p.num_experts);
   const int64_t w_bytes = p.weight_elem >= 0 ? elem_bytes(p.weight_elem) : 0;
+  const int64_t w_row = row * w_bytes;
+  // A tile of about 32 KiB of staged ids (the narrowed rows and the gathered
+  // source rows of one layer stay in L1), at least 16 rows, at most 512.
+  const int64_t tile = std::min<int64_t>(512, std::max<int64_t>(16, 32768 / std::max<int64_t>(1, row * static_cast<int64_t>(sizeof(D)))));
   const size_t id_chunk = static_cast<size_t>(top_k) * sizeof(D);
   const size_t in_chunk = static_cast<size_t>(top_k) * sizeof(S);
-  std::vector<int64_t> srcs(static_cast<size_t>(block)), slots(static_cast<size_t>(block));
-  std::vector<uint8_t> bad(static_cast<size_t>(block));
-  std::vector<S> gathered(static_cast<size_t>(block * top_k));
-  std::vector<D> narrowed(static_cast<size_t>(block * top_k));
-  for (int64_t first = 0; first < p.count; first += block) {
+  const D no_expert = static_cast<D>(p.dst_no_expert);
+  // Scratch kept per thread: a decode step's commit is a few microseconds,
+  // which fresh allocations would lengthen.
+  thread_local CommitScratch scratch;
+  int64_t* srcs = scratch.get<int64_t>(scratch.srcs, tile);
+  int64_t* slots = scratch.get<int64_t>(scratch.slots, tile);
+  uint8_t* bad = scratch.get<uint8_t>(scratch.bad, tile);
+  S* gathered = scratch.get<S>(scratch.gathered, tile * top_k);
+  D* narrowed = scratch.get<D>(scratch.narrowed, tile * top_k);
+  D* staged = scratch.get<D>(scratch.staged, tile * row);
+  uint8_t* staged_w = scratch.get<uint8_t>(scratch.staged_w, tile * w_row);
+  for (int64_t first = 0; first < p.count; first += tile) {
+    const int64_t last = std::min(p.count, first + tile);
     int64_t n = 0;
-    for (int64_t j = first; j < p.count && j < first + block; ++j) {
+    for (int64_t j = first; j < last; ++j) {
       int64_t src = 0, slot = 0;
       if (!commit_target(p, j, &src, &slot)) continue;
       if (p.mode == kInvalidate) {
         p.dst_states[slot] = kSlotEmpty;
         continue;
       }
-      srcs[static_cast<size_t>(n)] = src;
-      slots[static_cast<size_t>(n)] = slot;
-      bad[static_cast<size_t>(n)] = 0;
+      srcs[n] = src;
+      slots[n] = slot;
+      bad[n] = 0;
       ++n;
     }
+    if (p.mode == kInvalidate) continue;
+    // The tile's part of a row range, clipped to the device rows: consumed whatever its slots.
+    const int64_t run_first = std::max<int64_t>(0, p.src_start + first);
+    const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;
     bool consecutive = true;
-    for (int64_t i = 1; i < n; ++i) consecutive = consecutive && srcs[static_cast<size_t>(i)] == srcs[0] + i;
-    for (int64_t l = 0; l < p.num_layers; ++l) {
+    int64_t last_src = -1;  // the tile's highest source row: most layers wrote every row of a tile
+    for (int64_t i = 1; i < n; ++i) consecutive = consecutive && srcs[i] == srcs[0] + i;
+    for (int64_t i = 0; i < n; ++i) last_src = std::max(last_src, srcs[i]);
+    for (int64_t l = 0; l < p.num_layers && n > 0; ++l) {
       const S* layer = reinterpret_cast<const S*>(p.src_ids) + l * layer_stride;
-      const S* in = gathered.data();
-      if (consecutive && n > 0) {
+      const S* in = gathered;
+      if (consecutive) {
         in = layer + srcs[0] * top_k;
       } else {
         for (int64_t i = 0; i < n; ++i) {
-          std::memcpy(gathered.data() + i * top_k, layer + srcs[static_cast<size_t>(i)] * top_k, in_chunk);
+          std::memcpy(gathered + i * top_k, layer + srcs[i] * top_k, in_chunk);
         }
       }
-      if (narrow_ids(in, narrowed.data(), n * top_k, experts) != 0) {
+      const int64_t written = layer_written_rows(p, l);
+      const bool all_written = last_src < written;
+      if (narrow_ids(in, narrowed, n * top_k, experts) != 0) {
         for (int64_t i = 0; i < n; ++i) {  // rare: which rows had no real id, counting the bad ones
+          if (!all_written && srcs[i] >= written) continue;
           uint8_t row_bad = 0;
           for (int64_t k = 0; k < top_k; ++k) if (committed_id_bad(p, in[i * top_k + k])) row_bad = 1;
-          bad[static_cast<size_t>(i)] = static_cast<uint8_t>(bad[static_cast<size_t>(i)] | row_bad);
+          bad[i] = static_cast<uint8_t>(bad[i] | row_bad);
         }
       }
-      D* out = reinterpret_cast<D*>(p.dst_ids) + l * top_k;
-      for (int64_t i = 0; i < n; ++i) {
-        std::memcpy(out + slots[static_cast<size_t>(i)] * row, narrowed.data() + i * top_k, id_chunk);
-      }
+      D* out = staged + l * top_k;
+      for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * row, narrowed + i * top_k, id_chunk);
+      uint8_t* wout = staged_w + l * top_k * w_bytes;
       for (int64_t i = 0; w_bytes > 0 && i < n; ++i) {
-        std::memcpy(p.dst_weights + (slots[static_cast<size_t>(i)] * row + l * top_k) * w_bytes,
-                    p.src_weights + (l * layer_stride + srcs[static_cast<size_t>(i)] * top_k) * w_bytes,
+        std::memcpy(wout + i * w_row, p.src_weights + (l * layer_stride + srcs[i] * top_k) * w_bytes,
                     static_cast<size_t>(top_k * w_bytes));
       }
+      if (!all_written) {  // rows this step did not write in this layer: no routing
+        for (int64_t i = 0; i < n; ++i) {
+          if (srcs[i] < written) continue;
+          for (int64_t k = 0; k < top_k; ++k) out[i * row + k] = no_expert;
+          if (w_bytes > 0) std::memset(wout + i * w_row, 0, static_cast<size_t>(top_k * w_bytes));
+          bad[i] = 1;
+        }
+      }
+      if (consume && run_rows > 0) consume_run(p, l, run_first, run_rows);
     }
     for (int64_t i = 0; i < n; ++i) {
-      p.dst_states[slots[static_cast<size_t>(i)]] = committed_state(bad[static_cast<size_t>(i)] != 0);
+      const int64_t slot = slots[i];
+      std::memcpy(reinterpret_cast<D*>(p.dst_ids) + slot * row, staged + i * row, static_cast<size_t>(row) * sizeof(D));
+      if (w_bytes > 0) std::memcpy(p.dst_weights + slot * w_row, staged_w + i * w_row, static_cast<size_t>(w_row));
+      p.dst_states[slot] = committed_state(bad[i] != 0);
+    }
+    if (consume && n == 0 && run_rows > 0) {  // nothing went anywhere (slots -1): still consumed
+      for (int64_t l = 0; l < p.num_layers; ++l) consume_run(p, l, run_first, run_rows);
     }
   }
 }
 
 template <class S, class D>
-void commit_by_width(const CommitParams& p) {
+void commit_by_width(const CommitParams& p, bool consume) {
   switch (p.top_k) {
-    case 2: commit_rows<2, S, D>(p); break;
-    case 4: commit_rows<4, S, D>(p); break;
-    case 6: commit_rows<6, S, D>(p); break;
-    case 8: commit_rows<8, S, D>(p); break;
-    default: commit_rows<0, S, D>(p); break;
+    case 2: commit_rows<2, S, D>(p, consume); break;
+    case 4: commit_rows<4, S, D>(p, consume); break;
+    case 6: commit_rows<6, S, D>(p, consume); break;
+    case 8: commit_rows<8, S, D>(p, consume); break;
+    default: commit_rows<0, S, D>(p, consume); break;
   }
 }
 
 template <class S>
-void commit_from(const CommitParams& p) {
+void commit_from(const CommitParams& p, bool consume) {
   switch (p.dst_id_elem) {
-    case kU8: commit_by_width<S, uint8_t>(p); break;
-    case kU16: commit_by_width<S, uint16_t>(p); break;
-    case kI16: commit_by_width<S, int16_t>(p); break;
-    default: commit_by_width<S, int32_t>(p); break;
+    case kU8: commit_by_width<S, uint8_t>(p, consume); break;
+    case kU16: commit_by_width<S, uint16_t>(p, consume); break;
+    case kI16: commit_by_width<S, int16_t>(p, consume); break;
+    default: commit_by_width<S, int32_t>(p, consume); break;
+  }
+}
+
+void commit_dispatch(const CommitParams& p, bool consume) {
+  switch (p.src_id_elem) {
+    case kU8: commit_from<uint8_t>(p, consume); break;
+    case kU16: commit_from<uint16_t>(p, consume); break;
+    case kI16: commit_from<int16_t>(p, consume); break;
+    default: commit_from<int32_t>(p, consume); break;
   }
 }
 
 }  // namespace
 
-void commit_on_host(const CommitParams& p) {
-  switch (p.src_id_elem) {
-    case kU8: commit_from<uint8_t>(p); break;
-    case kU16: commit_from<uint16_t>(p); break;
-    case kI16: commit_from<int16_t>(p); break;
-    default: commit_from<int32_t>(p); break;
-  }
-}
+void commit_on_host(const CommitParams& p) { commit_dispatch(p, false); }
 
 void claim_on_host(const CommitParams& p) {
   for (int64_t j = 0; j < p.count; ++j) claim_slot(p, j);
 }
 
+// The release kernel's twin, a run of bytes at a time rather than an element
+// (the same stores: every listed row, every layer, all ones; weights zero).
 void release_on_host(const CommitParams& p) {
-  for (int64_t j = 0; j < p.count; ++j) release_claim(p, j);
+  if (p.mode == kCommitRows) {
+    for (int64_t l = 0; l < p.num_layers; ++l) {
+      if (p.src_rows == nullptr) {
+        const int64_t run_first = std::max<int64_t>(0, p.src_start);
+        const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + p.count) - run_first;
+        if (run_rows > 0) consume_run(p, l, run_first, run_rows);
+        continue;
+      }
+      for (int64_t j = 0; j < p.count; ++j) {
+        const int64_t src = load_int(p.src_rows, p.src_rows_elem, j);
+        if (src >= 0 && src < p.device_rows) consume_run(p, l, src, 1);
+      }
+    }
+  }
+  finish_commit(p);
+}
+
+void commit_and_release_on_host(const CommitParams& p) {
+  if (p.mode == kCommitRows && p.src_rows == nullptr) {
+    commit_dispatch(p, true);
+    finish_commit(p);
+    return;
+  }
+  // A row list may name a row twice: every entry reads it before any consumes it.
+  commit_on_host(p);
+  release_on_host(p);
 }
 
 void take_errors_on_host(const TakeErrorsParams& p) {

@@ -8,6 +8,7 @@
 using namespace moecap;
 
 extern "C" __global__ void moecap_capture_kernel(CaptureParams p) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) stamp_capture(p);
   const int64_t elements = p.n * p.top_k;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < elements;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -24,13 +25,16 @@ extern "C" __global__ void moecap_claim_kernel(CommitParams p) {
   }
 }
 
-// After the commit kernel, every commit of rows: clears this commit's claims
-// for the next one and consumes the rows read (consume_row).
+// After the commit kernel, every commit of rows: consumes the rows read, one
+// thread per element of [num_layers, count, top_k] so that the stores
+// coalesce (a row range is one run per layer), and marks the commit done
+// (finish_commit: the next capture starts a step, the next claims outrank
+// this commit's, so no claim needs clearing).
 extern "C" __global__ void moecap_release_kernel(CommitParams p) {
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < p.count;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    release_claim(p, j);
-  }
+  const int64_t elements = static_cast<int64_t>(p.num_layers) * p.count * p.top_k;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (first == 0) finish_commit(p);
+  for (int64_t e = first; e < elements; e += static_cast<int64_t>(gridDim.x) * blockDim.x) consume_element(p, e);
 }
 
 // Bytes of narrowed ids a warp stages in shared memory before storing them

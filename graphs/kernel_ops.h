@@ -64,12 +64,46 @@ MOECAP_HD bool commit_in_range(const CommitParams& p, int64_t src_row, int64_t s
   return slot >= 0 && slot < p.host_slots && source_ok(p, src_row);
 }
 
+// The first capture after a commit of rows starts a step; a layer's stamp
+// records the rows captured in it during the step (the most of several
+// captures of one layer in a step). On CUDA one thread of the capture kernel
+// runs this: captures are stream-ordered with each other and with commits.
+MOECAP_HD void stamp_capture(const CaptureParams& p) {
+  if (p.step == nullptr) return;
+  if (p.step->committed != 0 || p.step->step == 0) {
+    p.step->step = p.step->step + 1 == 0 ? 1u : p.step->step + 1;
+    p.step->committed = 0;
+  }
+  if (p.stamp->step != p.step->step) {
+    p.stamp->step = p.step->step;
+    p.stamp->rows = p.n;
+  } else if (p.stamp->rows < p.n) {
+    p.stamp->rows = p.n;
+  }
+}
+
+// Rows [0, result) of `layer` hold routing written this step. A layer never
+// captured (written by a kernel through its view, or never written) counts
+// every row: its rows hold what that kernel wrote, or create's "no routing".
+MOECAP_HD int64_t layer_written_rows(const CommitParams& p, int64_t layer) {
+  if (p.step == nullptr) return INT64_MAX;
+  const LayerStamp s = p.stamps[layer];
+  if (s.step == 0) return INT64_MAX;
+  return s.step == p.step->step ? s.rows : 0;
+}
+
+// This commit's claim for entry j (see CommitParams::claims).
+MOECAP_HD unsigned long long claim_value(const CommitParams& p, int64_t j) {
+  const unsigned long long serial = p.step != nullptr ? p.step->claim_serial : 0ull;
+  return (serial << 32) | static_cast<unsigned long long>(j + 1);
+}
+
 // Entry j of a commit claims its slot: the largest entry wins (see CommitParams::claims).
 MOECAP_HD void claim_slot(const CommitParams& p, int64_t j) {
   int64_t src = 0, slot = 0;
   commit_source(p, j, &src, &slot);
   if (!commit_in_range(p, src, slot)) return;
-  const int32_t mine = static_cast<int32_t>(j + 1);
+  const unsigned long long mine = claim_value(p, j);
 #if defined(__CUDA_ARCH__)
   atomicMax(&p.claims[slot], mine);
 #else
@@ -77,31 +111,43 @@ MOECAP_HD void claim_slot(const CommitParams& p, int64_t j) {
 #endif
 }
 
+// Whether entry j, targeting `slot`, holds the slot's claim.
+MOECAP_HD bool claim_won(const CommitParams& p, int64_t j, int64_t slot) {
+  return p.claims == nullptr || p.claims[slot] == claim_value(p, j);
+}
+
 // A commit consumes the device rows it names: source row `src` of every
 // layer goes back to "no routing" (the device dtype's all-ones code, -1 when
 // signed; what create fills the buffer with), its weights to 0. So a row
 // commits real routing only when every layer was written since the last
-// commit, never what an earlier request left behind.
-MOECAP_HD void consume_row(const CommitParams& p, int64_t src) {
-  const int64_t code = invalid_id_code(p.src_id_elem);
-  const int64_t w_bytes = p.weight_elem >= 0 ? elem_bytes(p.weight_elem) : 0;
-  for (int64_t l = 0; l < p.num_layers; ++l) {
-    const int64_t first = (l * p.device_rows + src) * p.top_k;
-    for (int64_t k = 0; k < p.top_k; ++k) {
-      store_int(p.src_ids, p.src_id_elem, first + k, code);
-      for (int64_t b = 0; p.src_weights != nullptr && b < w_bytes; ++b) p.src_weights[(first + k) * w_bytes + b] = 0;
-    }
+// commit, never what an earlier request left behind. Element e of the
+// commit's [num_layers, count, top_k] grid, so that neighbouring elements
+// are neighbouring stores (a row range is one contiguous run per layer).
+MOECAP_HD void consume_element(const CommitParams& p, int64_t e) {
+  const int64_t per_layer = p.count * p.top_k;
+  const int64_t layer = e / per_layer;
+  const int64_t rest = e - layer * per_layer;
+  const int64_t j = rest / p.top_k;
+  const int64_t k = rest - j * p.top_k;
+  const int64_t src = p.src_rows != nullptr ? load_int(p.src_rows, p.src_rows_elem, j) : p.src_start + j;
+  if (src < 0 || src >= p.device_rows) return;
+  const int64_t at = (layer * p.device_rows + src) * p.top_k + k;
+  store_int(p.src_ids, p.src_id_elem, at, invalid_id_code(p.src_id_elem));
+  if (p.src_weights == nullptr) return;
+  if (elem_bytes(p.weight_elem) == 2) {
+    reinterpret_cast<uint16_t*>(p.src_weights)[at] = 0;
+  } else {
+    reinterpret_cast<uint32_t*>(p.src_weights)[at] = 0;
   }
 }
 
-// After every read of a commit (the release kernel, ordered after the commit
-// kernel, so a row listed twice is read twice before it is consumed): clears
-// entry j's claim and consumes its source row, whatever its slot.
-MOECAP_HD void release_claim(const CommitParams& p, int64_t j) {
-  int64_t src = 0, slot = 0;
-  commit_source(p, j, &src, &slot);
-  if (p.claims != nullptr && commit_in_range(p, src, slot)) p.claims[slot] = 0;
-  if (p.mode == kCommitRows && src >= 0 && src < p.device_rows) consume_row(p, src);
+// After every commit of rows, once (the release kernel's first thread, the
+// host twin): the next capture starts a step, the next claims outrank this
+// commit's.
+MOECAP_HD void finish_commit(const CommitParams& p) {
+  if (p.step == nullptr) return;
+  if (p.mode == kCommitRows) p.step->committed = 1;
+  if (p.claims != nullptr) p.step->claim_serial += 1;
 }
 
 // Where entry j goes, counting it when out of range; false as well when a
@@ -109,7 +155,7 @@ MOECAP_HD void release_claim(const CommitParams& p, int64_t j) {
 MOECAP_HD bool commit_target(const CommitParams& p, int64_t j, int64_t* src_row, int64_t* slot) {
   commit_source(p, j, src_row, slot);
   if (!commit_goes_to(p, *src_row, *slot)) return false;
-  return p.claims == nullptr || p.claims[*slot] == static_cast<int32_t>(j + 1);
+  return claim_won(p, j, *slot);
 }
 
 MOECAP_HD void take_error(unsigned long long* counter, unsigned long long* out) {
@@ -177,6 +223,10 @@ MOECAP_HD bool committed_id_bad(const CommitParams& p, int64_t id) {
 // dtype. Returns whether the id was outside [0, num_experts).
 MOECAP_HD bool narrow_element(const CommitParams& p, int64_t src, int64_t e, void* out, int64_t at) {
   const int64_t layer = e / p.top_k;
+  if (src >= layer_written_rows(p, layer)) {  // not written this step: no routing
+    store_int(out, p.dst_id_elem, at, p.dst_no_expert);
+    return true;
+  }
   const int64_t from = (layer * p.device_rows + src) * p.top_k + (e - layer * p.top_k);
   const int64_t id = load_int(p.src_ids, p.src_id_elem, from);
   const bool bad = committed_id_bad(p, id);
@@ -189,10 +239,11 @@ MOECAP_HD void commit_weight(const CommitParams& p, int64_t src, int64_t slot, i
   const int64_t layer = e / p.top_k;
   const int64_t from = (layer * p.device_rows + src) * p.top_k + (e - layer * p.top_k);
   const int64_t to = slot * p.num_layers * p.top_k + e;
+  const bool written = src < layer_written_rows(p, layer);
   if (elem_bytes(p.weight_elem) == 2) {
-    reinterpret_cast<uint16_t*>(p.dst_weights)[to] = reinterpret_cast<const uint16_t*>(p.src_weights)[from];
+    reinterpret_cast<uint16_t*>(p.dst_weights)[to] = written ? reinterpret_cast<const uint16_t*>(p.src_weights)[from] : 0;
   } else {
-    reinterpret_cast<uint32_t*>(p.dst_weights)[to] = reinterpret_cast<const uint32_t*>(p.src_weights)[from];
+    reinterpret_cast<uint32_t*>(p.dst_weights)[to] = written ? reinterpret_cast<const uint32_t*>(p.src_weights)[from] : 0;
   }
 }
 

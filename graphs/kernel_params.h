@@ -27,6 +27,26 @@ enum SlotState : uint8_t {
   kSlotInvalidIds = 2,  // with kSlotValid: some id is no real id (out of range, or a layer not written)
 };
 
+// Which device rows hold routing of the current step, so that a commit never
+// takes a row an earlier step left behind (another rank's row at dp >= 2, a
+// layer skipped or captured with fewer rows this step). A step starts at the
+// first capture after a commit of rows; commits until the next capture belong
+// to the same step (prefill part, decode part, accepted verify rows). Lives in
+// the device block beside the error word; zero at create.
+struct StepWord {
+  unsigned long long claim_serial;  // CUDA claims: bumped by every release, the high half of each claim
+  uint32_t step;                    // 0 until the first capture; then 1, 2, ... (0 skipped on wrap)
+  uint32_t committed;               // 1 from a commit of rows until the next capture
+};
+
+// One per layer, after the StepWord.
+struct LayerStamp {
+  int64_t rows;   // rows [0, rows) of the layer were captured during `step`
+  uint32_t step;  // step of the layer's last moecap_capture; 0: never captured (a kernel
+                  // writing the layer view owns its rows: every row it commits counts as written)
+  uint32_t pad_;
+};
+
 // One layer's top-k ids (and weights) into rows [0, n) of that layer's block.
 struct CaptureParams {
   const void* ids;          // [n, in_cols], Elem kI32 or kI64
@@ -35,6 +55,8 @@ struct CaptureParams {
   void* dst_weights;        // same for weights, or nullptr
   unsigned long long* histogram;  // [num_experts] of this layer, or nullptr
   ErrorWord* errors;
+  StepWord* step;           // the capturer's, or nullptr (no stamping)
+  LayerStamp* stamp;        // this layer's
   int64_t n;
   int32_t in_cols;          // top_k, or top_k + extra_columns (dropped)
   int32_t top_k;
@@ -55,7 +77,7 @@ enum CommitMode : int32_t {
 // weights. Rows are handled in list order, so a slot listed twice keeps its
 // last row (the host twin; see capture_kernels.cu for the kernel).
 struct CommitParams {
-  uint8_t* src_ids;         // device buffer base, [num_layers, device_rows, top_k]; rows consumed (release_claim)
+  uint8_t* src_ids;         // device buffer base, [num_layers, device_rows, top_k]; rows consumed (consume_element)
   uint8_t* src_weights;
   uint8_t* dst_ids;         // host cache base (device-mapped address on CUDA)
   uint8_t* dst_weights;
@@ -63,12 +85,18 @@ struct CommitParams {
   const void* src_rows;     // [count] row list, or nullptr for the range below
   const void* dst_slots;    // [count]
   ErrorWord* errors;
+  StepWord* step;           // the capturer's step word, or nullptr (every row counts as written)
+  const LayerStamp* stamps; // [num_layers], beside it
   // Duplicate slots: the last entry wins. On CUDA, where rows run in any
-  // order, claims[slot] holds 1 + the last entry targeting the slot: set by
-  // the claim kernel before the commit kernel, cleared by the release kernel
-  // after it (0 between commits). nullptr where rows run in order (host
-  // twins) or the slots are known to be distinct (deduplicated at the call).
-  int32_t* claims;          // [host_slots]
+  // order, the claim kernel raises claims[slot] to claim_serial << 32 | (1 +
+  // entry) for every entry before the commit kernel; an entry writes its
+  // slot only if the claim there is its own. Nothing is cleared: the release
+  // kernel bumps claim_serial, so every claim of the next commit is above
+  // every claim of this one, whatever slots the tensor held when each kernel
+  // read it. nullptr where rows run in order (host twins), the slots are
+  // known to be distinct (deduplicated at the call), or for invalidations
+  // (idempotent).
+  unsigned long long* claims;  // [host_slots]
   int64_t src_start;        // first row when src_rows is nullptr
   int64_t count;
   int64_t device_rows;
@@ -120,6 +148,9 @@ void commit_on_host(const CommitParams& p);
 void gather_on_host(const GatherParams& p);
 void claim_on_host(const CommitParams& p);
 void release_on_host(const CommitParams& p);
+// The host backend's commit: commit_on_host then release_on_host in effect,
+// with the consumption of a row range folded into the commit's pass.
+void commit_and_release_on_host(const CommitParams& p);
 void take_errors_on_host(const TakeErrorsParams& p);
 
 }  // namespace moecap

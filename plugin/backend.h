@@ -11,8 +11,32 @@
 #include "graphs/kernel_params.h"
 #include "moecap.h"
 #include "plugin/plan.h"
+#include "plugin/tensor_args.h"
 
 namespace moecap {
+
+// The calling thread's hold on its capturer's lock, for one call: a backend
+// that blocks on the host (waiting for commits, reads, a snapshot entry or
+// the engine's stream) releases it while it sleeps, so the engine's other
+// threads go on meanwhile (an eager engine's per-layer capture must never
+// wait for a monitoring thread's get_errors). Thread-local: each thread
+// names only the lock it holds itself. After the wait the backend takes the
+// lock again; what another thread did meanwhile is that thread's ordering.
+class LockHold {
+ public:
+  explicit LockHold(std::unique_lock<std::mutex>* lock) : previous_(current_) {
+    if (lock != nullptr) current_ = lock;
+  }
+  ~LockHold() { current_ = previous_; }
+  LockHold(const LockHold&) = delete;
+  LockHold& operator=(const LockHold&) = delete;
+  // The lock to release while blocking, or nullptr (none held, or the caller keeps it).
+  static std::unique_lock<std::mutex>* current() { return current_; }
+
+ private:
+  std::unique_lock<std::mutex>* previous_;
+  static inline thread_local std::unique_lock<std::mutex>* current_ = nullptr;
+};
 
 class Backend {
  public:
@@ -23,7 +47,11 @@ class Backend {
   // Whether kernels may read a tensor on `d` directly.
   virtual bool kernel_can_read(DLDevice d) const = 0;
   // Whether the host may read a tensor on `d` now (at the call).
-  static bool host_can_read(DLDevice d) { return d.device_type == kDLCPU || d.device_type == kDLCUDAHost; }
+  // (Device types are compared as integers: see device_kind.)
+  static bool host_can_read(const DLDevice& d) {
+    const int32_t kind = device_kind(d);
+    return kind == kDLCPU || kind == kDLCUDAHost;
+  }
 
   // Allocation happens at create only. Memory comes back zeroed. The frees
   // never throw: they run from destructors, also at process exit.
@@ -55,7 +83,12 @@ class Backend {
   // moecap_read into memory only kernels can write (device tensors), ordered
   // on `stream` after the commits that may write p.slots; p.slots is host
   // memory the backend copies at the call. Host outputs never come here.
+  // Later commits and invalidations of those slots, and moecap graph
+  // replays (order_after_reads), are ordered after it on their streams.
   virtual void gather(const GatherParams& p, EngineStream stream) = 0;
+  // Orders `stream` after every read into device tensors enqueued so far
+  // (before a moecap graph replay, whose commits may write those slots).
+  virtual void order_after_reads(EngineStream stream) { (void)stream; }
 
   // Host indices (a read's or write's slots), to wait for only the work on them.
   struct SlotList {
@@ -73,7 +106,8 @@ class Backend {
   virtual bool commits_done(bool block, const SlotList* slots = nullptr,
                             std::unique_lock<std::mutex>* unlock_while_waiting = nullptr) = 0;
   // Waits until reads into device tensors enqueued so far no longer read
-  // the host cache rows of `slots` (before the host writes them).
+  // the host cache rows of `slots` (before the host writes them). Blocking
+  // waits here and below release LockHold::current() while they sleep.
   virtual void reads_done(const SlotList& slots) = 0;
   // The error counters; with clear, zeroed in the same atomic step, so
   // that increments by replays running meanwhile are read or kept.

@@ -19,17 +19,6 @@ constexpr uint8_t kGuardByte = 0xA5;
 
 size_t align_up(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-// Ids [0, n) an output dtype holds.
-int64_t id_limit(int32_t elem) {
-  switch (elem) {
-    case kU8: return 256;
-    case kI8: return 128;
-    case kU16: return 65536;
-    case kI16: return 32768;
-    default: return int64_t{1} << 31;
-  }
-}
-
 bool is_unsigned(int32_t elem) { return elem == kU8 || elem == kU16; }
 
 static_assert(kSlotEmpty == MOECAP_SLOT_EMPTY && kSlotValid == MOECAP_SLOT_VALID &&
@@ -58,6 +47,8 @@ Capturer::Capturer(const Plan& plan) : plan_(plan) {
   device_weights_ = place("device weights", plan_.device_weights_bytes);
   histogram_ = place("histogram", plan_.histogram_bytes);
   error_word_ = place("error word", sizeof(ErrorWord));
+  // Which rows each layer holds from the current step (kernel_params.h, StepWord).
+  step_word_ = place("step stamps", sizeof(StepWord) + sizeof(LayerStamp) * static_cast<size_t>(c.num_layers));
   const size_t device_block_bytes = at;
   at = 0;
   host_ids_ = place("host ids", plan_.host_ids_bytes);
@@ -124,10 +115,16 @@ void Capturer::require_host_memory(const DLTensor* t, const char* name) {
 
 bool Capturer::staged_index(const DLTensor* t, const char* name, bool graph) const {
   if (!graph && Backend::host_can_read(t->device)) return true;
-  if (backend_->kernel_can_read(t->device)) return false;
-  if (!Backend::host_can_read(t->device)) require_kernel_readable(t, name);
-  fail(MOECAP_ERROR_CAPTURE_ILLEGAL, name, " is in pageable host memory, which a graph replay cannot read; ",
-       "pass a device tensor");
+  if (!Backend::host_can_read(t->device)) {
+    require_kernel_readable(t, name);
+    return false;
+  }
+  // In a graph: the host backend's replays read host memory as it is then,
+  // which is the model of device memory there.
+  if (on_host()) return false;
+  fail(MOECAP_ERROR_CAPTURE_ILLEGAL, name, " is in host memory (", device_name(t->device),
+       "), which a graph replay would read at replay time, after the engine refilled it for a later step; ",
+       "copy it to a device tensor on the stream (cudaMemcpyAsync) and pass that");
 }
 
 void Capturer::check_request_rows(const DLTensor* t, const char* name, int64_t rows, const char* rows_from) const {
@@ -223,6 +220,8 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
                                             static_cast<int64_t>(layer) * c.num_experts
                                       : nullptr;
   p.errors = reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset);
+  p.step = reinterpret_cast<StepWord*>(device_block_ + step_word_.offset);
+  p.stamp = reinterpret_cast<LayerStamp*>(device_block_ + step_word_.offset + sizeof(StepWord)) + layer;
   p.n = n;
   p.in_cols = static_cast<int32_t>(cols);
   p.top_k = c.top_k;
@@ -234,7 +233,8 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   backend_->capture(p, stream);
 }
 
-void Capturer::commit(const moecap_commit_args* caller_args, EngineStream stream) {
+void Capturer::commit(const moecap_commit_args* caller_args, EngineStream stream, std::unique_lock<std::mutex>* lock) {
+  const LockHold hold(lock);
   const moecap_commit_args args_copy = read_struct(caller_args, MOECAP_COMMIT_ARGS_SIZE_1_0, "args");
   const moecap_commit_args* args = &args_copy;
   require_stream(stream);
@@ -294,6 +294,8 @@ CommitParams Capturer::commit_params(int32_t mode) const {
   p.dst_weights = plan_.has_weights() ? host_block_on_device_ + host_weights_.offset : nullptr;
   p.dst_states = host_block_on_device_ + host_states_.offset;
   p.errors = reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset);
+  p.step = reinterpret_cast<StepWord*>(device_block_ + step_word_.offset);
+  p.stamps = reinterpret_cast<const LayerStamp*>(device_block_ + step_word_.offset + sizeof(StepWord));
   p.device_rows = plan_.device_rows;
   p.host_slots = c.host_slots;
   p.dst_no_expert = plan_.no_expert;
@@ -307,7 +309,8 @@ CommitParams Capturer::commit_params(int32_t mode) const {
   return p;
 }
 
-void Capturer::invalidate(const DLTensor* slots, EngineStream stream) {
+void Capturer::invalidate(const DLTensor* slots, EngineStream stream, std::unique_lock<std::mutex>* lock) {
+  const LockHold hold(lock);
   require_stream(stream);
   const bool graph = recording_ || (!stream.is_legacy_default() && backend_->stream_capturing(stream));
   const int32_t slots_elem = check_tensor(slots, {"slots", {kI32, kI64}, 1});
@@ -337,11 +340,54 @@ void Capturer::join_before_replay(EngineStream stream) {
   // A replay on CUDA's legacy default stream is refused by the launch; nothing is enqueued before.
   if (!on_host() && stream.is_legacy_default()) return;
   backend_->join(stream);
+  backend_->order_after_reads(stream);
+}
+
+// What read writes into: the ids output's dtype and where both outputs are.
+struct Capturer::ReadOutputs {
+  int32_t id_elem;
+  int32_t weight_elem;  // -1 without weights_out
+  bool on_device;       // on the capturer's GPU (a gather kernel), else host memory
+};
+
+Capturer::ReadOutputs Capturer::check_read_outputs(DLTensor* ids_out, DLTensor* weights_out, int64_t t,
+                                                   bool strict) const {
+  const moecap_config& c = plan_.config;
+  ReadOutputs o{};
+  o.id_elem = check_tensor(ids_out, {"ids_out", {kU8, kI8, kU16, kI16, kI32, kI64}, 3});
+  o.on_device = !Backend::host_can_read(ids_out->device);
+  if (o.on_device && !backend_->kernel_can_read(ids_out->device)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out is on ", device_name(ids_out->device),
+         "; expected host memory or the capturer's device (", device_name(backend_->device()), ")");
+  }
+  check_request_rows(ids_out, "ids_out", t, "entries of slots");
+  if (id_limit(o.id_elem) < c.num_experts) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out has dtype ", elem_name(o.id_elem), ", which holds ids below ",
+         id_limit(o.id_elem), "; num_experts is ", c.num_experts);
+  }
+  if (!strict && is_unsigned(o.id_elem) && id_limit(o.id_elem) == c.num_experts) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out has dtype ", elem_name(o.id_elem), ", where -1 (no routing) reads as ",
+         id_limit(o.id_elem) - 1, ", a real expert id with num_experts ", c.num_experts,
+         "; use a signed dtype, or MOECAP_READ_STRICT");
+  }
+  o.weight_elem = -1;
+  if (weights_out != nullptr) {
+    if (!plan_.has_weights()) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
+    }
+    o.weight_elem = check_tensor(weights_out, {"weights_out", {kF32, kBF16, kF16}, 3});
+    if (Backend::host_can_read(weights_out->device) == o.on_device) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out is on ", device_name(weights_out->device), " but ids_out on ",
+           device_name(ids_out->device), "; both must be host memory or both device memory");
+    }
+    check_same_shape(weights_out, "weights_out", ids_out, "ids_out");
+  }
+  return o;
 }
 
 void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,
                     std::unique_lock<std::mutex>* lock) {
-  const moecap_config& c = plan_.config;
+  const LockHold hold(lock);
   require_not_capturing(stream);
   constexpr uint32_t kKnownFlags = MOECAP_READ_NONBLOCKING | MOECAP_READ_STRICT;
   if ((flags & ~kKnownFlags) != 0) {
@@ -351,40 +397,13 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
   check_tensor(slots, {"slots", {kI32, kI64}, 1});
   require_host_memory(slots, "slots");
   const int64_t t = slots->shape[0];
-  const int32_t out_elem = check_tensor(ids_out, {"ids_out", {kU8, kI8, kU16, kI16, kI32, kI64}, 3});
-  const bool on_device = !Backend::host_can_read(ids_out->device);
-  if (on_device && !backend_->kernel_can_read(ids_out->device)) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out is on ", device_name(ids_out->device),
-         "; expected host memory or the capturer's device (", device_name(backend_->device()), ")");
-  }
-  check_request_rows(ids_out, "ids_out", t, "entries of slots");
-  if (id_limit(out_elem) < c.num_experts) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out has dtype ", elem_name(out_elem), ", which holds ids below ",
-         id_limit(out_elem), "; num_experts is ", c.num_experts);
-  }
-  if (!strict && is_unsigned(out_elem) && id_limit(out_elem) == c.num_experts) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out has dtype ", elem_name(out_elem), ", where -1 (no routing) reads as ",
-         id_limit(out_elem) - 1, ", a real expert id with num_experts ", c.num_experts,
-         "; use a signed dtype, or MOECAP_READ_STRICT");
-  }
-  int32_t w_elem = -1;
-  if (weights_out != nullptr) {
-    if (!plan_.has_weights()) {
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
-    }
-    w_elem = check_tensor(weights_out, {"weights_out", {kF32, kBF16, kF16}, 3});
-    if (Backend::host_can_read(weights_out->device) == on_device) {
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out is on ", device_name(weights_out->device), " but ids_out on ",
-           device_name(ids_out->device), "; both must be host memory or both device memory");
-    }
-    check_same_shape(weights_out, "weights_out", ids_out, "ids_out");
-  }
-  check_host_slots(slots, "slots", false, c.host_slots);
+  const ReadOutputs out = check_read_outputs(ids_out, weights_out, t, strict);
+  check_host_slots(slots, "slots", false, plan_.config.host_slots);
   const Backend::SlotList slot_list{tensor_data(slots), elem_of(slots->dtype), t};
   // Device outputs: the gather waits for the commits on `stream`, not the
   // host; STRICT reads the slots' states on the host, so it waits as a host
   // output does.
-  if (on_device && !strict) {
+  if (out.on_device && !strict) {
     check_counters();
   } else {
     settle((flags & MOECAP_READ_NONBLOCKING) == 0, &slot_list, lock);
@@ -392,23 +411,23 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
   if (strict) require_routing(slots);
   if (t == 0) return;
 
-  const uint8_t* cache = on_device ? host_block_on_device_ : host_block_;
+  const uint8_t* cache = out.on_device ? host_block_on_device_ : host_block_;
   GatherParams g{};
   g.src_ids = cache + host_ids_.offset;
   g.src_weights = cache + host_weights_.offset;
   g.states = cache + host_states_.offset;
   g.slots = tensor_data(slots);
   g.dst_ids = tensor_data(ids_out);
-  g.dst_weights = w_elem >= 0 ? tensor_data(weights_out) : nullptr;
+  g.dst_weights = out.weight_elem >= 0 ? tensor_data(weights_out) : nullptr;
   g.count = t;
   g.row_elements = plan_.row_elements;
   g.invalid_code = plan_.no_expert_is_id ? INT64_MIN : plan_.no_expert;
   g.slots_elem = elem_of(slots->dtype);
   g.stored_id_elem = plan_.id_elem;
-  g.dst_id_elem = out_elem;
+  g.dst_id_elem = out.id_elem;
   g.stored_weight_elem = plan_.weight_elem;
-  g.dst_weight_elem = w_elem;
-  if (on_device) {
+  g.dst_weight_elem = out.weight_elem;
+  if (out.on_device) {
     backend_->gather(g, stream);
   } else {
     gather_on_host(g);
@@ -427,11 +446,42 @@ void Capturer::require_routing(const DLTensor* slots) const {
   }
   if (missing > 0) {
     const int64_t slot = load_int(tensor_data(slots), elem, first);
-    fail(MOECAP_ERROR_NO_ROUTING, "slots[", first, "] = ", slot, " holds ",
-         states[slot] == kSlotEmpty ? "no committed routing (never committed, or invalidated)"
-                                    : "ids that were out of range at capture",
+    fail(MOECAP_ERROR_NO_ROUTING, "slots[", first, "] = ", slot, " ",
+         states[slot] == kSlotEmpty ? "holds no committed routing (never committed, or invalidated)"
+                                    : why_no_routing(slot),
          "; ", missing, " of ", slots->shape[0], " slots have no usable routing (MOECAP_READ_STRICT)");
   }
+}
+
+// A VALID | INVALID_IDS slot has two causes, told apart by what it stores.
+// Commit consumes device rows, so a row no capture (or top-k kernel) wrote
+// again in some layer commits that whole layer as "no expert"; an id out of
+// range at capture, or a bad value written into a layer view, makes single
+// ids "no expert". A layer of all "no expert" is named as the first cause
+// (it is also what a layer of only bad ids gives). Where the host dtype has
+// no spare value (u8 with 256 experts), the stored ids cannot say which.
+std::string Capturer::why_no_routing(int64_t slot) const {
+  const moecap_config& c = plan_.config;
+  if (plan_.no_expert_is_id) {
+    return cat("holds ids that are no real expert: a layer not captured again since the row's last commit, or ids "
+               "out of range (with ", c.num_experts, " experts in ", elem_name(plan_.id_elem),
+               " the two cannot be told apart)");
+  }
+  const uint8_t* row = host_block_ + host_ids_.offset + slot * plan_.id_row_bytes();
+  int32_t partial_layer = -1;
+  for (int32_t layer = 0; layer < c.num_layers; ++layer) {
+    int32_t none = 0;
+    for (int32_t k = 0; k < c.top_k; ++k) {
+      none += load_int(row, plan_.id_elem, int64_t{layer} * c.top_k + k) == plan_.no_expert ? 1 : 0;
+    }
+    if (none == c.top_k) {
+      return cat("has no routing in layer ", layer, ": its row was not captured again in that layer before it was "
+                 "committed (commit consumes rows), or every id there was out of range (or -1 in moecap_write)");
+    }
+    if (none > 0 && partial_layer < 0) partial_layer = layer;
+  }
+  return cat("holds ids that were out of range in layer ", partial_layer,
+             " (at capture, or written so into a layer view by a kernel)");
 }
 
 // Where write's inputs are read from: host tensors in place, device tensors
@@ -460,6 +510,7 @@ HostView Capturer::host_view(const DLTensor* t, const char* name, EngineStream s
 
 void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream,
                      std::unique_lock<std::mutex>* lock) {
+  const LockHold hold(lock);
   const moecap_config& c = plan_.config;
   require_not_capturing(stream);
   check_tensor(slots, {"slots", {kI32, kI64}, 1});
@@ -518,13 +569,15 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
 }
 
 void Capturer::synchronize(std::unique_lock<std::mutex>* lock) {
+  const LockHold hold(lock);
   require_not_recording();
   settle(true, nullptr, lock);
 }
 
-moecap_error_counts Capturer::errors(bool clear) {
+moecap_error_counts Capturer::errors(bool clear, std::unique_lock<std::mutex>* lock) {
+  const LockHold hold(lock);
   require_not_recording();
-  backend_->commits_done(true);
+  backend_->commits_done(true, nullptr, lock);
   const ErrorWord word = backend_->take_errors(reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset), clear);
   moecap_error_counts out{};
   out.struct_size = sizeof out;
@@ -643,7 +696,7 @@ std::unique_ptr<BackendGraph> Capturer::graph_end() {
 
 void Capturer::write_guards() {
   std::vector<uint8_t> pattern(kGuardBytes, kGuardByte);
-  for (const Region* r : {&device_ids_, &device_weights_, &histogram_, &error_word_}) {
+  for (const Region* r : {&device_ids_, &device_weights_, &histogram_, &error_word_, &step_word_}) {
     backend_->copy_host_to_device(device_block_ + r->offset + r->bytes, pattern.data(), kGuardBytes);
   }
   for (const Region* r : {&host_ids_, &host_weights_, &host_states_}) {
@@ -663,7 +716,7 @@ const char* Capturer::damaged_guard(bool device_regions) {
     if (!intact(host_block_ + r->offset + r->bytes)) return r->name;
   }
   if (!device_regions) return nullptr;
-  for (const Region* r : {&device_ids_, &device_weights_, &histogram_, &error_word_}) {
+  for (const Region* r : {&device_ids_, &device_weights_, &histogram_, &error_word_, &step_word_}) {
     backend_->copy_device_to_host(seen, device_block_ + r->offset + r->bytes, kGuardBytes);
     if (!intact(seen)) return r->name;
   }

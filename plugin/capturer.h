@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "base/stream.h"
 #include "moecap.h"
@@ -39,22 +40,22 @@ class Capturer {
   std::mutex& mutex() { return mutex_; }
 
   void capture(int32_t layer, const DLTensor* ids, const DLTensor* weights, EngineStream stream);
-  void commit(const moecap_commit_args* args, EngineStream stream);
-  void invalidate(const DLTensor* slots, EngineStream stream);
+  // Calls that may block on the host take `lock`, the caller's hold on
+  // mutex(), which the backend releases while it sleeps (LockHold).
+  void commit(const moecap_commit_args* args, EngineStream stream, std::unique_lock<std::mutex>* lock = nullptr);
+  void invalidate(const DLTensor* slots, EngineStream stream, std::unique_lock<std::mutex>* lock = nullptr);
   // MOECAP_FLAG_SIDE_STREAM: `stream` waits for the work forked so far.
   void join(EngineStream stream);
   // Before a moecap graph replays on `stream`: eager forked work (an
   // invalidate of a slot the replay commits to) runs on another stream than
   // the replay's branch, so the branch must fork after it.
   void join_before_replay(EngineStream stream);
-  // Host calls that wait for commits: `lock`, when given, is the caller's
-  // hold on mutex(), released while they sleep.
   void read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_out, uint32_t flags, EngineStream stream,
             std::unique_lock<std::mutex>* lock = nullptr);
   void write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream,
              std::unique_lock<std::mutex>* lock = nullptr);
   void synchronize(std::unique_lock<std::mutex>* lock = nullptr);
-  moecap_error_counts errors(bool clear);
+  moecap_error_counts errors(bool clear, std::unique_lock<std::mutex>* lock = nullptr);
   void histogram_reset(EngineStream stream);
   BufferView view(int32_t which, int32_t layer) const;
 
@@ -78,8 +79,12 @@ class Capturer {
   void require_not_capturing(EngineStream stream);
   // A commit or invalidation's parameters, without its index tensors.
   CommitParams commit_params(int32_t mode) const;
+  // read's outputs, checked: dtype, shape [t, num_layers, top_k], placement.
+  struct ReadOutputs;
+  ReadOutputs check_read_outputs(DLTensor* ids_out, DLTensor* weights_out, int64_t t, bool strict) const;
   // MOECAP_READ_STRICT: fails with NO_ROUTING unless every slot is plainly valid.
   void require_routing(const DLTensor* slots) const;
+  std::string why_no_routing(int64_t slot) const;
   // Argument placement: refuses a tensor the kernels cannot read in place.
   void require_kernel_readable(const DLTensor* t, const char* name) const;
   // Refuses a tensor the host cannot read now.
@@ -87,8 +92,10 @@ class Capturer {
   // A commit's index tensor: true when it is host memory whose values the
   // backend copies at the call (eager commits, pinned memory too: the engine
   // may refill it before the stream runs the commit), false when kernels read
-  // it in place (device memory, or pinned memory in a graph, read at each
-  // replay); pageable memory in a graph and foreign devices are refused.
+  // it in place (device memory). In a graph on CUDA host memory is refused,
+  // pinned too: a replay would read the values the host holds then, which an
+  // engine refilling its pinned lists for the next step changes under it.
+  // Foreign devices are refused.
   bool staged_index(const DLTensor* t, const char* name, bool graph) const;
   // Requires [rows, num_layers, top_k]: the shape of a request's rows.
   void check_request_rows(const DLTensor* t, const char* name, int64_t rows, const char* rows_from) const;
@@ -112,7 +119,7 @@ class Capturer {
   uint8_t* device_block_ = nullptr;
   uint8_t* host_block_ = nullptr;
   uint8_t* host_block_on_device_ = nullptr;  // the host cache as kernels address it
-  Region device_ids_{}, device_weights_{}, histogram_{}, error_word_{};
+  Region device_ids_{}, device_weights_{}, histogram_{}, error_word_{}, step_word_{};
   Region host_ids_{}, host_weights_{}, host_states_{};
   bool recording_ = false;
   EngineStream recording_stream_ = EngineStream::legacy_default();

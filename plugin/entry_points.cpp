@@ -164,16 +164,16 @@ moecap_status moecap_local_rows(const moecap_capturer* capturer, const moecap_ba
 moecap_status moecap_commit(moecap_capturer* capturer, const moecap_commit_args* args, void* stream) {
   return guarded("moecap_commit", [&] {
     Capturer& c = live(capturer);
-    std::lock_guard<std::mutex> lock(c.mutex());
-    c.commit(args, EngineStream::from_abi(stream));
+    std::unique_lock<std::mutex> lock(c.mutex());
+    c.commit(args, EngineStream::from_abi(stream), &lock);
   });
 }
 
 moecap_status moecap_invalidate(moecap_capturer* capturer, const DLTensor* slots, void* stream) {
   return guarded("moecap_invalidate", [&] {
     Capturer& c = live(capturer);
-    std::lock_guard<std::mutex> lock(c.mutex());
-    c.invalidate(slots, EngineStream::from_abi(stream));
+    std::unique_lock<std::mutex> lock(c.mutex());
+    c.invalidate(slots, EngineStream::from_abi(stream), &lock);
   });
 }
 
@@ -218,8 +218,8 @@ moecap_status moecap_get_errors(moecap_capturer* capturer, moecap_error_counts* 
     if ((flags & ~MOECAP_ERRORS_CLEAR) != 0) {
       fail(MOECAP_ERROR_INVALID_ARGUMENT, "flags has unknown bits 0x", std::hex, (flags & ~MOECAP_ERRORS_CLEAR));
     }
-    std::lock_guard<std::mutex> lock(c.mutex());
-    moecap::write_struct(out, c.errors((flags & MOECAP_ERRORS_CLEAR) != 0));
+    std::unique_lock<std::mutex> lock(c.mutex());
+    moecap::write_struct(out, c.errors((flags & MOECAP_ERRORS_CLEAR) != 0, &lock));
   });
 }
 

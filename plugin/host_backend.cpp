@@ -45,10 +45,7 @@ class HostBackend final : public Backend {
   }
   void commit(const CommitParams& p, CommitPlacement where, EngineStream) override {
     if (!side_stream_ || !(where.slots_on_host || where.rows_on_host)) {
-      fork([p] {  // the CUDA backend's commit and release kernels, in order
-        commit_on_host(p);
-        release_on_host(p);
-      });
+      fork([p] { commit_and_release_on_host(p); });  // the CUDA backend's commit and release kernels
       return;
     }
     std::shared_ptr<std::vector<uint8_t>> slots, rows;
@@ -58,8 +55,7 @@ class HostBackend final : public Backend {
       CommitParams q = p;
       if (slots) q.dst_slots = slots->data();
       if (rows) q.src_rows = rows->data();
-      commit_on_host(q);
-      release_on_host(q);
+      commit_and_release_on_host(q);
     });
   }
   void gather(const GatherParams& p, EngineStream) override { gather_on_host(p); }

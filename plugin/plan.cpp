@@ -37,6 +37,16 @@ constexpr int32_t kMaxExtraColumns = 1 << 16;
 
 }  // namespace
 
+int64_t id_limit(int32_t elem) {
+  switch (elem) {
+    case kU8: return 256;
+    case kI8: return 128;
+    case kU16: return 65536;
+    case kI16: return 32768;
+    default: return int64_t{1} << 31;  // int32 and wider: more than any num_experts (an int32)
+  }
+}
+
 moecap_config default_config() {
   moecap_config c{};
   c.struct_size = sizeof c;
@@ -68,16 +78,6 @@ int32_t id_elem_of(int32_t dtype) {
   }
 }
 
-// Ids [0, n) an Elem holds: 2^bits unsigned, 2^(bits-1) signed.
-int64_t id_capacity(int32_t elem) {
-  switch (elem) {
-    case kU8: return 256;
-    case kU16: return 65536;
-    case kI16: return 32768;
-    default: return int64_t{1} << 31;
-  }
-}
-
 int32_t resolve_id_dtype(int32_t dtype, const char* name) {
   if (dtype != MOECAP_IDS_AUTO && id_elem_of(dtype) < 0) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->", name, " is ", dtype,
@@ -86,10 +86,8 @@ int32_t resolve_id_dtype(int32_t dtype, const char* name) {
   return dtype;
 }
 
-}  // namespace
-
-Plan make_plan(const moecap_config* config) {
-  const moecap_config c = read_struct(config, MOECAP_CONFIG_SIZE_1_0, "config");
+// Every field on its own, before anything is derived from it.
+void validate_config(const moecap_config& c) {
   if ((c.abi_version >> 16) != MOECAP_ABI_VERSION_MAJOR) {
     fail(MOECAP_ERROR_ABI_MISMATCH, "config->abi_version is ", (c.abi_version >> 16), ".",
          (c.abi_version & 0xffffu), "; this library implements major version ", MOECAP_ABI_VERSION_MAJOR);
@@ -131,12 +129,13 @@ Plan make_plan(const moecap_config* config) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->device_type is ", c.device_type,
          "; expected MOECAP_DEVICE_HOST (1) or MOECAP_DEVICE_CUDA (2)");
   }
+}
 
-  Plan p{};
-  p.config = c;
-  // Host cache. AUTO leaves room for the fused columns' ids too; an explicit
-  // dtype only has to hold what is stored, the routed ids [0, num_experts),
-  // since the extra columns are dropped at capture.
+// The host cache's id dtype. AUTO leaves room for the fused columns' ids
+// too; an explicit dtype only has to hold what is stored, the routed ids
+// [0, num_experts), since the extra columns are dropped at capture.
+void choose_host_ids(Plan& p) {
+  const moecap_config& c = p.config;
   const int64_t ids_needed = static_cast<int64_t>(c.num_experts) + c.extra_columns;
   int32_t id_dtype = resolve_id_dtype(c.id_dtype, "id_dtype");
   if (id_dtype == MOECAP_IDS_AUTO) {
@@ -144,29 +143,35 @@ Plan make_plan(const moecap_config* config) {
   }
   p.id_elem = id_elem_of(id_dtype);
   p.id_bytes = elem_bytes(p.id_elem);
-  if (c.num_experts > id_capacity(p.id_elem)) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->id_dtype holds ", id_capacity(p.id_elem),
+  if (c.num_experts > id_limit(p.id_elem)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->id_dtype holds ", id_limit(p.id_elem),
          " expert ids; num_experts is ", c.num_experts);
   }
-  p.config.id_dtype = id_dtype;
   p.no_expert = invalid_id_code(p.id_elem);
   p.no_expert_is_id = p.no_expert >= 0 && p.no_expert < c.num_experts;
+  p.config.id_dtype = id_dtype;
+}
 
-  // Device buffer: signed by default, so every id a kernel writes, and "no
-  // expert", stays recognisable until commit narrows it. An explicit dtype
-  // needs a value beyond the ids for "no expert".
+// The device buffer's id dtype: signed by default, so every id a kernel
+// writes, and "no expert", stays recognisable until commit narrows it. An
+// explicit dtype needs a value beyond the ids for "no expert".
+void choose_device_ids(Plan& p) {
+  const moecap_config& c = p.config;
   int32_t device_dtype = resolve_id_dtype(c.device_id_dtype, "device_id_dtype");
   if (device_dtype == MOECAP_IDS_AUTO) device_dtype = c.num_experts <= 32768 ? MOECAP_IDS_I16 : MOECAP_IDS_I32;
   p.device_id_elem = id_elem_of(device_dtype);
   p.device_id_bytes = elem_bytes(p.device_id_elem);
   const int64_t device_code = invalid_id_code(p.device_id_elem);
-  const int64_t device_ids = device_code < 0 ? id_capacity(p.device_id_elem) : device_code;
+  const int64_t device_ids = device_code < 0 ? id_limit(p.device_id_elem) : device_code;
   if (c.num_experts > device_ids) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->device_id_dtype holds ", device_ids,
          " expert ids besides its \"no expert\" value; num_experts is ", c.num_experts);
   }
   p.config.device_id_dtype = device_dtype;
+}
 
+void choose_weights(Plan& p) {
+  const moecap_config& c = p.config;
   switch (c.weight_dtype) {
     case MOECAP_WEIGHTS_NONE: p.weight_elem = -1; p.weight_bytes = 0; break;
     case MOECAP_WEIGHTS_F32: p.weight_elem = kF32; p.weight_bytes = 4; break;
@@ -176,7 +181,12 @@ Plan make_plan(const moecap_config* config) {
       fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->weight_dtype is ", c.weight_dtype,
            "; expected MOECAP_WEIGHTS_NONE, _F32, _BF16 or _F16 (0..3)");
   }
+}
 
+// Rows (docs/DESIGN.md §2) and the bytes of every buffer, each product and
+// sum checked: they become allocation sizes.
+void size_buffers(Plan& p) {
+  const moecap_config& c = p.config;
   p.rows_per_rank = std::max({c.chunked_prefill_size,
                               checked_mul(c.max_running_requests, c.verify_tokens,
                                           "max_running_requests * verify_tokens"),
@@ -195,13 +205,26 @@ Plan make_plan(const moecap_config* config) {
     p.histogram_bytes = static_cast<uint64_t>(
         checked_mul(checked_mul(c.num_layers, c.num_experts, "num_layers * num_experts"), 8, "histogram bytes"));
   }
-  // The sums must fit too: they become allocation sizes.
+  // The sums must fit too.
   checked_add(checked_add(static_cast<int64_t>(p.device_ids_bytes), static_cast<int64_t>(p.device_weights_bytes),
                           "device bytes"),
               static_cast<int64_t>(p.histogram_bytes), "device bytes");
   checked_add(checked_add(static_cast<int64_t>(p.host_ids_bytes), static_cast<int64_t>(p.host_weights_bytes),
                           "host bytes"),
               static_cast<int64_t>(p.host_states_bytes), "host bytes");
+}
+
+}  // namespace
+
+Plan make_plan(const moecap_config* config) {
+  const moecap_config c = read_struct(config, MOECAP_CONFIG_SIZE_1_0, "config");
+  validate_config(c);
+  Plan p{};
+  p.config = c;
+  choose_host_ids(p);
+  choose_device_ids(p);
+  choose_weights(p);
+  size_buffers(p);
   return p;
 }
 

@@ -41,6 +41,11 @@ struct Plan {
 // moecap::Error.
 Plan make_plan(const moecap_config* config);
 
+// Ids [0, n) an id Elem holds: 2^bits unsigned, 2^(bits-1) signed, 2^31 for
+// int32 and wider. The one answer for the host cache's and the device
+// buffer's dtypes (plan) and for a read's output dtype (capturer).
+int64_t id_limit(int32_t elem);
+
 // What moecap_config_init writes: every field's default.
 moecap_config default_config();
 

@@ -205,13 +205,9 @@ void encode(const Source& src, uint8_t* out) {
   }
 }
 
-// Reads and checks a record completely; the Layout says where everything is.
-Layout parse(const void* data, uint64_t bytes) {
-  if (data == nullptr && bytes > 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, "data is NULL");
-  if (bytes < MOECAP_RECORD_HEADER_BYTES) {
-    fail(MOECAP_ERROR_INVALID_ARGUMENT, "bytes is ", bytes, "; a record is at least ", MOECAP_RECORD_HEADER_BYTES);
-  }
-  const uint8_t* p = static_cast<const uint8_t*>(data);
+// The fixed header: every field in range and consistent with the others,
+// and the record exactly as long as the sections it announces.
+Layout parse_header(const uint8_t* p, uint64_t bytes) {
   if (std::memcmp(p, kMagic, 4) != 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, "data is not a routing record (magic is not \"MCRT\")");
   const uint64_t version = get_le(p + 4, 2);
   if (version != MOECAP_RECORD_VERSION) {
@@ -251,9 +247,13 @@ Layout parse(const void* data, uint64_t bytes) {
   l.weight_elem = has_weights ? weight_elem_of(weight_dtype) : -1;
   l.place();
   if (l.total != bytes) fail(MOECAP_ERROR_INVALID_ARGUMENT, "bytes is ", bytes, "; the record's header says ", l.total);
+  return l;
+}
 
-  // Contents: every code an expert or the sentinel, invalid tokens all
-  // sentinel with zero weights, padding bits zero.
+// The sections the header placed: every code an expert or the sentinel,
+// invalid tokens all sentinel with zero weights, padding bits zero.
+void check_contents(const uint8_t* p, const Layout& l) {
+  const bool has_weights = l.weight_elem >= 0;
   const uint64_t row = static_cast<uint64_t>(l.layers * l.top_k);
   const bool validity = l.flags & MOECAP_RECORD_HAS_VALIDITY;
   for (int64_t t = l.tokens; validity && t < ((l.tokens + 7) / 8) * 8; ++t) {
@@ -275,6 +275,18 @@ Layout parse(const void* data, uint64_t bytes) {
   if (l.packed() && used_bits % 8 != 0 && (p[l.ids_at + used_bits / 8] >> (used_bits % 8)) != 0) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "record id padding bits are not 0");
   }
+}
+
+// Reads and checks a record completely, before anything is decoded from it;
+// the Layout says where everything is.
+Layout parse(const void* data, uint64_t bytes) {
+  if (data == nullptr && bytes > 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, "data is NULL");
+  if (bytes < MOECAP_RECORD_HEADER_BYTES) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "bytes is ", bytes, "; a record is at least ", MOECAP_RECORD_HEADER_BYTES);
+  }
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  const Layout l = parse_header(p, bytes);
+  check_contents(p, l);
   return l;
 }
 

@@ -53,13 +53,6 @@ std::string dtype_name(DLDataType d) {
   return cat("(code ", int(d.code), ", bits ", int(d.bits), ", lanes ", d.lanes, ")");
 }
 
-int32_t device_kind(const DLDevice& d) {
-  int32_t raw = 0;
-  static_assert(sizeof raw == sizeof d.device_type, "DLDeviceType is 32 bits");
-  std::memcpy(&raw, &d.device_type, sizeof raw);
-  return raw;
-}
-
 std::string device_name(DLDevice d) {
   switch (device_kind(d)) {
     case kDLCPU: return "cpu";

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <string>
 
@@ -18,10 +19,20 @@ std::string dtype_name(DLDataType dtype);
 const char* elem_name(int32_t elem);
 std::string device_name(DLDevice device);
 // DLDevice::device_type as the integer the caller stored, never loaded as
-// the enum (a value outside it would be undefined behaviour).
-int32_t device_kind(const DLDevice& device);
-// The largest DLDeviceType value the checks accept as a device type.
-constexpr int32_t kMaxDeviceType = 17;  // kDLMAIA in DLPack 1.0
+// the enum. Every read of a caller's device type goes through this: DLPack
+// 1.0 defines types past the end of the enum the header we compile against
+// may declare (Debian's DLPack 0.6 ends at kDLCUDAManaged = 13, so 16 and 17
+// are outside its range), and loading such a value as DLDeviceType is
+// undefined behaviour.
+inline int32_t device_kind(const DLDevice& device) {
+  int32_t raw = 0;
+  static_assert(sizeof raw == sizeof device.device_type, "DLDeviceType is 32 bits");
+  std::memcpy(&raw, &device.device_type, sizeof raw);
+  return raw;
+}
+// The largest device type the checks accept as one (kDLMAIA in DLPack 1.0);
+// an accepted type moecap cannot read still fails, as on the wrong device.
+constexpr int32_t kMaxDeviceType = 17;
 
 struct TensorRules {
   const char* name;                     // "topk_ids", "dst_slots", ...

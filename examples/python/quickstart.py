@@ -12,9 +12,10 @@ import moecap
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 8
 
-with moecap.Capturer(num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS, host_slots=64,
-                     max_running_requests=8, chunked_prefill_size=16, weight_dtype="bf16") as cap:
-    print("plan:", cap.plan)
+config = moecap.Config(num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS, host_slots=64,
+                       max_running_requests=8, chunked_prefill_size=16, weight_dtype=torch.bfloat16)
+with moecap.Capturer(config) as cap:                         # or moecap.Capturer(num_layers=..., ...)
+    print("plan:", cap.plan)                                 # moecap.Plan: rows, dtypes ('u8'), bytes
     hidden = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
     routers = [torch.randn(16, EXPERTS, generator=torch.Generator().manual_seed(1 + l)) for l in range(LAYERS)]
     for layer, router in enumerate(routers):

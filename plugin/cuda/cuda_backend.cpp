@@ -4,6 +4,7 @@
 // the configured device. Capture-path calls only launch on the given stream.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -97,12 +98,30 @@ class Unlocked {
   std::unique_lock<std::mutex>* lock_;
 };
 
-// Where a graph holding moecap's nodes keeps the capturer: a user object
-// whose destructor the driver calls on its own thread, where no CUDA call is
-// allowed, so the capturer (whose destruction frees driver memory) is
-// released on a thread of moecap's.
-void release_owner(void* held) {
-  std::thread([held] { delete static_cast<std::shared_ptr<void>*>(held); }).detach();
+// The events of the commits captured into one graph: each replay records
+// them (external event nodes), and host reads wait for them. They live as
+// long as the graph does, with every clone and exec of it: `graph_alive`
+// goes false when the driver releases the graph's user object, and the
+// backend then destroys them once their last records completed.
+struct GraphCommits {
+  std::vector<UniqueEvent> events;
+  std::atomic<bool> graph_alive{true};
+};
+
+// What a graph holding moecap's nodes keeps through its user object: the
+// capturer (its memory is baked into the nodes) and the graph's commit events.
+struct GraphHold {
+  std::shared_ptr<void> capturer;
+  std::shared_ptr<GraphCommits> commits;
+};
+
+// The user object's destructor. The driver calls it on its own thread, where
+// no CUDA call is allowed: it only marks the graph gone, and the capturer
+// (whose destruction frees driver memory) is released on a thread of moecap's.
+void release_graph_hold(void* held) {
+  auto* hold = static_cast<GraphHold*>(held);
+  hold->commits->graph_alive = false;
+  std::thread([hold] { delete hold; }).detach();
 }
 
 class CudaBackend final : public Backend {
@@ -140,8 +159,10 @@ class CudaBackend final : public Backend {
       join_event_ = create_event();
     }
     // Duplicate slots in commits whose slots only the device knows.
-    claims_ = allocate_device(static_cast<size_t>(plan.config.host_slots) * sizeof(int32_t), "cuMemAlloc (claims)");
-    check(d_, d_.cuMemsetD8Async(claims_.get(), 0, static_cast<size_t>(plan.config.host_slots) * sizeof(int32_t),
+    claims_ = allocate_device(static_cast<size_t>(plan.config.host_slots) * sizeof(unsigned long long),
+                              "cuMemAlloc (claims)");
+    check(d_, d_.cuMemsetD8Async(claims_.get(), 0,
+                                 static_cast<size_t>(plan.config.host_slots) * sizeof(unsigned long long),
                                  internal_.get()),
           "cuMemsetD8Async");
     // Index lists copied at the call: two lists of device_rows int64 per entry.
@@ -167,8 +188,8 @@ class CudaBackend final : public Backend {
 
   DLDevice device() const override { return DLDevice{kDLCUDA, ordinal_}; }
   bool kernel_can_read(DLDevice d) const override {
-    return ((d.device_type == kDLCUDA || d.device_type == kDLCUDAManaged) && d.device_id == ordinal_) ||
-           d.device_type == kDLCUDAHost;
+    const int32_t kind = device_kind(d);  // an integer: never a DLDeviceType load
+    return ((kind == kDLCUDA || kind == kDLCUDAManaged) && d.device_id == ordinal_) || kind == kDLCUDAHost;
   }
 
   void* alloc_device(size_t bytes) override {
@@ -229,32 +250,39 @@ class CudaBackend final : public Backend {
 
   void commit(const CommitParams& p, CommitPlacement where, EngineStream stream) override {
     HostCallScope scope(d_, ctx());
-    keep_owner_in_capture(cu_stream(stream));
+    GraphCommits* graph_commits = keep_owner_in_capture(cu_stream(stream));
     const CUstream s = fork(cu_stream(stream));
     if (where.in_graph) {
       CommitParams params = p;
-      params.claims = reinterpret_cast<int32_t*>(claims_.get());
+      params.claims = reinterpret_cast<unsigned long long*>(claims_.get());
       launch_commit(params, s);
       // A plain record in a capture is only an edge inside the graph; an
       // external one is a node every replay performs. Each captured commit
       // has its own event, so that eager commits never re-record it: read
       // then waits for the latest replay of every graph.
-      graph_commits_.push_back(create_event());
-      check(d_, d_.cuEventRecordWithFlags(graph_commits_.back().get(), s, kEventRecordExternal),
-            "cuEventRecordWithFlags (commit)");
+      UniqueEvent e = create_event();
+      check(d_, d_.cuEventRecordWithFlags(e.get(), s, kEventRecordExternal), "cuEventRecordWithFlags (commit)");
+      graph_commits->events.push_back(std::move(e));
       return;
     }
     retire(commits_);
     CommitParams params = p;
     InFlight done{take_event(), {}, !where.slots_on_host};
+    // The slots it writes, for the reads into device tensors it must follow.
+    if (where.slots_on_host) done.slots = sorted_slots(SlotList{p.dst_slots, p.dst_slots_elem, p.count});
     Snapshot* snap = where.rows_on_host || where.slots_on_host ? &next_snapshot() : nullptr;
     size_t at = 0;
     if (where.rows_on_host) params.src_rows = copy_in(*snap, at, p.src_rows, p.count, p.src_rows_elem);
-    if (where.slots_on_host) {
-      done.slots = snapshot_slots(*snap, at, p, params);
-    } else {
-      params.claims = reinterpret_cast<int32_t*>(claims_.get());
-    }
+    // A slot listed twice keeps the last entry whose slot and row are in
+    // range (the host twin's order): duplicates can be dropped at the call
+    // only where every row is known to be in range now (a range, host rows,
+    // an invalidation); rows only the device knows take the claim pass.
+    const bool rows_known = p.mode == kInvalidate || p.src_rows == nullptr || where.rows_on_host;
+    if (where.slots_on_host) snapshot_slots(*snap, at, p, params, rows_known);
+    if (!where.slots_on_host || !rows_known) params.claims = reinterpret_cast<unsigned long long*>(claims_.get());
+    // A read into device tensors enqueued before this call gathers these
+    // slots' rows on its stream: the new rows land after it.
+    wait_for_reads(s, done.every_slot ? nullptr : &done.slots);
     launch_commit(params, s);
     if (snap != nullptr) check(d_, d_.cuEventRecord(snap->done.get(), s), "cuEventRecord (snapshot)");
     check(d_, d_.cuEventRecord(done.event.get(), s), "cuEventRecord (commit)");
@@ -269,7 +297,10 @@ class CudaBackend final : public Backend {
     for (const InFlight& f : commits_) {
       if (touches(f, &wanted)) check(d_, d_.cuStreamWaitEvent(s, f.event.get(), 0), "cuStreamWaitEvent");
     }
-    for (const UniqueEvent& e : graph_commits_) check(d_, d_.cuStreamWaitEvent(s, e.get(), 0), "cuStreamWaitEvent");
+    forget_gone_graphs();
+    for (const auto& g : graph_commits_) {
+      for (const UniqueEvent& e : g->events) check(d_, d_.cuStreamWaitEvent(s, e.get(), 0), "cuStreamWaitEvent");
+    }
     // A snapshot entry holds 2 * device_rows slots; longer requests go in pieces.
     const int64_t per_piece = static_cast<int64_t>(snapshot_bytes_ / sizeof(int64_t));
     const int64_t slot_bytes = elem_bytes(p.slots_elem);
@@ -293,6 +324,13 @@ class CudaBackend final : public Backend {
     reads_.push_back(std::move(read));
   }
 
+  void order_after_reads(EngineStream stream) override {
+    HostCallScope scope(d_, ctx());
+    const CUstream s = cu_stream(stream);
+    if (capture_id(s) != 0) return;  // a launch into a capture is refused by the driver anyway
+    wait_for_reads(s, nullptr);
+  }
+
   void zero_device(void* ptr, size_t bytes, EngineStream stream) override {
     ContextScope scope(d_, ctx());
     keep_owner_in_capture(cu_stream(stream));
@@ -305,8 +343,13 @@ class CudaBackend final : public Backend {
     std::vector<int64_t> wanted;
     if (slots != nullptr) wanted = sorted_slots(*slots);
     const std::vector<int64_t>* filter = slots != nullptr ? &wanted : nullptr;
+    forget_gone_graphs();
     std::vector<CUevent> waits;
-    for (const UniqueEvent& e : graph_commits_) waits.push_back(e.get());
+    // Held while waiting: a graph dropped meanwhile keeps its events until then.
+    const std::vector<std::shared_ptr<GraphCommits>> graphs = graph_commits_;
+    for (const auto& g : graphs) {
+      for (const UniqueEvent& e : g->events) waits.push_back(e.get());
+    }
     for (const InFlight& f : commits_) {
       if (touches(f, filter)) waits.push_back(f.event.get());
     }
@@ -316,9 +359,9 @@ class CudaBackend final : public Backend {
       }
     } else {
       // Without the capturer's lock: another thread may retire and re-record
-      // these events meanwhile (a later record: a longer wait, never a
+      // the eager events meanwhile (a later record: a longer wait, never a
       // shorter one); they are destroyed only with the backend.
-      Unlocked unlocked(unlock_while_waiting);
+      Unlocked unlocked(unlock_while_waiting != nullptr ? unlock_while_waiting : LockHold::current());
       for (CUevent e : waits) finished(e, true);
       // Everything (synchronize, destroy): forked captures too, not only commits.
       if (side_ && slots == nullptr) check(d_, d_.cuStreamSynchronize(side_eager_.get()), "cuStreamSynchronize");
@@ -330,8 +373,14 @@ class CudaBackend final : public Backend {
   void reads_done(const SlotList& slots) override {
     HostCallScope scope(d_, ctx());
     const std::vector<int64_t> wanted = sorted_slots(slots);
+    std::vector<CUevent> waits;
     for (const InFlight& f : reads_) {
-      if (touches(f, &wanted)) finished(f.event.get(), true);
+      if (touches(f, &wanted)) waits.push_back(f.event.get());
+    }
+    {
+      // Read events are retired to the spare pool, never destroyed before the backend.
+      Unlocked unlocked(LockHold::current());
+      for (CUevent e : waits) finished(e, true);
     }
     retire(reads_);
   }
@@ -365,6 +414,7 @@ class CudaBackend final : public Backend {
 
   void wait_stream(EngineStream stream) override {
     HostCallScope scope(d_, ctx());
+    Unlocked unlocked(LockHold::current());
     check(d_, d_.cuStreamSynchronize(cu_stream(stream)), "cuStreamSynchronize");
   }
 
@@ -479,13 +529,17 @@ class CudaBackend final : public Backend {
     check(d_, d_.cuLaunchKernel(k.fn, blocks, 1, 1, kThreads, 1, 1, 0, s, args, nullptr), k.launch_what);
   }
 
-  // With claims: claim, commit, release, in stream order (4 bytes of device
+  // With claims: claim, commit, release, in stream order (8 bytes of device
   // memory per host slot; commits on other streams touch other claims
   // unless they target the same slots, which is a race in any case).
-  void launch_commit(const CommitParams& p, CUstream s) {
+  // Invalidations take no claims: emptying a slot twice is emptying it once.
+  // The release kernel consumes a commit's rows, one thread per element.
+  void launch_commit(const CommitParams& given, CUstream s) {
+    CommitParams p = given;
+    if (p.mode == kInvalidate) p.claims = nullptr;
     if (p.claims != nullptr) launch(claim_, p, p.count, s);
     launch(commit_, p, p.count, s);
-    if (p.claims != nullptr || p.mode == kCommitRows) launch(release_, p, p.count, s);
+    if (p.mode == kCommitRows) launch(release_, p, static_cast<int64_t>(p.num_layers) * p.count * p.top_k, s);
   }
 
   // Needs the context current.
@@ -536,13 +590,34 @@ class CudaBackend final : public Backend {
     }
   }
 
+  // The next ring entry, once the call that used it last has completed. The
+  // wait releases the capturer's lock; other calls may take entries
+  // meanwhile, so the ring is looked at again after it.
   Snapshot& next_snapshot() {
-    Snapshot& e = snapshots_[next_snapshot_];
-    e.host = snapshot_host() + next_snapshot_ * snapshot_bytes_;
-    next_snapshot_ = (next_snapshot_ + 1) % kSnapshots;
-    if (e.used) finished(e.done.get(), true);
-    e.used = true;
-    return e;
+    for (;;) {
+      Snapshot& e = snapshots_[next_snapshot_];
+      if (!e.used || finished(e.done.get(), false)) {
+        e.host = snapshot_host() + next_snapshot_ * snapshot_bytes_;
+        next_snapshot_ = (next_snapshot_ + 1) % kSnapshots;
+        e.used = true;
+        return e;
+      }
+      Unlocked unlocked(LockHold::current());
+      finished(e.done.get(), true);  // re-recorded meanwhile: a longer wait; destroyed only with the backend
+    }
+  }
+
+  // Destroys the events of graphs the driver released, once their last
+  // replays' records completed (a released exec may still be running).
+  void forget_gone_graphs() {
+    auto gone = [&](const std::shared_ptr<GraphCommits>& g) {
+      if (g->graph_alive) return false;
+      for (const UniqueEvent& e : g->events) {
+        if (!finished(e.get(), false)) return false;
+      }
+      return true;
+    };
+    graph_commits_.erase(std::remove_if(graph_commits_.begin(), graph_commits_.end(), gone), graph_commits_.end());
   }
   // Copies `count` host indices into `snap` at `at`; returns their device address.
   const void* copy_in(Snapshot& snap, size_t& at, const void* host, int64_t count, int32_t elem) {
@@ -553,10 +628,10 @@ class CudaBackend final : public Backend {
     return device;
   }
 
-  // Copies a commit's host slots into `snap` at `at` as int64, each earlier
-  // duplicate dropped (-1) so that the last entry wins without a claim pass;
-  // points `params` at them. Returns the slots, sorted.
-  std::vector<int64_t> snapshot_slots(Snapshot& snap, size_t at, const CommitParams& p, CommitParams& params) {
+  // Copies a commit's host slots into `snap` at `at` as int64 and points
+  // `params` at them; with drop_duplicates, each earlier duplicate becomes
+  // -1, so that the last entry wins without a claim pass.
+  void snapshot_slots(Snapshot& snap, size_t at, const CommitParams& p, CommitParams& params, bool drop_duplicates) {
     int64_t* slots = reinterpret_cast<int64_t*>(snap.host + at);
     params.dst_slots = snapshot_device_ + (snap.host - snapshot_host()) + at;
     params.dst_slots_elem = kI64;
@@ -565,41 +640,56 @@ class CudaBackend final : public Backend {
       slots[j] = load_int(p.dst_slots, p.dst_slots_elem, j);
       order[static_cast<size_t>(j)] = {slots[j], j};
     }
+    if (!drop_duplicates) return;
     std::sort(order.begin(), order.end());
-    std::vector<int64_t> sorted(order.size());
-    for (size_t i = 0; i < order.size(); ++i) {
-      sorted[i] = order[i].first;
-      if (i + 1 < order.size() && order[i + 1].first == order[i].first) slots[order[i].second] = -1;
+    for (size_t i = 0; i + 1 < order.size(); ++i) {
+      if (order[i + 1].first == order[i].first) slots[order[i].second] = -1;
     }
-    return sorted;
+  }
+
+  // `s` waits (on the device) for the reads into device tensors that gather
+  // any of `slots` (all when nullptr). Never in a capture: a replay cannot
+  // wait for an eager event; moecap_graph_launch orders the replay instead.
+  void wait_for_reads(CUstream s, const std::vector<int64_t>* slots) {
+    retire(reads_);
+    for (const InFlight& f : reads_) {
+      if (touches(f, slots)) check(d_, d_.cuStreamWaitEvent(s, f.event.get(), 0), "cuStreamWaitEvent (read)");
+    }
   }
 
   // Inside a stream capture (the engine's or moecap's), the graph being
-  // built takes a reference to the capturer, once per capture.
-  void keep_owner_in_capture(CUstream s) {
-    if (owner_.expired()) return;
+  // built takes a reference to the capturer and to the events of its
+  // commits, once per capture. Returns those events' holder (nullptr
+  // outside a capture).
+  GraphCommits* keep_owner_in_capture(CUstream s) {
     const auto [id, graph] = capture_info(s);
-    if (id == 0 || id == kept_in_capture_) return;
-    auto* held = new std::shared_ptr<void>(owner_.lock());
+    if (id == 0) return nullptr;
+    if (id == kept_in_capture_) return kept_commits_.get();
+    auto* held = new GraphHold{owner_.lock(), std::make_shared<GraphCommits>()};
     CUuserObject object = nullptr;
-    CUresult r = d_.cuUserObjectCreate(&object, held, &release_owner, 1, kUserObjectNoDestructorSync);
+    CUresult r = d_.cuUserObjectCreate(&object, held, &release_graph_hold, 1, kUserObjectNoDestructorSync);
     if (r != kSuccess) {
       delete held;
       check(d_, r, "cuUserObjectCreate");
     }
+    // From here the driver owns `held`: a failed retain releases it through the destructor.
+    graph_commits_.push_back(held->commits);
     r = d_.cuGraphRetainUserObject(graph, object, 1, kGraphUserObjectMove);
     if (r != kSuccess) {
       d_.cuUserObjectRelease(object, 1);
       check(d_, r, "cuGraphRetainUserObject");
     }
     kept_in_capture_ = id;
+    kept_commits_ = held->commits;
+    return kept_commits_.get();
   }
 
   const Driver& d_;
   int ordinal_;
   bool side_;  // MOECAP_FLAG_SIDE_STREAM
   std::weak_ptr<void> owner_;
-  uint64_t kept_in_capture_ = 0;
+  uint64_t kept_in_capture_ = 0;                 // the capture that last took a reference
+  std::shared_ptr<GraphCommits> kept_commits_;  // ... and its commits' events
   // Owners are destroyed in reverse order: the primary context goes last.
   PrimaryContext ctx_;
   UniqueModule module_;
@@ -618,7 +708,8 @@ class CudaBackend final : public Backend {
   size_t next_snapshot_ = 0;
   std::deque<InFlight> commits_;
   std::deque<InFlight> reads_;
-  std::vector<UniqueEvent> graph_commits_;  // one per commit captured in a graph, never reused
+  // Per capture, the events of its commits; the last is the capture kept_in_capture_ names.
+  std::vector<std::shared_ptr<GraphCommits>> graph_commits_;
   std::vector<UniqueEvent> spare_;
   CUstream recording_ = nullptr;
   UniqueStream side_eager_;  // forks from streams not being captured

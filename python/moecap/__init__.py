@@ -14,33 +14,68 @@ implementations and declared mutations, so the compiled graph does not break.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import itertools
+import operator
+import sys
 import weakref
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Union, cast
 
 from . import _moecap
 from ._errors import MoecapError, Status
-from ._moecap import DLPackView, Graph
+from ._moecap import Buffer, ConfigFlag, DeviceType, DLPackView, Graph, IdDtype, SlotState, WeightDtype
 
-__all__ = ["BUFFERS", "Capturer", "DLPackView", "Graph", "MoecapError", "RecordError", "RequestTable",
-           "RoutedExperts", "SLOT_EMPTY", "SLOT_INVALID_IDS", "SLOT_VALID", "Status", "abi_version", "batch_slots",
-           "commit_batch", "engine", "hf", "plan", "record", "write_routed"]
+if TYPE_CHECKING:
+    from .ops import CapturerOps
+    from .record import LayerMap
 
-#: moecap_buffer values by name, for Capturer.export.
-BUFFERS = {
-    "device_ids": 1, "device_weights": 2, "host_ids": 3, "host_weights": 4,
-    "histogram": 5, "layer_ids": 6, "layer_weights": 7, "host_states": 8,
-}
-ID_DTYPES = {"auto": 0, "u8": 1, "u16": 2, "i32": 3, "i16": 4}
-WEIGHT_DTYPES = {None: 0, "f32": 1, "bf16": 2, "f16": 3}
-FLAG_HISTOGRAM, FLAG_GUARDS, FLAG_NO_GUARDS, FLAG_SIDE_STREAM = 0x1, 0x2, 0x4, 0x8
-DEVICE_HOST, DEVICE_CUDA = 1, 2
+__all__ = ["BUFFERS", "Buffer", "Capturer", "Config", "ConfigFlag", "DLPackArray", "DLPackView", "DeviceType",
+           "ErrorCounts", "Graph", "IdDtype", "MoecapError", "Plan", "RecordError", "RequestTable", "RoutedExperts",
+           "SLOT_EMPTY", "SLOT_INVALID_IDS", "SLOT_VALID", "SlotState", "Status", "WeightDtype", "abi_version",
+           "batch_slots", "commit_batch", "engine", "formats", "hf", "plan", "record", "write_routed"]
+
+# Every constant below is the extension's (abi/moecap.h's values, exported by
+# python/src/module.cpp); this module only names them the way keywords do.
+
+#: moecap_buffer by the name Capturer.export takes ('device_ids', 'host_states', ...).
+BUFFERS: dict[str, Buffer] = {b.name.lower(): b for b in Buffer}
+#: moecap_id_dtype by the name id_dtype / device_id_dtype take ('auto', 'u8', 'u16', 'i16', 'i32').
+ID_DTYPES: dict[str, IdDtype] = {d.name.lower(): d for d in IdDtype}
+#: moecap_weight_dtype by the name weight_dtype takes (None, 'f32', 'bf16', 'f16').
+WEIGHT_DTYPES: dict[Optional[str], WeightDtype] = {
+    (None if d == WeightDtype.NONE else d.name.lower()): d for d in WeightDtype}
+FLAG_HISTOGRAM, FLAG_GUARDS, FLAG_NO_GUARDS, FLAG_SIDE_STREAM = (
+    ConfigFlag.HISTOGRAM, ConfigFlag.GUARDS, ConfigFlag.NO_GUARDS, ConfigFlag.SIDE_STREAM)
+DEVICE_HOST, DEVICE_CUDA = DeviceType.HOST, DeviceType.CUDA
 #: What a host-cache slot holds (Capturer.slot_states): bits of MOECAP_SLOT_*.
-SLOT_EMPTY, SLOT_VALID, SLOT_INVALID_IDS = 0x0, 0x1, 0x2
+SLOT_EMPTY, SLOT_VALID, SLOT_INVALID_IDS = SlotState.EMPTY, SlotState.VALID, SlotState.INVALID_IDS
 
 if _moecap.abi_version() >> 16 != _moecap.ABI_VERSION >> 16:  # pragma: no cover - a mismatched install
     raise ImportError(f"libmoecap.so implements ABI {_moecap.abi_version() >> 16}.x; "
                       f"moecap._moecap was built for {_moecap.ABI_VERSION >> 16}.x")
+
+
+class DLPackArray(Protocol):
+    """What every tensor argument takes: an array that exports itself through DLPack
+    (``__dlpack__`` and ``__dlpack_device__``): a NumPy array, a PyTorch tensor (CPU or
+    CUDA), a JAX or CuPy array, ... It is borrowed in place for the call, never copied."""
+
+    def __dlpack__(self, *, stream: Any = ...) -> Any: ...
+
+    def __dlpack_device__(self) -> Any: ...
+
+
+#: A dtype for ids: 'auto', 'u8', 'u16', 'i16', 'i32', an IdDtype, or the NumPy / torch dtype
+#: (np.uint8, torch.int16, ...).
+IdDtypeLike = Union[str, IdDtype, Any]
+#: A dtype for weights: None, 'f32', 'bf16', 'f16', a WeightDtype, or the NumPy / torch dtype.
+WeightDtypeLike = Union[None, str, WeightDtype, Any]
+
+# NumPy's and torch's names of the dtypes moecap stores, and the keyword's name for each.
+_DTYPE_NAMES = {"uint8": "u8", "uint16": "u16", "int16": "i16", "int32": "i32",
+                "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def abi_version() -> tuple[int, int]:
@@ -49,40 +84,234 @@ def abi_version() -> tuple[int, int]:
     return (v >> 16, v & 0xFFFF)
 
 
-def _config(num_layers: int, top_k: int, num_experts: int, host_slots: int, max_running_requests: int,
-            extra_columns: int = 0, dp_size: int = 1, verify_tokens: int = 1, chunked_prefill_size: int = 0,
-            max_graph_batch: int = 0, max_batch_tokens: int = 0, id_dtype: str = "auto",
-            device_id_dtype: str = "auto", weight_dtype: Optional[str] = None, device: Any = "cpu",
-            histogram: bool = False, guards: Optional[bool] = None, side_stream: bool = False) -> _moecap.Config:
-    c = _moecap.Config()  # moecap_config_init: the library's defaults
-    c.flags = (FLAG_HISTOGRAM if histogram else 0) | (
-        0 if guards is None else FLAG_GUARDS if guards else FLAG_NO_GUARDS) | (
-        FLAG_SIDE_STREAM if side_stream else 0)
-    c.num_layers, c.top_k, c.extra_columns, c.num_experts = num_layers, top_k, extra_columns, num_experts
-    c.dp_size, c.verify_tokens = dp_size, verify_tokens
-    c.max_running_requests, c.chunked_prefill_size = max_running_requests, chunked_prefill_size
-    c.max_graph_batch, c.max_batch_tokens, c.host_slots = max_graph_batch, max_batch_tokens, host_slots
-    for name, value in (("id_dtype", id_dtype), ("device_id_dtype", device_id_dtype)):
-        if value not in ID_DTYPES:
-            raise ValueError(f"{name} must be one of {sorted(ID_DTYPES)}, not {value!r}")
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight_dtype must be one of {list(WEIGHT_DTYPES)}, not {weight_dtype!r}")
-    c.id_dtype, c.device_id_dtype = ID_DTYPES[id_dtype], ID_DTYPES[device_id_dtype]
-    c.weight_dtype = WEIGHT_DTYPES[weight_dtype]
-    device = str(device)
-    if device == "cpu":
-        c.device_type, c.device_id = DEVICE_HOST, 0
-    elif device == "cuda" or device.startswith("cuda:"):
-        c.device_type = DEVICE_CUDA
-        c.device_id = int(device.split(":")[1]) if ":" in device else 0
-    else:
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', not {device!r}")
-    return c
+def _dtype_name(value: Any) -> Any:
+    """The keyword name ('u8', 'bf16', ...) of a dtype given as a name, an enum, or a
+    NumPy / torch dtype; anything else comes back as it is (and is refused by the caller)."""
+    if isinstance(value, (IdDtype, WeightDtype)):
+        return None if value == WeightDtype.NONE else value.name.lower()
+    if isinstance(value, str):
+        return _DTYPE_NAMES.get(value, value)
+    text = str(value)
+    if text.startswith("torch."):  # torch.uint8, torch.bfloat16: torch need not be imported to name one
+        return _DTYPE_NAMES.get(text[len("torch."):], value)
+    np = sys.modules.get("numpy")
+    if np is not None and value is not None:
+        try:
+            return _DTYPE_NAMES.get(np.dtype(value).name, value)
+        except TypeError:
+            pass
+    return value
 
 
-def plan(**config: Any) -> dict:
-    """The layout for a configuration (same keywords as Capturer), without allocating."""
-    return _moecap.plan(_config(**config))
+def _checked_dtype(keyword: str, value: Any, names: Mapping[Any, Any]) -> Any:
+    name = _dtype_name(value)
+    if name not in names:
+        shown = ", ".join(repr(n) for n in names)
+        numeric = ", ".join(k for k, v in _DTYPE_NAMES.items() if v in names)
+        raise ValueError(f"{keyword} must be one of {shown} (or the NumPy / torch dtype: {numeric}), not {value!r}")
+    return name
+
+
+class _Fields(Mapping):
+    """A frozen dataclass that also reads as a mapping of its fields (``plan["id_bytes"]``,
+    ``dict(capturer.config)``), as the dicts these results were before."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> Any:
+        if not isinstance(key, str) or key not in self._names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]  # subclasses are dataclasses
+
+
+def _library_defaults() -> dict[str, int]:
+    c = _moecap.Config()  # moecap_config_init; read and dropped (nanobind reports instances alive at exit)
+    return {name: getattr(c, name) for name in ("extra_columns", "dp_size", "verify_tokens", "chunked_prefill_size",
+                                                 "max_graph_batch", "max_batch_tokens")}
+
+
+# moecap_config_init's defaults: the dataclass below takes them from the library.
+_C_DEFAULTS = _library_defaults()
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class Config(_Fields):
+    """Everything a Capturer is sized by (``moecap_config``, abi/moecap.h documents every
+    field). ``moecap.Capturer(config)`` and ``moecap.plan(config)`` take one; both also take
+    these fields as keywords. Dtypes and the device come back normalized: ``id_dtype``
+    'u8' whether given as 'u8', ``np.uint8`` or ``torch.uint8``; ``device`` 'cpu' or 'cuda:N'."""
+
+    num_layers: int
+    """MoE layers captured; layer ids are [0, num_layers)."""
+    top_k: int
+    """Routed experts kept per token."""
+    num_experts: int
+    """Routed experts of the model; stored ids are [0, num_experts)."""
+    host_slots: int
+    """Rows of the host cache: the engine's KV slots, padding slot included."""
+    max_running_requests: int
+    """The scheduler's bound on requests per rank."""
+    extra_columns: int = _C_DEFAULTS["extra_columns"]
+    """Columns after top_k the router emits (fused shared experts): accepted at capture, dropped."""
+    dp_size: int = _C_DEFAULTS["dp_size"]
+    """Attention data-parallel ranks whose tokens the MoE layers see gathered."""
+    verify_tokens: int = _C_DEFAULTS["verify_tokens"]
+    """Tokens per request in a speculative verify pass; 1 without."""
+    chunked_prefill_size: int = _C_DEFAULTS["chunked_prefill_size"]
+    """Tokens per prefill chunk per rank."""
+    max_graph_batch: int = _C_DEFAULTS["max_graph_batch"]
+    """Largest captured CUDA-graph batch, in requests."""
+    max_batch_tokens: int = _C_DEFAULTS["max_batch_tokens"]
+    """The engine's own bound on tokens per forward per rank where its scheduler exceeds the others; 0 if none."""
+    id_dtype: IdDtypeLike = "auto"
+    """The host cache's ids: 'auto' (the narrowest that holds num_experts + extra_columns), 'u8', 'u16', 'i16', 'i32'."""
+    device_id_dtype: IdDtypeLike = "auto"
+    """The device buffer's ids, what a top-k kernel writes into a 'layer_ids' view: 'auto' is i16 up to 32768 experts."""
+    weight_dtype: WeightDtypeLike = None
+    """Stored routing weights: None (no weights), 'f32', 'bf16', 'f16'."""
+    device: Any = "cpu"
+    """'cpu' (the host backend) or 'cuda[:N]' (a str or a torch.device)."""
+    histogram: bool = False
+    """Keep a [num_layers, num_experts] int64 expert-load histogram."""
+    guards: Optional[bool] = None
+    """Canary rows after every buffer (True), none (False), or the build's default (None)."""
+    side_stream: bool = False
+    """MOECAP_FLAG_SIDE_STREAM: capture, commit and invalidate fork off the engine's stream until join()."""
+
+    def __post_init__(self) -> None:
+        set_field = object.__setattr__  # frozen: normalizing happens once, here
+        for name in ("num_layers", "top_k", "num_experts", "host_slots", "max_running_requests", "extra_columns",
+                     "dp_size", "verify_tokens", "chunked_prefill_size", "max_graph_batch", "max_batch_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, not bool")
+            try:
+                set_field(self, name, operator.index(value))
+            except TypeError:
+                raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+        set_field(self, "id_dtype", _checked_dtype("id_dtype", self.id_dtype, ID_DTYPES))
+        set_field(self, "device_id_dtype", _checked_dtype("device_id_dtype", self.device_id_dtype, ID_DTYPES))
+        set_field(self, "weight_dtype", _checked_dtype("weight_dtype", self.weight_dtype, WEIGHT_DTYPES))
+        device = str(self.device)
+        if device == "cuda":
+            device = "cuda:0"
+        if device != "cpu" and not (device.startswith("cuda:") and device[len("cuda:"):].isdigit()):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', not {self.device!r}")
+        set_field(self, "device", device)
+        if self.guards is not None:
+            set_field(self, "guards", bool(self.guards))
+        set_field(self, "histogram", bool(self.histogram))
+        set_field(self, "side_stream", bool(self.side_stream))
+
+    def _c_config(self) -> _moecap.Config:
+        c = _moecap.Config()  # moecap_config_init, then every field of ours
+        flags = ConfigFlag(0)
+        if self.histogram:
+            flags |= ConfigFlag.HISTOGRAM
+        if self.guards is not None:
+            flags |= ConfigFlag.GUARDS if self.guards else ConfigFlag.NO_GUARDS
+        if self.side_stream:
+            flags |= ConfigFlag.SIDE_STREAM
+        c.flags = int(flags)
+        for name in ("num_layers", "top_k", "extra_columns", "num_experts", "dp_size", "verify_tokens",
+                     "max_running_requests", "chunked_prefill_size", "max_graph_batch", "max_batch_tokens",
+                     "host_slots"):
+            setattr(c, name, getattr(self, name))
+        # __post_init__ normalized the dtypes to the names these tables hold
+        c.id_dtype = int(ID_DTYPES[cast(str, self.id_dtype)])
+        c.device_id_dtype = int(ID_DTYPES[cast(str, self.device_id_dtype)])
+        c.weight_dtype = int(WEIGHT_DTYPES[cast(Optional[str], self.weight_dtype)])
+        if self.device == "cpu":
+            c.device_type, c.device_id = int(DeviceType.HOST), 0
+        else:
+            c.device_type, c.device_id = int(DeviceType.CUDA), int(self.device[len("cuda:"):])
+        return c
+
+
+def _config(caller: str, config: Optional[Config], keywords: dict[str, Any]) -> Config:
+    """The Config of a call that takes one or its fields as keywords (or both: the
+    keywords replace those fields). A keyword that is no field is a TypeError naming
+    it, the closest field, and every field."""
+    names = Config._names()
+    for key in keywords:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{caller} got an unexpected keyword argument {key!r}{hint}; "
+                            f"its keywords are: {', '.join(names)}")
+    if config is not None:
+        if not isinstance(config, Config):
+            raise TypeError(f"{caller} takes a moecap.Config or keywords, not {type(config).__name__}")
+        return dataclasses.replace(config, **keywords) if keywords else config
+    required = [f.name for f in dataclasses.fields(Config) if f.default is dataclasses.MISSING]
+    missing = [name for name in required if name not in keywords]
+    if missing:
+        raise TypeError(f"{caller} is missing the keyword argument{'s' if len(missing) > 1 else ''} "
+                        f"{', '.join(repr(m) for m in missing)} (required: {', '.join(required)})")
+    return Config(**keywords)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan(_Fields):
+    """What a configuration costs (``moecap_plan_info``), from ``moecap.plan`` or ``Capturer.plan``.
+    Reads as a mapping too (``plan["id_bytes"]``)."""
+
+    rows_per_rank: int
+    """max(chunked_prefill_size, max_running_requests * verify_tokens, max_graph_batch * verify_tokens,
+    max_batch_tokens)."""
+    device_rows: int
+    """dp_size * rows_per_rank: rows of the device buffer."""
+    row_elements: int
+    """num_layers * top_k: ids per row."""
+    id_dtype: str
+    """The host cache's ids as resolved (never 'auto'): 'u8', 'u16', 'i16' or 'i32'."""
+    id_bytes: int
+    """1, 2 or 4."""
+    weight_bytes: int
+    """0 (no weights), 2 or 4."""
+    device_bytes: int
+    """Device ids + weights + histogram, guard canaries excluded."""
+    host_bytes: int
+    """Host-cache ids + weights + one state byte per slot."""
+    device_id_dtype: str
+    """The device buffer's ids as resolved (never 'auto')."""
+    device_id_bytes: int
+    """1, 2 or 4."""
+
+    @classmethod
+    def _of(cls, info: dict[str, Any]) -> Plan:
+        fields = dict(info)
+        for name in ("id_dtype", "device_id_dtype"):
+            fields[name] = IdDtype(fields[name]).name.lower()
+        return cls(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorCounts(_Fields):
+    """Problems found where no status could be returned (``moecap_error_counts``), from
+    ``Capturer.errors``. Reads as a mapping too (``errors["skipped_rows"]``)."""
+
+    skipped_rows: int
+    """Committed rows (or invalidated slots) whose slot was outside [-1, host_slots), or whose source row
+    was outside [0, device_rows)."""
+    invalid_ids: int
+    """Ids outside [0, num_experts) given to capture or written into a layer view (-1 not counted)."""
+
+
+def plan(config: Optional[Config] = None, **keywords: Any) -> Plan:
+    """The layout for a configuration (a Config, or its fields as keywords, as Capturer takes), without
+    allocating."""
+    return Plan._of(_moecap.plan(_config("moecap.plan()", config, keywords)._c_config()))
 
 
 # Capturers by id, for the torch ops (an int is what a traced graph can carry).
@@ -93,15 +322,11 @@ _ids = itertools.count(1)
 class Capturer(_moecap.Capturer):
     """One routed-experts capturer (abi/moecap.h documents every operation).
 
-    Keywords: num_layers, top_k, num_experts, host_slots, max_running_requests,
-    extra_columns, dp_size, verify_tokens, chunked_prefill_size, max_graph_batch,
-    max_batch_tokens, id_dtype (the host cache's: 'auto', 'u8', 'u16', 'i16', 'i32'),
-    device_id_dtype (the device buffer's, what a top-k kernel writes into a
-    'layer_ids' view: 'auto' = i16 up to 32768 experts), weight_dtype (None,
-    'f32', 'bf16', 'f16'), device ('cpu' or 'cuda:N'), histogram, guards,
-    side_stream (MOECAP_FLAG_SIDE_STREAM: capture, commit and invalidate fork
-    off the engine's stream until ``join(stream=None)``; the tensors they read
-    are held until then). Unset keywords take moecap_config_init's defaults.
+    ``Capturer(config)`` takes a ``moecap.Config``; ``Capturer(num_layers=..., top_k=...,
+    num_experts=..., host_slots=..., max_running_requests=..., **more)`` takes its fields as
+    keywords (the ones not given take moecap_config_init's defaults); a misspelt keyword is a
+    TypeError naming the closest one. ``config`` and ``plan`` hold what was asked for and what
+    it costs.
 
     Step-path calls (native, no Python in between): ``capture(layer, topk_ids,
     topk_weights=None, stream=None)``, ``commit(dst_slots, src_start=0,
@@ -109,25 +334,40 @@ class Capturer(_moecap.Capturer):
     padded_tokens_per_rank=None)``, ``invalidate(slots, stream=None)``; then
     ``read``, ``write``, ``slot_states``, ``synchronize``,
     ``errors``, ``export``, ``graph_begin``/``graph_end``, ``close``.
+    Every tensor argument is a ``DLPackArray`` (NumPy, PyTorch, JAX, CuPy, ...), borrowed in place.
     """
 
-    def __init__(self, **config: Any):
-        super().__init__(_config(**config))
-        self.config = dict(config)
-        self.plan = self.get_plan()
-        self.id = next(_ids)
-        _registry[self.id] = self
-        self._ops = None
-        self._states = None
+    config: Config
+    plan: Plan
+    id: int
+    #: Which model layer each captured layer is (set by moecap.hf.attach; RequestTable.finish passes it on).
+    layer_map: Optional[LayerMap]
 
-    def __enter__(self) -> "Capturer":
+    def __init__(self, config: Optional[Config] = None, **keywords: Any) -> None:
+        config = _config("moecap.Capturer()", config, keywords)
+        super().__init__(config._c_config())
+        self.config = config
+        self.plan = Plan._of(self.get_plan())
+        self.id = next(_ids)
+        self.layer_map = None
+        _registry[self.id] = self
+        self._ops: Optional[CapturerOps] = None
+        self._states: Any = None
+
+    def __enter__(self) -> Capturer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def read(self, slots: Any, dtype: Any = None, out: Any = None, weights_out: Any = None,
-             nonblocking: bool = False, strict: bool = False, stream: Any = None) -> Any:
+    def errors(self, clear: bool = False) -> ErrorCounts:  # type: ignore[override]
+        """Counters of problems found where no status could be returned (inside kernels and
+        graph replays); waits for the commits in flight. ``clear`` resets them in the same step."""
+        return ErrorCounts(**super().errors(clear))
+
+    def read(self, slots: DLPackArray, dtype: Any = None, out: Optional[DLPackArray] = None,
+             weights_out: Optional[DLPackArray] = None, nonblocking: bool = False, strict: bool = False,
+             stream: Any = None) -> Any:
         """The rows of ``slots`` (host memory, any DLPack producer) as ``[T, num_layers, top_k]``.
 
         Without ``out``, allocates one like ``slots`` (a torch tensor for torch
@@ -140,7 +380,7 @@ class Capturer(_moecap.Capturer):
         at capture; ``strict=True`` raises MoecapError(NO_ROUTING) instead and
         writes nothing. ``slot_states`` says which slots hold routing."""
         if out is None:
-            shape = (_moecap.leading_dim(slots), self.config["num_layers"], self.config["top_k"])
+            shape = (_moecap.leading_dim(slots), self.config.num_layers, self.config.top_k)
             torch = _torch_if_imported()
             if torch is not None and isinstance(slots, torch.Tensor):
                 out = torch.empty(shape, dtype=dtype or torch.int32)
@@ -150,7 +390,7 @@ class Capturer(_moecap.Capturer):
         self.read_into(slots, out, weights_out, nonblocking, strict, stream)
         return out if weights_out is None else (out, weights_out)
 
-    def slot_states(self, slots: Any) -> Any:
+    def slot_states(self, slots: Union[DLPackArray, list[int], tuple[int, ...]]) -> Any:
         """SLOT_* bits of each slot (NumPy uint8 ``[T]``) once the commits in flight landed:
         ``states & SLOT_VALID == 0`` marks the tokens a read returns as -1.
 
@@ -170,14 +410,17 @@ class Capturer(_moecap.Capturer):
                 raise
         return self._states[index]
 
-    def export(self, which: str, layer: int = 0) -> DLPackView:
-        """A zero-copy DLPackView of a buffer: 'device_ids', 'host_ids', 'layer_ids', 'histogram', ..."""
-        if which not in BUFFERS:
-            raise ValueError(f"which must be one of {sorted(BUFFERS)}, not {which!r}")
-        return self.export_view(BUFFERS[which], layer)
+    def export(self, which: Union[str, Buffer], layer: int = 0) -> DLPackView:
+        """A zero-copy DLPackView of a buffer: 'device_ids', 'host_ids', 'layer_ids', 'histogram', ...
+        (a name of BUFFERS, or a Buffer)."""
+        if not isinstance(which, Buffer):
+            if which not in BUFFERS:
+                raise ValueError(f"which must be one of {sorted(BUFFERS)}, not {which!r}")
+            which = BUFFERS[which]
+        return cast(DLPackView, self.export_view(which, layer))
 
     @property
-    def ops(self) -> Any:
+    def ops(self) -> CapturerOps:
         """torch.library custom ops bound to this capturer (``moecap.ops.CapturerOps``): what
         code under torch.compile calls instead of capture/commit. Needs torch >= 2.4."""
         if self._ops is None:
@@ -211,7 +454,6 @@ def _host_slots(slots: Any, host_slots: int) -> Any:
 
 
 def _torch_if_imported() -> Any:
-    import sys
     return sys.modules.get("torch")
 
 
@@ -219,7 +461,7 @@ def _torch_if_imported() -> Any:
 # imported on first use: it needs NumPy (and hf torch and transformers), while `import moecap`
 # needs nothing but the extension.
 _LAZY = {
-    "engine": ("engine", None), "hf": ("hf", None), "record": ("record", None),
+    "engine": ("engine", None), "formats": ("formats", None), "hf": ("hf", None), "record": ("record", None),
     "RequestTable": ("engine", "RequestTable"), "batch_slots": ("engine", "batch_slots"),
     "commit_batch": ("engine", "commit_batch"), "write_routed": ("engine", "write_routed"),
     "RecordError": ("record", "RecordError"), "RoutedExperts": ("record", "RoutedExperts"),

@@ -1,34 +1,23 @@
-"""Status codes and the exception every failed moecap call raises."""
-import enum
+"""The exception every failed moecap call raises, and the statuses it carries.
 
+``Status`` is moecap_status as the extension exports it from abi/moecap.h (an
+IntEnum), so a status the library adds is known here without an edit.
+"""
+from __future__ import annotations
 
-class Status(enum.IntEnum):
-    """moecap_status (abi/moecap.h)."""
+from typing import Union
 
-    __module__ = "moecap"
+from ._moecap import Status
 
-    OK = 0
-    INVALID_ARGUMENT = 1
-    OUT_OF_RANGE = 2
-    CAPACITY = 3
-    NO_DEVICE = 4
-    DRIVER = 5
-    OUT_OF_MEMORY = 6
-    ABI_MISMATCH = 7
-    NOT_READY = 8
-    CAPTURE_ILLEGAL = 9
-    INTERNAL = 10
-    ROWS_SKIPPED = 11
-    STUB_DRIVER = 12
-    DRIVER_TOO_OLD = 13
-    CORRUPTION = 14
-    NO_ROUTING = 15
+__all__ = ["MoecapError", "Status"]
 
 
 class MoecapError(RuntimeError):
     """A moecap call failed: ``status`` is the Status, the message says which argument and what limit."""
 
     __module__ = "moecap"
+
+    status: Union[Status, int]
 
     def __init__(self, status: int, message: str):
         try:

@@ -8,23 +8,36 @@ a reused slot can never hand the next request stale experts;
 disaggregation: the prefill instance sends the prompt's record along with
 its KV).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
 import numpy as np
 
 from .record import RoutedExperts
 
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
-def _index_array(slots):
+    from . import Capturer, DLPackArray
+
+#: Slots or token positions: a tensor (any DLPack producer, kept on its device) or a sequence of ints.
+Slots = Union["DLPackArray", Sequence[int], np.ndarray]
+
+
+def _index_array(slots: Any) -> Any:
     if hasattr(slots, "__dlpack__") and not isinstance(slots, np.ndarray):
         return slots  # a tensor: handed to the capturer as is (device slots stay on device)
     return np.ascontiguousarray(np.asarray(slots, dtype=np.int64).reshape(-1))
 
 
-def _length(slots):
+def _length(slots: Any) -> int:
     shape = getattr(slots, "shape", None)
     return int(shape[0]) if shape is not None else len(slots)
 
 
-def commit_batch(capturer, slots, dp_rank=0, tokens_per_rank=None, padded_tokens_per_rank=None, stream=None):
+def commit_batch(capturer: Capturer, slots: Slots, dp_rank: int = 0, tokens_per_rank: Optional[Sequence[int]] = None,
+                 padded_tokens_per_rank: Optional[int] = None, stream: Any = None) -> tuple[int, int, int]:
     """Commits this rank's rows of the batch the MoE layers just saw.
 
     slots: one KV slot per row this rank put into the batch (padding rows -1,
@@ -49,14 +62,14 @@ def commit_batch(capturer, slots, dp_rank=0, tokens_per_rank=None, padded_tokens
     return start, count, total
 
 
-def batch_slots(attention_mask, slots_per_row):
+def batch_slots(attention_mask: ArrayLike, slots_per_row: Sequence[ArrayLike]) -> np.ndarray:
     """dst slots for a [batch, seq] forward flattened row-major, as the MoE
     layers see it: row b's real tokens (mask 1) take slots_per_row[b] in
     order, padding (mask 0) takes -1."""
     mask = np.asarray(attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask).astype(bool)
     out = np.full(mask.shape, -1, dtype=np.int64)
-    for b, row_slots in enumerate(slots_per_row):
-        row_slots = np.asarray(row_slots, dtype=np.int64)
+    for b, given in enumerate(slots_per_row):
+        row_slots = np.asarray(given, dtype=np.int64)
         if row_slots.shape[0] != int(mask[b].sum()):
             raise ValueError(f"row {b} has {int(mask[b].sum())} real tokens but {row_slots.shape[0]} slots")
         out[b, mask[b]] = row_slots
@@ -71,38 +84,38 @@ class RequestTable:
     hand them to the next request; abort(rid) only invalidates.
     """
 
-    def __init__(self, capturer, num_experts=None):
+    def __init__(self, capturer: Capturer, num_experts: Optional[int] = None) -> None:
         self.capturer = capturer
         config = getattr(capturer, "config", {})
         self.num_experts = int(num_experts if num_experts is not None else config["num_experts"])
         self.num_layers = int(config["num_layers"])
         self.top_k = int(config["top_k"])
         self.weights = config.get("weight_dtype") is not None
-        self._slots = {}
-        self._start = {}
+        self._slots: dict[Any, list[np.ndarray]] = {}
+        self._start: dict[Any, int] = {}
 
-    def __contains__(self, rid):
+    def __contains__(self, rid: object) -> bool:
         return rid in self._slots
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._slots)
 
-    def start(self, rid, position=0):
+    def start(self, rid: Any, position: int = 0) -> None:
         """A new request whose first captured token sits at `position`."""
         if rid in self._slots:
             raise KeyError(f"request {rid!r} is already running")
         self._slots[rid] = []
         self._start[rid] = int(position)
 
-    def append(self, rid, slots):
+    def append(self, rid: Any, slots: ArrayLike) -> None:
         """The slots of the request's next tokens (in order)."""
         self._slots[rid].append(np.asarray(slots, dtype=np.int64).reshape(-1))
 
-    def slots(self, rid):
+    def slots(self, rid: Any) -> np.ndarray:
         parts = self._slots[rid]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
-    def finish(self, rid):
+    def finish(self, rid: Any) -> RoutedExperts:
         """Reads the request's routing, invalidates its slots, forgets it."""
         slots = self.slots(rid)
         shape = (slots.shape[0], self.num_layers, self.top_k)
@@ -126,7 +139,7 @@ class RequestTable:
         self.abort(rid)
         return routed
 
-    def abort(self, rid):
+    def abort(self, rid: Any) -> None:
         """Frees the request's slots' routing without reading it."""
         slots = self.slots(rid)
         invalidate = getattr(self.capturer, "invalidate", None)
@@ -135,13 +148,13 @@ class RequestTable:
         del self._slots[rid], self._start[rid]
 
 
-def write_routed(capturer, slots, routed):
+def write_routed(capturer: Capturer, slots: Slots, routed: RoutedExperts) -> None:
     """Stores a RoutedExperts (e.g. RoutedExperts.from_bytes of a prefill
     instance's record) at `slots`, one per token; its invalid tokens leave
     their slots empty. Weights go along iff the capturer keeps them."""
-    slots = _index_array(slots)
-    if _length(slots) != routed.shape[0]:
-        raise ValueError(f"slots has {_length(slots)} entries; the routing has {routed.shape[0]} tokens")
+    index = _index_array(slots)
+    if _length(index) != routed.shape[0]:
+        raise ValueError(f"slots has {_length(index)} entries; the routing has {routed.shape[0]} tokens")
     ids = np.where(routed.valid[:, None, None], routed.ids, -1).astype(np.int32)
     config = getattr(capturer, "config", {})
     weights = None
@@ -149,4 +162,4 @@ def write_routed(capturer, slots, routed):
         if routed.weights is None:
             raise ValueError("the capturer keeps weights but the routing has none")
         weights = np.ascontiguousarray(routed.weights, dtype=np.float32)
-    capturer.write(slots, ids, weights)
+    capturer.write(index, ids, weights)

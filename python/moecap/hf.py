@@ -21,7 +21,23 @@ An architecture not verified here is refused with an error that says what to
 pass: ``selector=fn(router, inputs, output) -> (ids [n, k], weights [n, k] or
 None)`` and, where the model declares no router class, ``routers=[modules]``.
 """
+from __future__ import annotations
+
 import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    import torch
+
+    from . import Capturer
+    from .record import LayerMap
+
+#: (router, inputs, output) -> (ids [n, k], weights [n, k] or None): the experts a router picked.
+Selector = Callable[[Any, Any, Any], "tuple[torch.Tensor, Optional[torch.Tensor]]"]
+#: The router modules: a list of them, or their class.
+Routers = Union[type, Sequence["torch.nn.Module"]]
+#: (layer, ids, weights) -> (ids, weights) of every attention-DP rank, gathered as the MoE layer sees them.
+Gather = Callable[[int, "torch.Tensor", "Optional[torch.Tensor]"], "tuple[torch.Tensor, Optional[torch.Tensor]]"]
 
 # model_type -> how its router is found; each was checked against the model's own
 # output_router_logits top-k (tests/python/test_hf_models.py).
@@ -56,7 +72,7 @@ def _model_type(model):
     return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
 
-def _router_output_order(router, output):
+def _router_output_order(router: Any, output: Any) -> tuple[int, int, int]:
     """Positions (logits, weights, indices) in a transformers >= 5 router's
     output: three tensors, the indices the one integer tensor, the weights the
     floating one of the indices' shape. Most routers return (logits, weights,
@@ -75,7 +91,7 @@ def _router_output_order(router, output):
         "pass selector=fn(router, inputs, output) -> (ids, weights)")
 
 
-def default_selector(router, inputs, output):
+def default_selector(router: Any, inputs: Any, output: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The transformers >= 5 router contract: logits, weights and indices."""
     _, weights, ids = _router_output_order(router, output)
     return output[ids], output[weights]
@@ -84,7 +100,8 @@ def default_selector(router, inputs, output):
 class MoELayer:
     """One MoE layer as attach found it."""
 
-    def __init__(self, index, name, router, block, model_layer=None):
+    def __init__(self, index: int, name: str, router: torch.nn.Module, block: torch.nn.Module,
+                 model_layer: Optional[int] = None) -> None:
         self.index = index      # the capturer's layer number
         self.model_layer = model_layer  # its decoder layer in the model (None where attach cannot tell)
         self.name = name        # qualified name of the router module
@@ -97,12 +114,12 @@ class MoELayer:
                 self.shared_gate = getattr(block, gate_attr) if gate_attr else None
                 break
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"MoELayer({self.index}, {self.name!r}, model_layer={self.model_layer}, "
                 f"shared={self.shared is not None})")
 
 
-def find_moe_layers(model, routers=None):
+def find_moe_layers(model: torch.nn.Module, routers: Optional[Routers] = None) -> list[MoELayer]:
     """The model's MoE layers in forward order. routers: the router modules
     (or their class) where the model does not declare one."""
     names = dict((id(m), n) for n, m in model.named_modules())
@@ -115,7 +132,7 @@ def find_moe_layers(model, routers=None):
         routers = cls
     if isinstance(routers, type):
         routers = [m for m in model.modules() if isinstance(m, routers)]
-    parents = {}
+    parents: dict[int, Any] = {}
     for parent_name, parent in model.named_modules():
         for child in parent.children():
             parents.setdefault(id(child), parent)
@@ -133,7 +150,7 @@ def find_moe_layers(model, routers=None):
     return layers
 
 
-def num_hidden_layers(model):
+def num_hidden_layers(model: torch.nn.Module) -> Optional[int]:
     """The model's decoder layer count (its config's num_hidden_layers, or the
     text config's for a multimodal wrapper); None if it declares none."""
     config = getattr(model, "config", None)
@@ -144,7 +161,7 @@ def num_hidden_layers(model):
     return None
 
 
-def _decoder_layers(model, router_names):
+def _decoder_layers(model: torch.nn.Module, router_names: Sequence[str]) -> Optional[list[int]]:
     """The decoder layer index of each router: its position in the model's
     decoder ModuleList (the one with num_hidden_layers entries that holds every
     router), which is how DeepSeek's first dense layers and Qwen2-MoE's
@@ -167,7 +184,7 @@ def _decoder_layers(model, router_names):
     return None
 
 
-def layer_map(model, layers=None):
+def layer_map(model: torch.nn.Module, layers: Optional[Sequence[MoELayer]] = None) -> Optional[LayerMap]:
     """The LayerMap (moecap.record) of a model's MoE layers: each one's decoder
     layer and the model's num_hidden_layers. None where attach cannot place the
     routers in the model's decoder layers (routers outside a decoder ModuleList)."""
@@ -184,7 +201,8 @@ class Attached:
     layer_map: each MoE layer's model layer and the model's num_hidden_layers
     (a moecap.record.LayerMap, also set as the capturer's `layer_map`), or None."""
 
-    def __init__(self, layers, hooks, runner, layer_map=None):
+    def __init__(self, layers: list[MoELayer], hooks: list[Any], runner: _Runner,
+                 layer_map: Optional[LayerMap] = None) -> None:
         self.layers = layers
         self._hooks = hooks
         self._runner = runner
@@ -195,22 +213,22 @@ class Attached:
     top_k = property(lambda self: self._runner.top_k)
     shared_column = property(lambda self: self._runner.shared_column, doc="1 if the shared expert rides as column top_k")
 
-    def idle_step(self):
+    def idle_step(self) -> None:
         """For an attention-DP rank with no tokens this step: joins each MoE
         layer's gather with zero rows and captures the gathered batch, as
         the rank's dummy forward would."""
         for layer in self.layers:
             self._runner.deliver(layer, None, None)
 
-    def detach(self):
+    def detach(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
 
-    def __enter__(self):
+    def __enter__(self) -> Attached:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.detach()
 
 
@@ -240,7 +258,9 @@ class _Runner:
         self.capturer.capture(layer.index, ids, weights, stream=self.stream)
 
 
-def attach(model, capturer, *, selector=None, routers=None, shared_expert=None, gather=None, stream=None):
+def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Selector] = None,
+           routers: Optional[Routers] = None, shared_expert: Optional[bool] = None,
+           gather: Optional[Gather] = None, stream: Any = None) -> Attached:
     """Hooks every MoE layer of `model` to capture its routing into `capturer`.
 
     The capturer's num_layers, top_k and num_experts must match the model;
@@ -359,7 +379,8 @@ def _recomputed_weights(router, logits, ids):
 
 
 @contextlib.contextmanager
-def replay(model, ids, weights=None, routers=None):
+def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequence[Any]] = None,
+           routers: Optional[Routers] = None) -> Iterator[list[MoELayer]]:
     """Within the block, every MoE layer routes to the recorded experts.
 
     ids: per MoE layer an int [tokens, top_k] (RoutedExperts.to_megatron()),

@@ -27,17 +27,20 @@ buffers and pays nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from . import BUFFERS, MoecapError, Status, _registry
 
+if TYPE_CHECKING:
+    from . import Capturer
+
 if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 4):
     raise ImportError(f"moecap.ops needs torch >= 2.4 (torch.library.custom_op); this is {torch.__version__}")
 
 
-def _capturer(capturer_id: int):
+def _capturer(capturer_id: int) -> Capturer:
     cap = _registry.get(capturer_id)
     if cap is None:
         raise MoecapError(Status.INVALID_ARGUMENT, f"no live capturer has id {capturer_id}")
@@ -59,7 +62,7 @@ def _copy_in(handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> No
     # What the graph wrote into the buffer before this op (a top-k kernel or
     # plain torch ops into a layer view) lives only in the copy: the C call must see it.
     global buffer_copies
-    if _is_copy(handed, real):
+    if handed is not None and real is not None and _is_copy(handed, real):
         real.copy_(handed)  # on torch's current stream, so ordered before the C call's kernel
         buffer_copies += 1
 
@@ -68,7 +71,7 @@ def _copy_out(handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> N
     # The C call wrote moecap's memory; the copy the backend writes back at the
     # end of the graph must carry the same contents, or the copy-back undoes it.
     global buffer_copies
-    if _is_copy(handed, real):
+    if handed is not None and real is not None and _is_copy(handed, real):
         handed.copy_(real)
         buffer_copies += 1
 
@@ -77,7 +80,7 @@ def _refuse_host_copy(op: str, name: str, handed: Optional[torch.Tensor], real: 
     # Keeping a copy of the host cache in step would cost the whole cache (GBs)
     # per call, and on CUDA the host-side copy would race the commit kernel
     # still writing that pinned memory: refuse instead.
-    if _is_copy(handed, real):
+    if handed is not None and real is not None and _is_copy(handed, real):
         raise MoecapError(Status.INVALID_ARGUMENT,
                           f"moecap::{op} was handed a copy of the capturer's {name} ({handed.numel()} elements), "
                           "not its memory: the torch.compile backend functionalizes without re-inplacing "
@@ -85,7 +88,7 @@ def _refuse_host_copy(op: str, name: str, handed: Optional[torch.Tensor], real: 
                           f"{op} outside the compiled code")
 
 
-def _through_device_buffers(cap: Any, device_ids: torch.Tensor, device_weights: Optional[torch.Tensor],
+def _through_device_buffers(cap: Capturer, device_ids: torch.Tensor, device_weights: Optional[torch.Tensor],
                             call: Callable[[], None]) -> None:
     # The op reads and writes moecap's device buffers: a copy the backend handed
     # it goes in before the C call and takes the call's effect back out.
@@ -147,13 +150,13 @@ class CapturerOps:
     """A capturer's buffers as torch tensors and its calls as custom ops (pure Python, so Dynamo
     inlines these methods and sees only the op nodes)."""
 
-    def __init__(self, cap):
+    def __init__(self, cap: Capturer) -> None:
         self.id = cap.id
         self._capturer = cap  # the registry holds capturers weakly; these ops keep theirs alive
         self.device_ids = torch.from_dlpack(cap.export("device_ids"))
         self.host_ids = torch.from_dlpack(cap.export("host_ids"))
         self.host_states = torch.from_dlpack(cap.export("host_states"))
-        weights = cap.plan["weight_bytes"] > 0
+        weights = cap.plan.weight_bytes > 0
         self.device_weights = torch.from_dlpack(cap.export("device_weights")) if weights else None
         self.host_weights = torch.from_dlpack(cap.export("host_weights")) if weights else None
 

@@ -1,56 +1,60 @@
 """RoutedExperts: one request's routing as a read returns it, its bytes, and
 the shapes RL trainers take.
 
-``to_bytes()`` writes the routing record of ``abi/moecap_record.h`` (specified
-in ``docs/RECORD_FORMAT.md``), byte for byte what ``moecap_record_encode``
-writes from C; ``from_bytes()`` reads either. The converters give what each
-consumer takes (moecap.formats has one module per consumer, with its rules
-and a decoder; docs/CONSUMERS.md has the table).
+``to_bytes()`` and ``from_bytes()`` are the library's own codec for the routing
+record of ``abi/moecap_record.h`` (specified in ``docs/RECORD_FORMAT.md``):
+``moecap_record_encode`` / ``moecap_record_decode`` called through the
+extension, so a record from Python and one from C are the same bytes by
+construction, and bf16 weights are rounded by the same code. NumPy is all it
+needs (no torch). The converters give what each consumer takes (moecap.formats
+has one module per consumer, with its rules and a decoder; docs/CONSUMERS.md
+has the table).
 """
+from __future__ import annotations
+
 import collections
-import struct
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
+from . import _checked_dtype, _moecap, WEIGHT_DTYPES
+from ._errors import MoecapError
+from ._moecap import RecordFlag, WeightDtype
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
 MAGIC = b"MCRT"
-VERSION = 1
-HEADER_BYTES = 40
-PACKED, HAS_WEIGHTS, HAS_VALIDITY = 0x1, 0x2, 0x4
-_HEADER = struct.Struct("<4sHHBBBBIIIQq")
-_WEIGHT_DTYPES = {1: "f32", 2: "bf16", 3: "f16"}
-_WEIGHT_CODES = {v: k for k, v in _WEIGHT_DTYPES.items()}
-_WEIGHT_NUMPY = {"f32": np.dtype("<f4"), "bf16": np.dtype("<u2"), "f16": np.dtype("<f2")}
+VERSION: int = _moecap.RECORD_VERSION
+HEADER_BYTES: int = _moecap.RECORD_HEADER_BYTES
+PACKED, HAS_WEIGHTS, HAS_VALIDITY = RecordFlag.PACKED, RecordFlag.HAS_WEIGHTS, RecordFlag.HAS_VALIDITY
 
 
-class RecordError(ValueError):
-    """Bytes that are not a well-formed routing record of a version this code reads."""
+class RecordError(MoecapError, ValueError):
+    """Bytes that are not a well-formed routing record of a version this code reads, or
+    routing that cannot be written as one (``status`` and the library's message)."""
 
 
-def id_bits(num_experts, packed):
+def _codec(call: Any, *args: Any) -> Any:
+    try:
+        return call(*args)
+    except MoecapError as e:
+        raise RecordError(e.status, str(e).split(": ", 1)[-1]) from None
+
+
+def id_bits(num_experts: int, packed: bool) -> int:
     """Width of one id code: the narrowest whose all-ones value is no expert."""
     if packed:
         return int(num_experts).bit_length()  # 2**bits - 1 >= num_experts
     return 8 if num_experts <= 0xFF else 16 if num_experts <= 0xFFFF else 32
 
 
-def signed_dtype(num_experts):
+def signed_dtype(num_experts: int) -> np.dtype:
     """The narrowest signed dtype that holds every expert id and -1 (NeMo-RL's convention)."""
     return np.dtype(np.int8 if num_experts <= 128 else np.int16 if num_experts <= 32768 else np.int32)
 
 
-def _f32_to_bf16_bits(w):
-    # Round to nearest even, NaN kept quiet: what PyTorch and moecap's C code do.
-    u = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-    return np.where(nan, (u >> 16) | 0x40, rounded).astype("<u2")
-
-
-def _bf16_bits_to_f32(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def _to_numpy(x):
+def _to_numpy(x: Any) -> Any:
     if x is None or isinstance(x, np.ndarray):
         return x
     if hasattr(x, "detach"):  # a torch tensor
@@ -111,8 +115,9 @@ class RoutedExperts:
              the layer axis of every all-layer payload (SGLang, vLLM, verl, ...)
     """
 
-    def __init__(self, ids, num_experts, weights=None, valid=None, start=0, *, layers=None,
-                 num_hidden_layers=None):
+    def __init__(self, ids: ArrayLike, num_experts: int, weights: Optional[ArrayLike] = None,
+                 valid: Optional[ArrayLike] = None, start: int = 0, *, layers: Optional[Sequence[int]] = None,
+                 num_hidden_layers: Optional[int] = None) -> None:
         ids = _to_numpy(ids)
         if ids.ndim != 3 or ids.dtype.kind not in "iu":
             raise ValueError(f"ids must be an integer [tokens, layers, top_k] array, not {ids.dtype} {ids.shape}")
@@ -140,7 +145,8 @@ class RoutedExperts:
         self.layers, self.num_hidden_layers = _layer_map(ids.shape[1], layers, num_hidden_layers)
 
     @classmethod
-    def from_read(cls, ids, num_experts, weights=None, start=0, *, layers=None, num_hidden_layers=None):
+    def from_read(cls, ids: ArrayLike, num_experts: int, weights: Optional[ArrayLike] = None, start: int = 0, *,
+                  layers: Optional[Sequence[int]] = None, num_hidden_layers: Optional[int] = None) -> RoutedExperts:
         """A read's output: a token whose every id is -1 was an empty slot (never
         committed, or invalidated), which moecap_read reports as -1 ids."""
         ids = _to_numpy(ids)
@@ -195,13 +201,13 @@ class RoutedExperts:
         return out
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, int, int]:
         return self.ids.shape
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self.ids.shape[0]
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         if not isinstance(other, RoutedExperts):
             return NotImplemented
         same_w = (self.weights is None) == (other.weights is None) and (
@@ -211,7 +217,7 @@ class RoutedExperts:
                 and np.array_equal(self.valid, other.valid) and same_w
                 and np.array_equal(self.ids[self.valid], other.ids[other.valid]))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"RoutedExperts(tokens={self.shape[0]}, layers={self.shape[1]}, top_k={self.shape[2]}, "
                 f"num_experts={self.num_experts}, start={self.start}, weights={self.weights is not None}, "
                 f"invalid={int((~self.valid).sum())}{self._layer_repr()})")
@@ -223,99 +229,38 @@ class RoutedExperts:
 
     # --- the record ---------------------------------------------------------
 
-    def to_bytes(self, packed=True, weights="keep"):
-        """The routing record. packed: ids at ceil(log2(num_experts + 1)) bits
-        (else 8/16/32). weights: "keep" (as held), None (leave out), or a
-        dtype to store them in ("f32", "bf16", "f16")."""
-        tokens, layers, top_k = self.shape
-        if layers < 1 or top_k < 1:
-            raise ValueError(f"ids has shape {self.shape}; layers and top_k must be >= 1")
-        bits = id_bits(self.num_experts, packed)
-        sentinel = (1 << bits) - 1
-        invalid = not self.valid.all()
-        w_name, w_bytes = None, b""
+    def to_bytes(self, packed: bool = True, weights: Any = "keep") -> bytes:
+        """The routing record (moecap_record_encode). packed: ids at
+        ceil(log2(num_experts + 1)) bits (else 8/16/32). weights: "keep" (as
+        held), None (leave out), or the dtype to store them in ("f32", "bf16",
+        "f16", or the NumPy / torch dtype), converted by the library."""
+        stored: Optional[WeightDtype] = None
+        w = None
         if self.weights is not None and weights is not None:
-            w_name = ("f16" if self.weights.dtype == np.float16 else "f32") if weights == "keep" else weights
-            if w_name not in _WEIGHT_NUMPY:
-                raise ValueError(f"weights must be 'keep', None, 'f32', 'bf16' or 'f16', not {weights!r}")
-            w = np.where(self.valid[:, None, None], self.weights, 0).astype(np.float32)
-            stored = _f32_to_bf16_bits(w) if w_name == "bf16" else w.astype(_WEIGHT_NUMPY[w_name])
-            w_bytes = np.where(self.valid[:, None, None], stored, 0).astype(_WEIGHT_NUMPY[w_name]).tobytes()
-        flags = (PACKED if packed else 0) | (HAS_WEIGHTS if w_name else 0) | (HAS_VALIDITY if invalid else 0)
-        header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, bits, flags, _WEIGHT_CODES.get(w_name, 0), 0,
-                              layers, top_k, self.num_experts, tokens, self.start)
-        validity = np.packbits(self.valid, bitorder="little").tobytes() if invalid else b""
-        ids = np.where(self.valid[:, None, None], self.ids.astype(np.int64), -1)
-        codes = np.where(ids < 0, sentinel, ids).astype(np.uint64).reshape(-1)
-        if packed:
-            # Bit j of code i is stream bit i * bits + j, LSB first.
-            stream = ((codes[:, None] >> np.arange(bits, dtype=np.uint64)) & 1).astype(np.uint8).reshape(-1)
-            id_bytes = np.packbits(stream, bitorder="little").tobytes()
-        else:
-            id_bytes = codes.astype(f"<u{bits // 8}").tobytes()
-        return header + validity + id_bytes + w_bytes
+            w = np.ascontiguousarray(self.weights)
+            if not (isinstance(weights, str) and weights == "keep"):
+                names = {k: v for k, v in WEIGHT_DTYPES.items() if k is not None}
+                try:
+                    stored = WEIGHT_DTYPES[_checked_dtype("weights", weights, names)]
+                except ValueError:
+                    raise ValueError(f"weights must be 'keep', None, 'f32', 'bf16' or 'f16', not {weights!r}") from None
+        valid = None if self.valid.all() else self.valid.view(np.uint8)
+        return _codec(_moecap.record_encode, np.ascontiguousarray(self.ids), self.num_experts, w, valid, self.start,
+                      bool(packed), stored)
 
     @classmethod
-    def from_bytes(cls, data):
-        """Reads a record (from to_bytes or moecap_record_encode), checking all of it."""
-        data = bytes(data)
-        if len(data) < HEADER_BYTES:
-            raise RecordError(f"{len(data)} bytes; a record is at least {HEADER_BYTES}")
-        (magic, version, header_bytes, bits, flags, w_code, zero, layers, top_k, experts, tokens,
-         start) = _HEADER.unpack_from(data)
-        if magic != MAGIC:
-            raise RecordError("not a routing record (magic is not b'MCRT')")
-        if version != VERSION:
-            raise RecordError(f"record version {version}; this code reads version {VERSION}")
-        if header_bytes != HEADER_BYTES or zero != 0 or flags & ~(PACKED | HAS_WEIGHTS | HAS_VALIDITY):
-            raise RecordError(f"malformed header (header bytes {header_bytes}, flags {flags}, byte 11 {zero})")
-        if layers < 1 or top_k < 1 or not 1 <= experts < 2 ** 31:
-            raise RecordError(f"layers {layers}, top_k {top_k}, num_experts {experts} out of range")
-        packed = bool(flags & PACKED)
-        if bits != id_bits(experts, packed):
-            raise RecordError(f"id_bits {bits}; {experts} experts take {id_bits(experts, packed)}")
-        if bool(flags & HAS_WEIGHTS) != (w_code != 0) or w_code not in (0, 1, 2, 3):
-            raise RecordError(f"weight dtype {w_code} does not match the weights flag")
-        count = tokens * layers * top_k
-        v_len = (tokens + 7) // 8 if flags & HAS_VALIDITY else 0
-        id_len = (count * bits + 7) // 8
-        w_name = _WEIGHT_DTYPES.get(w_code)
-        w_len = count * _WEIGHT_NUMPY[w_name].itemsize if w_name else 0
-        if len(data) != HEADER_BYTES + v_len + id_len + w_len:
-            raise RecordError(f"{len(data)} bytes; the header says {HEADER_BYTES + v_len + id_len + w_len}")
-        at = HEADER_BYTES
-        if v_len:
-            bitmap = np.frombuffer(data, np.uint8, v_len, at)
-            valid = np.unpackbits(bitmap, bitorder="little")[:tokens].astype(bool)
-            if np.unpackbits(bitmap, bitorder="little")[tokens:].any():
-                raise RecordError("validity padding bits are not 0")
-        else:
-            valid = np.ones(tokens, dtype=bool)
-        at += v_len
-        raw = np.frombuffer(data, np.uint8, id_len, at)
-        if packed:
-            stream = np.unpackbits(raw, bitorder="little")
-            if stream[count * bits:].any():
-                raise RecordError("id padding bits are not 0")
-            codes = (stream[:count * bits].reshape(count, bits).astype(np.uint64)
-                     << np.arange(bits, dtype=np.uint64)).sum(axis=1)
-        else:
-            codes = raw.view(f"<u{bits // 8}").astype(np.uint64)
-        sentinel = (1 << bits) - 1
-        bad = (codes >= experts) & (codes != sentinel)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise RecordError(f"id {i} is {int(codes[i])}; expected [0, {experts}) or {sentinel}")
-        ids = np.where(codes == sentinel, -1, codes.astype(np.int64)).reshape(tokens, layers, top_k)
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> RoutedExperts:
+        """Reads a record (from to_bytes or moecap_record_encode), checking all of it
+        (moecap_record_decode); a malformed one raises RecordError."""
+        info = _codec(_moecap.record_parse, data)
+        shape = (info["num_tokens"], info["num_layers"], info["top_k"])
+        ids = np.empty(shape, dtype=signed_dtype(info["num_experts"]))
         weights = None
-        if w_name:
-            stored = np.frombuffer(data, _WEIGHT_NUMPY[w_name], count, at + id_len).reshape(tokens, layers, top_k)
-            if (stored[~valid] != 0).any():
-                raise RecordError("an invalid token holds weights")
-            weights = _bf16_bits_to_f32(stored) if w_name == "bf16" else stored.copy()
-        if (ids[~valid] != -1).any():
-            raise RecordError("an invalid token holds routing")
-        return cls(ids, experts, weights=weights, valid=valid, start=start)
+        if info["weight_dtype"] != WeightDtype.NONE:  # f16 kept as is; f32 and bf16 read as float32
+            weights = np.empty(shape, dtype=np.float16 if info["weight_dtype"] == WeightDtype.F16 else np.float32)
+        valid = np.empty(shape[0], dtype=np.uint8)
+        _codec(_moecap.record_decode, data, ids, weights, valid)
+        return cls(ids, info["num_experts"], weights=weights, valid=valid.astype(bool), start=info["start_position"])
 
     # --- what consumers take ----------------------------------------------------
 

@@ -14,6 +14,16 @@ namespace moecap_python {
 
 namespace nb = nanobind;
 
+inline bool any_object(PyObject*) { return true; }
+
+// A tensor argument: anything borrow() takes (checked there, with the
+// argument's name). A type of its own only so that the generated stubs say
+// what a caller passes (moecap.DLPackArray: NumPy, PyTorch, JAX, CuPy, ...)
+// instead of `object`.
+class Tensor : public nb::object {
+  NB_OBJECT_DEFAULT(Tensor, nb::object, "moecap.DLPackArray", any_object)
+};
+
 // Raises moecap.MoecapError(status, moecap_last_error()) unless status is OK.
 void check(moecap_status status);
 
@@ -64,5 +74,8 @@ void set_fast_paths(bool exchange_api, bool torch_attributes);
 // Wraps a DLManagedTensorVersioned from moecap_export (ownership moves in).
 nb::object make_dlpack_view(DLManagedTensorVersioned* managed);
 void bind_dlpack_view(nb::module_& m);
+
+// record_encode / record_parse / record_decode (abi/moecap_record.h).
+void bind_record(nb::module_& m);
 
 }  // namespace moecap_python

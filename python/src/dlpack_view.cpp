@@ -118,9 +118,9 @@ class DLPackView {
   DLPackView& operator=(const DLPackView&) = delete;
   ~DLPackView() { release(managed_); }
 
-  nb::tuple dlpack_device() const { return nb::make_tuple(static_cast<int>(device_.device_type), device_.device_id); }
+  std::pair<int, int> dlpack_device() const { return {static_cast<int>(device_.device_type), device_.device_id}; }
 
-  nb::object dlpack(nb::handle stream, nb::handle max_version, nb::handle dl_device, nb::handle copy) {
+  nb::capsule dlpack(nb::handle stream, nb::handle max_version, nb::handle dl_device, nb::handle copy) {
     (void)stream;  // moecap's buffers are written in the engine's stream order; the caller syncs it
     if (managed_ == nullptr) throw nb::buffer_error("moecap: this DLPackView was already consumed (export again)");
     if (!dl_device.is_none()) {
@@ -154,7 +154,7 @@ class DLPackView {
       if (capsule == nullptr) legacy->deleter(legacy);
     }
     if (capsule == nullptr) throw nb::python_error();
-    return nb::steal(capsule);
+    return nb::steal<nb::capsule>(capsule);
   }
 
   bool consumed() const { return managed_ == nullptr; }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "binding.h"
+#include "moecap_record.h"
 
 namespace moecap_python {
 namespace {
@@ -87,7 +88,7 @@ class Capturer {
   Capturer& operator=(const Capturer&) = delete;
   ~Capturer() { moecap_destroy(handle_); }
 
-  void capture(int32_t layer, nb::handle topk_ids, nb::handle topk_weights, nb::handle stream) {
+  void capture(int32_t layer, Tensor topk_ids, Tensor topk_weights, nb::handle stream) {
     Borrowed ids, weights;
     borrow(topk_ids, "topk_ids", false, ids);
     const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights);
@@ -98,7 +99,7 @@ class Capturer {
 
   // The C call's own time, for bench/python_bench.py: borrow once, call
   // moecap_capture `iterations` times; seconds per call.
-  double time_capture(int32_t layer, nb::handle topk_ids, int64_t iterations) {
+  double time_capture(int32_t layer, Tensor topk_ids, int64_t iterations) {
     Borrowed ids;
     borrow(topk_ids, "topk_ids", false, ids);
     moecap_capturer* h = live();
@@ -108,7 +109,7 @@ class Capturer {
     return elapsed.count() / static_cast<double>(iterations);
   }
 
-  void commit(nb::handle dst_slots, int64_t src_start, nb::handle src_rows, nb::handle stream) {
+  void commit(Tensor dst_slots, int64_t src_start, Tensor src_rows, nb::handle stream) {
     Borrowed slots, rows;
     borrow(dst_slots, "dst_slots", false, slots);
     moecap_commit_args args{sizeof(moecap_commit_args), src_start,
@@ -124,7 +125,7 @@ class Capturer {
     keep_alive(held(), slots, rows);
   }
 
-  void read_into(nb::handle slots, nb::handle out, nb::handle weights_out, bool nonblocking, bool strict,
+  void read_into(Tensor slots, Tensor out, Tensor weights_out, bool nonblocking, bool strict,
                  nb::handle stream) {
     Borrowed s, ids, weights;
     borrow(slots, "slots", false, s);
@@ -141,7 +142,7 @@ class Capturer {
     check(status);
   }
 
-  void write(nb::handle slots, nb::handle ids, nb::handle weights, nb::handle stream) {
+  void write(Tensor slots, Tensor ids, Tensor weights, nb::handle stream) {
     Borrowed s, i, w;
     borrow(slots, "slots", false, s);
     borrow(ids, "ids", false, i);
@@ -156,7 +157,7 @@ class Capturer {
     check(status);
   }
 
-  void invalidate(nb::handle slots, nb::handle stream) {
+  void invalidate(Tensor slots, nb::handle stream) {
     Borrowed s;
     borrow(slots, "slots", false, s);
     void* st = resolve_stream(stream, device_type_, device_id_, &s);
@@ -266,6 +267,93 @@ class Capturer {
   nb::list forked_;
 };
 
+// The #define'd bit sets of abi/moecap.h and abi/moecap_record.h as C++
+// enums, so nanobind can export them as Python IntFlags beside the C enums.
+enum class ConfigFlag : uint32_t {
+  HISTOGRAM = MOECAP_FLAG_HISTOGRAM,
+  GUARDS = MOECAP_FLAG_GUARDS,
+  NO_GUARDS = MOECAP_FLAG_NO_GUARDS,
+  SIDE_STREAM = MOECAP_FLAG_SIDE_STREAM,
+};
+enum class ReadFlag : uint32_t { NONBLOCKING = MOECAP_READ_NONBLOCKING, STRICT = MOECAP_READ_STRICT };
+enum class SlotState : uint32_t {
+  EMPTY = MOECAP_SLOT_EMPTY,
+  VALID = MOECAP_SLOT_VALID,
+  INVALID_IDS = MOECAP_SLOT_INVALID_IDS,
+};
+enum class RecordFlag : uint32_t {
+  PACKED = MOECAP_RECORD_PACKED,
+  HAS_WEIGHTS = MOECAP_RECORD_HAS_WEIGHTS,
+  HAS_VALIDITY = MOECAP_RECORD_HAS_VALIDITY,
+};
+
+// Every enum, flag set, buffer id and status of the C ABI, named as in the
+// header without its prefix: the Python package takes them from here, never
+// from a copy of its own.
+void bind_constants(nb::module_& m) {
+  nb::enum_<moecap_status>(m, "Status", nb::is_arithmetic(), "moecap_status (abi/moecap.h).")
+      .value("OK", MOECAP_OK)
+      .value("INVALID_ARGUMENT", MOECAP_ERROR_INVALID_ARGUMENT)
+      .value("OUT_OF_RANGE", MOECAP_ERROR_OUT_OF_RANGE)
+      .value("CAPACITY", MOECAP_ERROR_CAPACITY)
+      .value("NO_DEVICE", MOECAP_ERROR_NO_DEVICE)
+      .value("DRIVER", MOECAP_ERROR_DRIVER)
+      .value("OUT_OF_MEMORY", MOECAP_ERROR_OUT_OF_MEMORY)
+      .value("ABI_MISMATCH", MOECAP_ERROR_ABI_MISMATCH)
+      .value("NOT_READY", MOECAP_ERROR_NOT_READY)
+      .value("CAPTURE_ILLEGAL", MOECAP_ERROR_CAPTURE_ILLEGAL)
+      .value("INTERNAL", MOECAP_ERROR_INTERNAL)
+      .value("ROWS_SKIPPED", MOECAP_ERROR_ROWS_SKIPPED)
+      .value("STUB_DRIVER", MOECAP_ERROR_STUB_DRIVER)
+      .value("DRIVER_TOO_OLD", MOECAP_ERROR_DRIVER_TOO_OLD)
+      .value("CORRUPTION", MOECAP_ERROR_CORRUPTION)
+      .value("NO_ROUTING", MOECAP_ERROR_NO_ROUTING);
+  nb::enum_<moecap_id_dtype>(m, "IdDtype", nb::is_arithmetic(), "moecap_id_dtype: ids of the host cache and device buffer.")
+      .value("AUTO", MOECAP_IDS_AUTO)
+      .value("U8", MOECAP_IDS_U8)
+      .value("U16", MOECAP_IDS_U16)
+      .value("I32", MOECAP_IDS_I32)
+      .value("I16", MOECAP_IDS_I16);
+  nb::enum_<moecap_weight_dtype>(m, "WeightDtype", nb::is_arithmetic(), "moecap_weight_dtype: stored routing weights.")
+      .value("NONE", MOECAP_WEIGHTS_NONE)
+      .value("F32", MOECAP_WEIGHTS_F32)
+      .value("BF16", MOECAP_WEIGHTS_BF16)
+      .value("F16", MOECAP_WEIGHTS_F16);
+  nb::enum_<moecap_device_type>(m, "DeviceType", nb::is_arithmetic(), "moecap_device_type (DLPack's DLDeviceType).")
+      .value("HOST", MOECAP_DEVICE_HOST)
+      .value("CUDA", MOECAP_DEVICE_CUDA);
+  nb::enum_<moecap_buffer>(m, "Buffer", nb::is_arithmetic(), "moecap_buffer: what Capturer.export views.")
+      .value("DEVICE_IDS", MOECAP_BUFFER_DEVICE_IDS)
+      .value("DEVICE_WEIGHTS", MOECAP_BUFFER_DEVICE_WEIGHTS)
+      .value("HOST_IDS", MOECAP_BUFFER_HOST_IDS)
+      .value("HOST_WEIGHTS", MOECAP_BUFFER_HOST_WEIGHTS)
+      .value("HISTOGRAM", MOECAP_BUFFER_HISTOGRAM)
+      .value("LAYER_IDS", MOECAP_BUFFER_LAYER_IDS)
+      .value("LAYER_WEIGHTS", MOECAP_BUFFER_LAYER_WEIGHTS)
+      .value("HOST_STATES", MOECAP_BUFFER_HOST_STATES);
+  nb::enum_<ConfigFlag>(m, "ConfigFlag", nb::is_flag(), nb::is_arithmetic(), "MOECAP_FLAG_*: moecap_config.flags.")
+      .value("HISTOGRAM", ConfigFlag::HISTOGRAM)
+      .value("GUARDS", ConfigFlag::GUARDS)
+      .value("NO_GUARDS", ConfigFlag::NO_GUARDS)
+      .value("SIDE_STREAM", ConfigFlag::SIDE_STREAM);
+  nb::enum_<ReadFlag>(m, "ReadFlag", nb::is_flag(), nb::is_arithmetic(), "MOECAP_READ_*: moecap_read's flags.")
+      .value("NONBLOCKING", ReadFlag::NONBLOCKING)
+      .value("STRICT", ReadFlag::STRICT);
+  nb::enum_<SlotState>(m, "SlotState", nb::is_flag(), nb::is_arithmetic(),
+                       "MOECAP_SLOT_*: what a host-cache slot holds (MOECAP_BUFFER_HOST_STATES).")
+      .value("EMPTY", SlotState::EMPTY)
+      .value("VALID", SlotState::VALID)
+      .value("INVALID_IDS", SlotState::INVALID_IDS);
+  nb::enum_<RecordFlag>(m, "RecordFlag", nb::is_flag(), nb::is_arithmetic(),
+                        "MOECAP_RECORD_*: the routing record header's flags (abi/moecap_record.h).")
+      .value("PACKED", RecordFlag::PACKED)
+      .value("HAS_WEIGHTS", RecordFlag::HAS_WEIGHTS)
+      .value("HAS_VALIDITY", RecordFlag::HAS_VALIDITY);
+  m.attr("ERRORS_CLEAR") = MOECAP_ERRORS_CLEAR;
+  m.attr("RECORD_VERSION") = MOECAP_RECORD_VERSION;
+  m.attr("RECORD_HEADER_BYTES") = MOECAP_RECORD_HEADER_BYTES;
+}
+
 void bind_config(nb::module_& m) {
   nb::class_<moecap_config>(m, "Config", "moecap_config (abi/moecap.h documents every field).")
       .def("__init__",
@@ -314,7 +402,7 @@ NB_MODULE(_moecap, m) {
       "The layout for a config, without allocating.");
   m.def(
       "leading_dim",
-      [](nb::handle tensor) {
+      [](Tensor tensor) {
         Borrowed b;
         borrow(tensor, "slots", false, b);
         if (b.dl.ndim < 1) throw nb::value_error("moecap: argument 'slots' must be 1-D");
@@ -323,8 +411,10 @@ NB_MODULE(_moecap, m) {
       "Length of the first dimension of any tensor (DLPack producers need not have len()).");
   m.def("_fast_paths", &set_fast_paths, nb::arg("exchange_api"), nb::arg("torch_attributes"),
         "Test hook: which tensor-description fast paths borrow() tries.");
+  bind_constants(m);
   bind_config(m);
   bind_dlpack_view(m);
+  bind_record(m);
 
   nb::class_<Graph>(m, "Graph", "A moecap-owned graph: replay with launch(); close() frees it.")
       .def("launch", &Graph::launch, nb::arg("stream") = nb::none())
@@ -334,18 +424,18 @@ NB_MODULE(_moecap, m) {
   nb::class_<Capturer>(m, "Capturer", "One routed-experts capturer over libmoecap.so (abi/moecap.h).")
       .def(nb::init<const moecap_config&>(), nb::arg("config"))
       .def("capture", &Capturer::capture, nb::arg("layer"), nb::arg("topk_ids"),
-           nb::arg("topk_weights") = nb::none(), nb::arg("stream") = nb::none(),
+           nb::arg("topk_weights").none() = nb::none(), nb::arg("stream") = nb::none(),
            "One layer's [n, top_k(+extra)] ids (and weights) into device rows [0, n).")
       .def("_time_capture", &Capturer::time_capture, nb::arg("layer"), nb::arg("topk_ids"), nb::arg("iterations"),
            "Seconds per moecap_capture call with the borrowing done once (the C call's own cost).")
       .def("commit", &Capturer::commit, nb::arg("dst_slots"), nb::arg("src_start") = 0,
-           nb::arg("src_rows") = nb::none(), nb::arg("stream") = nb::none(),
+           nb::arg("src_rows").none() = nb::none(), nb::arg("stream") = nb::none(),
            "Device rows (src_start.. or src_rows) to host-cache slots; slot -1 drops the row.")
-      .def("read_into", &Capturer::read_into, nb::arg("slots"), nb::arg("out"), nb::arg("weights_out") = nb::none(),
+      .def("read_into", &Capturer::read_into, nb::arg("slots"), nb::arg("out"), nb::arg("weights_out").none() = nb::none(),
            nb::arg("nonblocking") = false, nb::arg("strict") = false, nb::arg("stream") = nb::none())
       .def("invalidate", &Capturer::invalidate, nb::arg("slots"), nb::arg("stream") = nb::none(),
            "Mark slots empty (their KV was freed): they read -1 until committed again; -1 entries are ignored.")
-      .def("write", &Capturer::write, nb::arg("slots"), nb::arg("ids"), nb::arg("weights") = nb::none(),
+      .def("write", &Capturer::write, nb::arg("slots"), nb::arg("ids"), nb::arg("weights").none() = nb::none(),
            nb::arg("stream") = nb::none(), "Store rows captured elsewhere (the inverse of read).")
       .def("join", &Capturer::join, nb::arg("stream") = nb::none(),
            "side_stream: `stream` waits for every capture and commit forked so far (call it before the "

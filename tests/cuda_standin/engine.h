@@ -16,12 +16,15 @@
 #include "tests/support/scenarios.h"
 #include "tests/support/tensors.h"
 
+struct CUgraph_st;
+struct CUgraphExec_st;
+
 namespace standin {
 
 using CUresult = int;
 using Stream = StandinStream;
-using Graph = struct CUgraph_st*;
-using Exec = struct CUgraphExec_st*;
+using Graph = ::CUgraph_st*;
+using Exec = ::CUgraphExec_st*;
 
 constexpr int kModeGlobal = 0, kModeThreadLocal = 1, kModeRelaxed = 2;
 

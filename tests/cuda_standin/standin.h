@@ -20,6 +20,10 @@
 //   this thread captures (not relaxed), or, in global mode, while another
 //   thread captures in global mode, returns
 //   CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates those captures.
+//   Frees (cuMemFree, cuMemFreeHost) and cuModuleUnload are unsafe calls too.
+//   Synchronizing or querying a capturing stream, or an event whose latest
+//   record is a node of a capture, fails and invalidates that capture in any
+//   mode. CU_EVENT_RECORD_EXTERNAL outside a capture is CUDA_ERROR_INVALID_VALUE.
 //   cuStreamEndCapture from another thread than the beginning one fails with
 //   CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD unless the capture is relaxed.
 //   Pageable copies and waits on events recorded outside the capture are
@@ -51,6 +55,9 @@
 // in the schedule a test forces), memory coherence and partial writes
 // (copies are atomic, kernels run whole), the legacy default stream's implicit synchronization, timing,
 // and the kernels' device code itself (their host twins run instead).
+//
+// - cuGetProcAddress finds an entry point only for a CUDA version at or after
+//   the one that introduced it (the ABI asked for), as the real driver does.
 //
 // Environment: STANDIN_DRIVER_VERSION (default 13000), STANDIN_MODULE_LOAD_ERROR
 // (a CUresult cuModuleLoadData returns; default 0).
@@ -88,6 +95,9 @@ int64_t standin_spin_waits(void);
 void standin_drain_callbacks(void);
 // Live user objects (created, not yet destroyed).
 int64_t standin_live_user_objects(void);
+// Live events (created, not yet destroyed) and live device and pinned allocations.
+int64_t standin_live_events(void);
+int64_t standin_live_allocations(void);
 // Whether [p, p + bytes) lies in live pinned memory from cuMemHostAlloc.
 int standin_is_pinned(const void* p, uint64_t bytes);
 

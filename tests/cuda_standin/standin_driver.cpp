@@ -129,6 +129,7 @@ int64_t g_spin_waits = 0;
 std::atomic<void (*)(void*)> g_wait_hook{nullptr};
 std::atomic<void*> g_wait_hook_arg{nullptr};
 int64_t g_live_user_objects = 0;
+int64_t g_live_events = 0;
 // User-object destructors running on their own (detached) threads.
 int64_t g_running_callbacks = 0;
 std::condition_variable_any& g_callbacks_done = *new std::condition_variable_any;
@@ -226,6 +227,21 @@ CUresult submit(void* stream, Action action) {
   return kOk;
 }
 
+// Waiting for or querying a stream that is being captured, or an event whose
+// latest record is a node of a capture, is illegal: the call fails and the
+// capture is invalidated (in any capture mode).
+CUresult refuse_if_capturing(Stream& s) {
+  Capture* c = capture_of(s);
+  if (c == nullptr) return kOk;
+  c->invalidated = true;
+  return kCaptureUnsupported;
+}
+CUresult refuse_if_captured(Event& e) {
+  if (e.captured_in == nullptr) return kOk;
+  if (active(e.captured_in)) e.captured_in->invalidated = true;
+  return kCaptureUnsupported;
+}
+
 // --- memory ------------------------------------------------------------------
 
 void* map_bytes(size_t bytes) {
@@ -280,7 +296,7 @@ void run_commit(const void* v) {
   for (int64_t j = p.count - 1; j >= 0; --j) {
     int64_t src = 0, slot = 0;
     commit_source(p, j, &src, &slot);
-    if (p.claims != nullptr && commit_in_range(p, src, slot) && p.claims[slot] != j + 1) continue;
+    if (commit_in_range(p, src, slot) && !claim_won(p, j, slot)) continue;
     CommitParams row = p;
     row.count = 1;
     row.claims = nullptr;
@@ -398,6 +414,7 @@ CUresult cuMemAlloc(unsigned long long* out, size_t bytes) {
 }
 CUresult cuMemFree(unsigned long long p) {
   ENTER();
+  if (CUresult r = unsafe_call()) return r;
   return free_alloc(reinterpret_cast<void*>(p), false);
 }
 CUresult cuMemHostAlloc(void** out, size_t bytes, unsigned) {
@@ -411,6 +428,7 @@ CUresult cuMemHostAlloc(void** out, size_t bytes, unsigned) {
 }
 CUresult cuMemFreeHost(void* p) {
   ENTER();
+  if (CUresult r = unsafe_call()) return r;
   return free_alloc(p, true);
 }
 CUresult cuMemHostGetDevicePointer(unsigned long long* out, void* p, unsigned) {
@@ -473,6 +491,7 @@ CUresult cuModuleLoadData(void** module, const void* image) {
 }
 CUresult cuModuleUnload(void* module) {
   ENTER();
+  if (CUresult r = unsafe_call()) return r;
   delete static_cast<Module*>(module);
   return kOk;
 }
@@ -529,7 +548,7 @@ CUresult cuStreamSynchronize(void* stream) {
   ENTER();
   if (CUresult r = unsafe_call()) return r;
   Stream& s = *stream_of(stream);
-  if (capture_of(s) != nullptr) return kCaptureUnsupported;
+  if (CUresult r = refuse_if_capturing(s)) return r;
   run_until(s, s.enqueued);
   return kOk;
 }
@@ -537,6 +556,7 @@ CUresult cuStreamQuery(void* stream) {
   ENTER();
   if (CUresult r = unsafe_call()) return r;
   Stream& s = *stream_of(stream);
+  if (CUresult r = refuse_if_capturing(s)) return r;
   return s.done == s.enqueued ? kOk : kNotReady;
 }
 CUresult cuStreamWaitEvent(void* stream, Event* e, unsigned) {
@@ -648,10 +668,13 @@ CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
 CUresult cuEventCreate(Event** out, unsigned flags) {
   ENTER();
   *out = new Event{flags};
+  ++g_live_events;
   return kOk;
 }
 CUresult cuEventDestroy(Event* e) {
   ENTER();
+  if (e == nullptr) return kInvalidHandle;
+  --g_live_events;
   delete e;
   return kOk;
 }
@@ -659,6 +682,8 @@ CUresult cuEventRecordWithFlags(Event* e, void* stream, unsigned flags) {
   ENTER();
   Stream& s = *stream_of(stream);
   Capture* c = capture_of(s);
+  // An external record is a graph node; outside a capture the flag is invalid.
+  if (c == nullptr && (flags & kRecordExternal)) return kInvalidValue;
   if (c != nullptr && !(flags & kRecordExternal)) {
     // A dependency inside the graph only: at each launch, a mark of where this lane's queue stands.
     e->captured_in = c;
@@ -683,14 +708,14 @@ CUresult cuEventRecord(Event* e, void* stream) { return cuEventRecordWithFlags(e
 CUresult cuEventQuery(Event* e) {
   ENTER();
   if (CUresult r = unsafe_call()) return r;
-  if (e->captured_in != nullptr) return kCaptureIsolation;
+  if (CUresult r = refuse_if_captured(*e)) return r;
   return e->stream == nullptr || e->stream->done >= e->seq ? kOk : kNotReady;
 }
 CUresult cuEventSynchronize(Event* e) {
   host_wait_hook();
   ENTER();
   if (CUresult r = unsafe_call()) return r;
-  if (e->captured_in != nullptr) return kCaptureIsolation;
+  if (CUresult r = refuse_if_captured(*e)) return r;
   if (!(e->flags & kEventBlockingSync)) ++g_spin_waits;
   if (e->stream != nullptr) run_until(*e->stream, e->seq);
   return kOk;
@@ -777,24 +802,32 @@ CUresult cuGraphReleaseUserObject(Graph* g, UserObject* u, unsigned n) {
   return kOk;
 }
 
+// An entry point and the CUDA version whose ABI it first appeared in:
+// cuGetProcAddress finds it only for that version or a later one, as the
+// real driver does (CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT otherwise).
 struct Entry {
   const char* name;
   void* fn;
+  int since;
 };
-#define ENTRY(f) {#f, reinterpret_cast<void*>(&f)}
+#define ENTRY(f, since) {#f, reinterpret_cast<void*>(&f), since}
 const Entry kEntries[] = {
-    ENTRY(cuGetErrorName), ENTRY(cuGetErrorString), ENTRY(cuDeviceGetCount), ENTRY(cuDeviceGet),
-    ENTRY(cuDevicePrimaryCtxRetain), ENTRY(cuDevicePrimaryCtxRelease), ENTRY(cuCtxPushCurrent),
-    ENTRY(cuCtxPopCurrent), ENTRY(cuMemAlloc), ENTRY(cuMemFree), ENTRY(cuMemHostAlloc), ENTRY(cuMemFreeHost),
-    ENTRY(cuMemHostGetDevicePointer), ENTRY(cuMemsetD8Async), ENTRY(cuMemcpyHtoDAsync), ENTRY(cuMemcpyDtoHAsync),
-    ENTRY(cuModuleLoadData), ENTRY(cuModuleUnload), ENTRY(cuModuleGetFunction), ENTRY(cuLaunchKernel),
-    ENTRY(cuStreamCreate), ENTRY(cuStreamDestroy), ENTRY(cuStreamSynchronize), ENTRY(cuStreamQuery),
-    ENTRY(cuStreamWaitEvent), ENTRY(cuStreamIsCapturing), ENTRY(cuStreamBeginCapture), ENTRY(cuStreamEndCapture),
-    ENTRY(cuThreadExchangeStreamCaptureMode), ENTRY(cuEventCreate), ENTRY(cuEventDestroy), ENTRY(cuEventRecord),
-    ENTRY(cuEventRecordWithFlags), ENTRY(cuEventQuery), ENTRY(cuEventSynchronize), ENTRY(cuGraphCreate),
-    ENTRY(cuGraphDestroy), ENTRY(cuGraphAddChildGraphNode), ENTRY(cuGraphInstantiateWithFlags),
-    ENTRY(cuGraphLaunch), ENTRY(cuGraphExecDestroy), ENTRY(cuUserObjectCreate), ENTRY(cuUserObjectRetain),
-    ENTRY(cuUserObjectRelease), ENTRY(cuGraphRetainUserObject), ENTRY(cuGraphReleaseUserObject),
+    ENTRY(cuGetErrorName, 6000), ENTRY(cuGetErrorString, 6000), ENTRY(cuDeviceGetCount, 2000),
+    ENTRY(cuDeviceGet, 2000), ENTRY(cuDevicePrimaryCtxRetain, 7000), ENTRY(cuDevicePrimaryCtxRelease, 7000),
+    ENTRY(cuCtxPushCurrent, 4000), ENTRY(cuCtxPopCurrent, 4000), ENTRY(cuMemAlloc, 3020), ENTRY(cuMemFree, 3020),
+    ENTRY(cuMemHostAlloc, 2020), ENTRY(cuMemFreeHost, 2000), ENTRY(cuMemHostGetDevicePointer, 3020),
+    ENTRY(cuMemsetD8Async, 3020), ENTRY(cuMemcpyHtoDAsync, 3020), ENTRY(cuMemcpyDtoHAsync, 3020),
+    ENTRY(cuModuleLoadData, 2000), ENTRY(cuModuleUnload, 2000), ENTRY(cuModuleGetFunction, 2000),
+    ENTRY(cuLaunchKernel, 4000), ENTRY(cuStreamCreate, 2000), ENTRY(cuStreamDestroy, 4000),
+    ENTRY(cuStreamSynchronize, 2000), ENTRY(cuStreamQuery, 2000), ENTRY(cuStreamWaitEvent, 3020),
+    ENTRY(cuStreamIsCapturing, 10000), ENTRY(cuStreamBeginCapture, 10010), ENTRY(cuStreamEndCapture, 10000),
+    ENTRY(cuThreadExchangeStreamCaptureMode, 10010), ENTRY(cuEventCreate, 2000), ENTRY(cuEventDestroy, 4000),
+    ENTRY(cuEventRecord, 2000), ENTRY(cuEventRecordWithFlags, 11010), ENTRY(cuEventQuery, 2000),
+    ENTRY(cuEventSynchronize, 2000), ENTRY(cuGraphCreate, 10000), ENTRY(cuGraphDestroy, 10000),
+    ENTRY(cuGraphAddChildGraphNode, 10000), ENTRY(cuGraphInstantiateWithFlags, 11040),
+    ENTRY(cuGraphLaunch, 10000), ENTRY(cuGraphExecDestroy, 10000), ENTRY(cuUserObjectCreate, 11030),
+    ENTRY(cuUserObjectRetain, 11030), ENTRY(cuUserObjectRelease, 11030), ENTRY(cuGraphRetainUserObject, 11030),
+    ENTRY(cuGraphReleaseUserObject, 11030),
 };
 
 }  // namespace standin_impl
@@ -812,21 +845,24 @@ __attribute__((visibility("default"))) int cuDriverGetVersion(int* version) {
 }
 
 __attribute__((visibility("default"))) int cuGetProcAddress_v2(const char* name, void** pfn, int version, uint64_t,
-                                                                int* found) {
+                                                                int* status) {
+  // CUdriverProcAddressQueryResult: 0 found, 1 no such symbol, 2 not in the ABI of `version`.
+  auto answer = [&](void* fn, int since) {
+    const bool found = version >= since;
+    *pfn = found ? fn : nullptr;
+    if (status != nullptr) *status = found ? 0 : 2;
+    return found ? kOk : kNotFound;
+  };
   if (std::strcmp(name, "cuStreamGetCaptureInfo") == 0) {
-    *pfn = version >= 12030 ? reinterpret_cast<void*>(&capture_info_v3) : reinterpret_cast<void*>(&capture_info_v2);
-    if (found != nullptr) *found = 1;
-    return version >= 11030 ? kOk : kNotFound;  // 10.1's ABI (no graph) is not modeled
+    // 10.1's ABI (no graph) is not modeled: found from 11.3 on.
+    return answer(version >= 12030 ? reinterpret_cast<void*>(&capture_info_v3) : reinterpret_cast<void*>(&capture_info_v2),
+                  11030);
   }
   for (const Entry& e : kEntries) {
-    if (std::strcmp(e.name, name) == 0) {
-      *pfn = e.fn;
-      if (found != nullptr) *found = 1;
-      return kOk;
-    }
+    if (std::strcmp(e.name, name) == 0) return answer(e.fn, e.since);
   }
   *pfn = nullptr;
-  if (found != nullptr) *found = 0;
+  if (status != nullptr) *status = 1;
   return kNotFound;
 }
 
@@ -852,7 +888,7 @@ __attribute__((visibility("default"))) int cuCtxSetCurrent(void*) { return 0; }
 // pinned buffers, captures and graphs).
 __attribute__((visibility("default"))) void* standin_entry(const char* name) {
   void* fn = nullptr;
-  cuGetProcAddress_v2(name, &fn, 0, 0, nullptr);
+  cuGetProcAddress_v2(name, &fn, 13000, 0, nullptr);
   return fn;
 }
 
@@ -899,6 +935,16 @@ __attribute__((visibility("default"))) void standin_drain_callbacks(void) {
 __attribute__((visibility("default"))) int64_t standin_live_user_objects(void) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   return g_live_user_objects;
+}
+__attribute__((visibility("default"))) int64_t standin_live_events(void) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  return g_live_events;
+}
+__attribute__((visibility("default"))) int64_t standin_live_allocations(void) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  int64_t n = 0;
+  for (const auto& [at, a] : g_allocs) n += a.live ? 1 : 0;
+  return n;
 }
 __attribute__((visibility("default"))) int standin_is_pinned(const void* p, uint64_t bytes) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);

@@ -21,22 +21,29 @@
 # Each step has a time limit, and all of them together MOECAP_CHECK_SECONDS
 # (570: the table still prints inside a 600-second device command); a step
 # left without time is reported as not run. The least certain step (the
-# PyTorch tests under memcheck) goes last.
+# PyTorch tests under memcheck) goes last, with MOECAP_MEMCHECK_TORCH_SECONDS
+# (150) kept back for it from every step before.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-$root/build-gpu/out}
 build=$root/build-gpu
 budget=${MOECAP_CHECK_SECONDS:-570}
+torch_reserve=${MOECAP_MEMCHECK_TORCH_SECONDS:-150}
 mkdir -p "$out" "$build"
+# Everything also goes to the log through tee; the caller's stdout stays on
+# fd 3 for the final table, printed once tee has written everything before it.
+exec 3>&1
 exec > >(tee "$out/device_check.log") 2>&1
+tee_pid=$!
 
 names=() results=() seconds=()
 status=0
+reserve=$torch_reserve  # kept back for the last step (memcheck torch) until it runs
 # step NAME LIMIT_SECONDS COMMAND...: exit 0 passes, 77 is a skip; a timeout or anything else fails.
 step() {
   local name=$1 limit=$2 start=$SECONDS rc result
   shift 2
-  (( limit > budget - 10 - SECONDS )) && limit=$(( budget - 10 - SECONDS ))  # 10 s for the table
+  (( limit > budget - 10 - reserve - SECONDS )) && limit=$(( budget - 10 - reserve - SECONDS ))  # 10 s for the table
   echo; echo "=== $name"
   if (( limit <= 0 )); then
     result="NOT RUN (out of time)"; status=1
@@ -61,6 +68,16 @@ fi
 python=$(command -v "${MOECAP_PYTHON:-python3}") || { echo "no ${MOECAP_PYTHON:-python3} on PATH"; exit 1; }
 deps_python=$root/.deps/python
 args=(-DCMAKE_BUILD_TYPE=Release -DMOECAP_CUDA=ON)
+# The extension needs the interpreter's headers: without them CMake skips the
+# Python package quietly and the PyTorch GPU tests would not run. Say so up
+# front, and build the rest.
+python_include=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)
+have_python_h=1
+if [ -z "$python_include" ] || [ ! -f "$python_include/Python.h" ]; then
+  have_python_h=0
+  echo "no Python.h for $python (looked in '${python_include:-?}'): the extension and the PyTorch GPU tests are not built"
+  echo "(install the interpreter's development headers, e.g. python3-dev)"
+fi
 if [ -d "$root/.deps/usr" ]; then
   args+=(-DCMAKE_PREFIX_PATH="$root/.deps/usr" -DDOCTEST_INCLUDE_DIR="$root/.deps/usr/include"
          -DDLPACK_INCLUDE_DIR="$root/.deps/usr/include")
@@ -90,11 +107,17 @@ nvcc --version | tail -2 || true
 print("python", sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda,
       "GPU", torch.cuda.is_available(), "numpy", numpy.__version__)' || true
 
+if (( ! have_python_h )); then
+  args+=(-DMOECAP_PYTHON=)  # the last -D wins: no Python package
+  note "python headers" "FAILED (no Python.h: extension and PyTorch GPU tests not built)"; status=1
+fi
 step configure 300 cmake -S "$root" -B "$build" "${args[@]}"
 step build 600 cmake --build "$build" -j "$(nproc)"
 # The extension imports, or the Python GPU tests would skip silently.
-step "python import" 60 env PYTHONPATH="$test_pythonpath" "$python" -c \
-  'import moecap; print("moecap", moecap.__file__, "ABI", moecap.abi_version())'
+if (( have_python_h )); then
+  step "python import" 60 env PYTHONPATH="$test_pythonpath" "$python" -c \
+    'import moecap; print("moecap", moecap.__file__, "ABI", moecap.abi_version())'
+fi
 step "gpu tests" 600 ctest --test-dir "$build" -L gpu --no-tests=error --output-on-failure
 step "other tests" 600 ctest --test-dir "$build" -LE gpu -E '^python_wheel$' -j "$(nproc)" --output-on-failure
 # The GPU suites again under compute-sanitizer: any access to freed or foreign
@@ -122,15 +145,22 @@ else
   note bench "FAILED (no moecap_bench)"; status=1
 fi
 # bench/python_bench.py is not run: it measures the host backend only (no CUDA mode).
-if [ -n "$sanitizer" ]; then
+reserve=0
+if [ -n "$sanitizer" ] && (( have_python_h )); then
   step "memcheck torch" 600 env PYTHONPATH="$test_pythonpath" PYTHONDONTWRITEBYTECODE=1 \
     "${memcheck[@]}" --target-processes all "$python" "$root/tests/gpu/run_gpu_pytest.py" "$root/tests/python"
 fi
 
-echo
-echo "| step | result | seconds |"
-echo "|---|---|---|"
-for i in "${!names[@]}"; do echo "| ${names[$i]} | ${results[$i]} | ${seconds[$i]} |"; done
-echo "| total | $([ $status = 0 ] && echo passed || echo FAILED) | $SECONDS |"
-echo "device_check: $([ $status = 0 ] && echo PASSED || echo FAILED)"
+# Close the pipe into tee and wait for it, so nothing it still holds lands
+# after (or instead of) the table; then the table goes to the caller and the log.
+exec 1>&3 2>&3
+for _ in $(seq 100); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done  # at most 10 s
+{
+  echo
+  echo "| step | result | seconds |"
+  echo "|---|---|---|"
+  for i in "${!names[@]}"; do echo "| ${names[$i]} | ${results[$i]} | ${seconds[$i]} |"; done
+  echo "| total | $([ $status = 0 ] && echo passed || echo FAILED) | $SECONDS |"
+  echo "device_check: $([ $status = 0 ] && echo PASSED || echo FAILED)"
+} | tee -a "$out/device_check.log"
 exit $status

@@ -1,6 +1,7 @@
-"""The routing record from Python (moecap.record) and from C
-(moecap_record_encode, through ctypes): the same bytes, round trips, sizes,
-refusals, and the shapes each RL consumer takes."""
+"""The routing record from Python (moecap.record, which calls the library's
+codec through the extension) and from C (moecap_record_encode, called here
+through ctypes): the same bytes, round trips, sizes, refusals, and the shapes
+each RL consumer takes."""
 import base64
 import ctypes
 import os
@@ -98,6 +99,18 @@ def c_decode(data, shape):
     return ids, valid.astype(bool)
 
 
+def bf16_bits(w):
+    """Reference float32 -> bfloat16 rounding (nearest even, NaN kept quiet), the test's own oracle."""
+    u = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    return np.where(nan, (u >> 16) | 0x40, rounded).astype("<u2")
+
+
+def weight_section(record, count, itemsize):
+    return record[len(record) - count * itemsize:]
+
+
 def random_routing(rng, tokens, layers, top_k, experts, holes=True):
     ids = rng.integers(0, experts, size=(tokens, layers, top_k)).astype(np.int32)
     if holes:
@@ -122,8 +135,8 @@ def test_python_and_c_write_identical_bytes(experts, packed):
     # f16 weights kept as f16 on both sides
     r16 = RoutedExperts(ids, experts, weights=weights.astype(np.float16), valid=valid)
     assert r16.to_bytes(packed=packed) == c_encode(ids, experts, weights.astype(np.float16), valid, packed=packed)
-    # bf16: Python rounds float32 as the C code and PyTorch do
-    bits = moecap.record._f32_to_bf16_bits(weights)
+    # bf16: float32 weights rounded by the library, as a C caller's own bf16 bits would be stored
+    bits = bf16_bits(weights)
     assert r.to_bytes(packed=packed, weights="bf16") == c_encode(ids, experts, bits, valid, start=5, packed=packed,
                                                                  bf16_bits=True)
     # and each side reads the other's
@@ -150,7 +163,7 @@ def test_round_trip_keeps_everything():
 
 def test_sizes_for_a_deepseek_v3_request():
     """61 layers, top-8 of 256 experts: bytes per token against SGLang's
-    int32 base64 (the README table)."""
+    int32 base64 (docs/CONSUMERS.md's table)."""
     tokens = 4096
     ids = np.zeros((tokens, 61, 8), dtype=np.int16)
     r = RoutedExperts(ids, 256)
@@ -173,7 +186,7 @@ def test_bad_records_are_refused():
     good = r.to_bytes()
     with pytest.raises(RecordError, match="magic"):
         RoutedExperts.from_bytes(b"XXXX" + good[4:])
-    with pytest.raises(RecordError, match="version 7"):
+    with pytest.raises(RecordError, match="version is 7"):
         RoutedExperts.from_bytes(good[:4] + b"\x07\x00" + good[6:])
     with pytest.raises(RecordError, match="header says"):
         RoutedExperts.from_bytes(good[:-1])
@@ -211,7 +224,53 @@ def test_from_read_marks_empty_slots_invalid():
 
 def test_bf16_rounding_matches_torch():
     torch = pytest.importorskip("torch")
-    w = np.random.default_rng(5).standard_normal(10000).astype(np.float32)
-    w[:4] = [1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, np.inf, -0.0]  # ties to even, infinity, signed zero
+    w = np.random.default_rng(5).standard_normal((10000, 1, 1)).astype(np.float32)
+    w[:4, 0, 0] = [1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, np.inf, -0.0]  # ties to even, infinity, signed zero
     want = torch.from_numpy(w).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    assert np.array_equal(moecap.record._f32_to_bf16_bits(w), want)
+    record = RoutedExperts(np.zeros(w.shape, dtype=np.int32), 4, weights=w).to_bytes(weights="bf16")
+    assert weight_section(record, w.size, 2) == want.astype("<u2").tobytes()
+    assert np.array_equal(bf16_bits(w), want)  # the reference the byte comparison above uses
+
+
+def test_weights_convert_to_the_stored_dtype_as_numpy_and_torch_do():
+    w = np.random.default_rng(6).standard_normal((50, 2, 3)).astype(np.float32) * 1000
+    ids = np.zeros(w.shape, dtype=np.int32)
+    r = RoutedExperts(ids, 4, weights=w)
+    assert weight_section(r.to_bytes(weights="f16"), w.size, 2) == w.astype("<f2").tobytes()
+    assert r.to_bytes(weights=np.float16) == r.to_bytes(weights="f16")
+    torch = pytest.importorskip("torch")
+    assert r.to_bytes(weights=torch.bfloat16) == r.to_bytes(weights="bf16")
+    half = RoutedExperts(ids, 4, weights=w.astype(np.float16))
+    assert weight_section(half.to_bytes(weights="f32"), w.size, 4) == w.astype(np.float16).astype("<f4").tobytes()
+    with pytest.raises(ValueError, match="weights must be 'keep', None"):
+        r.to_bytes(weights="f64")
+
+
+def test_the_record_works_without_torch():
+    """to_bytes / from_bytes need NumPy and the extension only: run in a process where
+    importing torch fails."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import numpy as np, moecap\n"
+            "from moecap.record import RoutedExperts\n"
+            "r = RoutedExperts(np.array([[[1, 2]], [[3, -1]]]), 4, weights=np.ones((2, 1, 2), np.float32),"
+            " valid=[True, False])\n"
+            "back = RoutedExperts.from_bytes(r.to_bytes(weights='bf16'))\n"
+            "assert back == r and 'torch' not in {m for m in sys.modules if sys.modules[m] is not None}\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_bad_input_to_the_codec_is_a_record_error_with_a_status():
+    good = RoutedExperts(np.array([[[0, 4]]]), 5).to_bytes()
+    with pytest.raises(RecordError, match="layers 0") as e:
+        RoutedExperts.from_bytes(good[:12] + bytes(4) + good[16:])
+    assert isinstance(e.value, ValueError) and isinstance(e.value, moecap.MoecapError)
+    assert e.value.status == moecap.Status.INVALID_ARGUMENT
+    with pytest.raises(RecordError) as e:
+        RoutedExperts.from_bytes(b"MCRT" + bytes(36))  # version 0: a version this library does not read
+    assert e.value.status == moecap.Status.ABI_MISMATCH
+    with pytest.raises(TypeError, match="bytes-like"):
+        RoutedExperts.from_bytes("MCRT")

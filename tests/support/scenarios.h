@@ -1,4 +1,4 @@
-// The CUDA backend scenarios of issue 14, shared by the stand-in driver's
+// The CUDA backend scenarios (graphs, DP ranks, verify rows, fail-closed slots), shared by the stand-in driver's
 // suite (tests/cuda_standin) and the GPU suite (tests/gpu): the capturer,
 // the engine's routing buffer contents, and the moecap calls they make. Each
 // suite brings its own memory and streams (the stand-in's or cudart's).

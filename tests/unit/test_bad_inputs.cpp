@@ -302,8 +302,8 @@ TEST_CASE("guard canaries report the region something wrote past") {
   moecap_destroy(h);
 }
 
-// The four inputs an independent UBSan host found (issue 11): three
-// undefined behaviours and one false refusal.
+// Inputs at the edges of int32 and of DLPack that once reached undefined
+// behaviour (or a false refusal): each is refused cleanly, or accepted.
 TEST_CASE("extra_columns near INT32_MAX is refused at create, not overflowed at capture") {
   moecap_config c = small_config();
   c.extra_columns = INT32_MAX - 1;
@@ -333,6 +333,60 @@ TEST_CASE("a DLTensor device_type outside DLDeviceType is refused without loadin
   std::memcpy(&odd_slots.device.device_type, &raw, sizeof raw);
   f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "slots->device.device_type is 1000",
             [&] { return moecap_invalidate(f.h, &odd_slots, nullptr); });
+}
+
+// DLPack 1.0 device types past the end of the enum this build's dlpack.h may
+// declare (Debian's 0.6 ends at 13, so 16 and 17 lie outside its range): every
+// entry point compares them as integers. Loading one as DLDeviceType was
+// undefined behaviour that UBSan (the ASan+UBSan build) aborts on; here they
+// must come back as "on the wrong device", naming the raw number, and values
+// outside DLPack altogether as "not a DLPack device type".
+TEST_CASE("device types past the header's DLDeviceType are compared as integers by every entry point") {
+  Fixture f;
+  const int32_t k = f.cfg.top_k;
+  HostTensor ids({2, k}, i32());
+  HostTensor w({2, k}, f32());
+  HostTensor slots({2}, i32());
+  slots.fill<int32_t>({1, 2});
+  HostTensor rows({2}, i32());
+  rows.fill<int32_t>({0, 1});
+  HostTensor out({2, f.cfg.num_layers, k}, i32());
+  HostTensor out_w({2, f.cfg.num_layers, k}, f32());
+  auto with_type = [](DLTensor t, int32_t raw) {
+    std::memcpy(&t.device.device_type, &raw, sizeof raw);
+    return t;
+  };
+  for (int32_t raw : {14, 15, 16, 17, 18, 0, -1, 1 << 30}) {
+    CAPTURE(raw);
+    const bool dlpack_type = raw >= 1 && raw <= 17;
+    const std::string needle = dlpack_type ? "is on device_type " + std::to_string(raw)
+                                           : "device.device_type is " + std::to_string(raw) + "; not a DLPack device type";
+    DLTensor bad_ids = with_type(ids.dl(), raw);
+    DLTensor bad_w = with_type(w.dl(), raw);
+    DLTensor bad_slots = with_type(slots.dl(), raw);
+    DLTensor bad_rows = with_type(rows.dl(), raw);
+    DLTensor bad_out = with_type(out.dl(), raw);
+    DLTensor bad_out_w = with_type(out_w.dl(), raw);
+    DLTensor bad_src = with_type(out.dl(), raw);
+    const char* n = needle.c_str();
+    f.refused(MOECAP_ERROR_INVALID_ARGUMENT, n, [&] { return moecap_capture(f.h, 0, &bad_ids, w.get(), nullptr); });
+    f.refused(MOECAP_ERROR_INVALID_ARGUMENT, n, [&] { return moecap_capture(f.h, 0, ids.get(), &bad_w, nullptr); });
+    moecap_commit_args a{sizeof a, 0, nullptr, &bad_slots};
+    f.refused(MOECAP_ERROR_INVALID_ARGUMENT, n, [&] { return moecap_commit(f.h, &a, nullptr); });
+    moecap_commit_args by_rows{sizeof by_rows, 0, &bad_rows, slots.get()};
+    f.refused(MOECAP_ERROR_INVALID_ARGUMENT, n, [&] { return moecap_commit(f.h, &by_rows, nullptr); });
+    f.refused(MOECAP_ERROR_INVALID_ARGUMENT, n, [&] { return moecap_invalidate(f.h, &bad_slots, nullptr); });
+    f.refused(MOECAP_ERROR_INVALID_ARGUMENT, n,
+              [&] { return moecap_read(f.h, &bad_slots, out.get(), out_w.get(), 0, nullptr); });
+    f.refused(MOECAP_ERROR_INVALID_ARGUMENT, n,
+              [&] { return moecap_read(f.h, slots.get(), &bad_out, out_w.get(), 0, nullptr); });
+    f.refused(MOECAP_ERROR_INVALID_ARGUMENT, dlpack_type ? "weights_out is on device_type" : n,
+              [&] { return moecap_read(f.h, slots.get(), out.get(), &bad_out_w, 0, nullptr); });
+    f.refused(MOECAP_ERROR_INVALID_ARGUMENT, n,
+              [&] { return moecap_write(f.h, &bad_slots, out.get(), out_w.get(), nullptr); });
+    f.refused(MOECAP_ERROR_INVALID_ARGUMENT, n,
+              [&] { return moecap_write(f.h, slots.get(), &bad_src, out_w.get(), nullptr); });
+  }
 }
 
 TEST_CASE("a tensor with zero elements is compact whatever its strides, and huge strides overflow nothing") {

@@ -143,8 +143,38 @@ TEST_CASE("an id out of range at capture reads -1, distinguishable from every re
     for (int64_t e = 0; e < row; ++e) CHECK(out.at(row + e) != -1);  // token 1 is untouched
     CHECK(out.at(row + 1) == 255 % experts);  // with 256 experts, 255 is a real id and reads as one
     CHECK(moecap_read(cap.h, slots.get(), out.get(), nullptr, MOECAP_READ_STRICT, nullptr) == MOECAP_ERROR_NO_ROUTING);
-    CHECK(error_has("slots[0] = 10 holds ids that were out of range at capture"));
+    if (experts == 200) {
+      CHECK(error_has("slots[0] = 10 holds ids that were out of range in layer 1 (at capture"));
+    } else {
+      CHECK(error_has("slots[0] = 10 holds ids that are no real expert"));
+      CHECK(error_has("the two cannot be told apart"));
+    }
+    CHECK_FALSE(error_has("not captured again in that layer before"));
   }
+}
+
+TEST_CASE("a row committed again without a new capture fails a strict read naming that cause, not bad ids") {
+  moecap_config c = small_config();
+  Handle cap(c);
+  capture_and_commit(cap.h, c, 0, {3});
+  // Layer 0 only is captured again; layer 1's row was consumed by the first commit.
+  HostTensor ids({1, c.top_k}, i64());
+  for (int64_t k = 0; k < c.top_k; ++k) ids.set(k, route(5, 0, k, c.num_experts));
+  REQUIRE(moecap_capture(cap.h, 0, ids.get(), nullptr, nullptr) == MOECAP_OK);
+  HostTensor slot({1}, i64());
+  slot.set(0, 4);
+  moecap_commit_args a{sizeof a, 0, nullptr, slot.get()};
+  REQUIRE(moecap_commit(cap.h, &a, nullptr) == MOECAP_OK);
+  CHECK(state_of(cap.h, 4) == (MOECAP_SLOT_VALID | MOECAP_SLOT_INVALID_IDS));
+  HostTensor out({1, c.num_layers, c.top_k}, i32());
+  CHECK(moecap_read(cap.h, slot.get(), out.get(), nullptr, MOECAP_READ_STRICT, nullptr) == MOECAP_ERROR_NO_ROUTING);
+  CHECK(error_has("slots[0] = 4 has no routing in layer 1: its row was not captured again in that layer"));
+  CHECK_FALSE(error_has("out of range in layer"));
+  CHECK_FALSE(error_has("out of range at capture"));
+  // An empty slot has its own message.
+  slot.set(0, 6);
+  CHECK(moecap_read(cap.h, slot.get(), out.get(), nullptr, MOECAP_READ_STRICT, nullptr) == MOECAP_ERROR_NO_ROUTING);
+  CHECK(error_has("slots[0] = 6 holds no committed routing (never committed, or invalidated)"));
 }
 
 TEST_CASE("an unsigned output where -1 would be a real id is refused unless MOECAP_READ_STRICT") {

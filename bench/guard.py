@@ -1,0 +1,71 @@
+"""CI regression guard: each step-path operation against its own baseline,
+measured in the same short moecap_bench run, fails below a floor ratio.
+
+    python3 bench/guard.py BUILD_DIR [--floor 0.5]
+
+Runs moecap_bench (build it first: cmake --build BUILD_DIR --target
+moecap_bench) over a few cases for about ten seconds and compares the median
+CPU time per call: commit against copying the rows out and scattering them
+(BM_Commit_Baseline), read against an element-wise gather, capture against a
+strided slice copy, each at a size where moecap is normally 2-3x its baseline
+on a loaded 2-core machine. The floor is wide (noisy shared machines pass) and
+narrow enough to catch a loss of several times, like a second slow pass over
+every committed row (which made commit 0.3x of this baseline).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+# (what, moecap case, baseline case); a commit case's rewrite of its rows
+# (BM_Commit_Rewrite, same args) is taken out of its time.
+PAIRS = [
+    ("commit 4096 rows, random slots of 262,144, vs copy-out-and-scatter", "BM_Commit_Moecap/4096/1/262144",
+     "BM_Commit_Baseline/4096/1/262144"),
+    ("read 4096 tokens, vs an element-wise gather", "BM_Read_Moecap/4096", "BM_Read_Baseline/4096"),
+    ("capture 16384 rows, vs a strided slice copy", "BM_Capture_Moecap/16384/32/4", "BM_Capture_Baseline/16384"),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("build", help="the CMake build folder holding bench/moecap_bench")
+    parser.add_argument("--floor", type=float, default=0.5, help="fail below this baseline/moecap time ratio")
+    args = parser.parse_args()
+    exe = os.path.join(args.build, "bench", "moecap_bench")
+    names = [n for _, ours, theirs in PAIRS for n in (ours, theirs)]
+    names += [ours.replace("BM_Commit_Moecap", "BM_Commit_Rewrite") for _, ours, _ in PAIRS if "Commit_Moecap" in ours]
+    pattern = "^(" + "|".join(names) + ")$"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "guard.json")
+        subprocess.run([exe, f"--benchmark_filter={pattern}", "--benchmark_min_time=0.05",
+                        "--benchmark_repetitions=3", "--benchmark_report_aggregates_only=true",
+                        f"--benchmark_out={out}", "--benchmark_out_format=json"],
+                       check=True, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            report = json.load(f)
+    median = {}
+    for b in report["benchmarks"]:
+        if b.get("aggregate_name") == "median":
+            median[b["run_name"]] = b["cpu_time"]  # wall time counts other jobs on a shared machine
+    failed = False
+    print(f"moecap bench guard: baseline time / moecap time, floor {args.floor}x")
+    for what, ours, theirs in PAIRS:
+        if ours not in median or theirs not in median:
+            print(f"  {what}: case missing from the run ({ours} / {theirs})")
+            failed = True
+            continue
+        mine = median[ours]
+        if "Commit_Moecap" in ours:
+            mine -= median.get(ours.replace("BM_Commit_Moecap", "BM_Commit_Rewrite"), 0.0)
+        ratio = median[theirs] / max(mine, 1e-9)
+        verdict = "ok" if ratio >= args.floor else "TOO SLOW"
+        failed = failed or ratio < args.floor
+        print(f"  {what}: {ratio:.2f}x ({verdict})")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+// The CUDA backend's host waits and teardown on the stand-in driver, where
+// its hooks show them: host waits that never hold the capturer's lock,
+// teardown during an engine's global capture on another thread, and graph
+// commit events freed with their graphs.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "tests/cuda_standin/engine.h"
+
+using namespace standin;
+using namespace moecap_scenarios;
+
+// MOECAP_LIBCUDA names the stand-in: set for the whole binary by test_scenarios.cpp.
+namespace {
+
+std::vector<int64_t> device_row(Tensor& out) {
+  const moecap_config c = cuda_config();
+  return std::vector<int64_t>(out.as<int64_t>(), out.as<int64_t>() + c.num_layers * c.top_k);
+}
+
+// While a host call blocks in the driver, another engine thread makes a
+// capture call on the same capturer: it must finish while the call waits.
+struct CallMeanwhile {
+  moecap_capturer* h = nullptr;
+  DLTensor* ids = nullptr;
+  Stream stream = nullptr;
+  std::thread other;
+  std::atomic<bool> done{false};
+  bool started = false;
+  bool in_time = false;
+  // The hook is global: a host wait on another thread (an earlier test's
+  // capturer released late by moecap's thread) is not the call under test.
+  std::thread::id caller = std::this_thread::get_id();
+};
+
+void capture_while_waiting(void* arg) {
+  auto* m = static_cast<CallMeanwhile*>(arg);
+  if (std::this_thread::get_id() != m->caller || m->started) return;
+  m->started = true;
+  m->other = std::thread([m] {
+    int64_t shape[2] = {1, cuda_config().top_k};
+    DLTensor view = *m->ids;
+    view.ndim = 2;
+    view.shape = shape;
+    moecap_capture(m->h, 0, &view, nullptr, m->stream);  // no doctest assertion off the test's thread
+    m->done = true;
+  });
+  for (int i = 0; i < 200 && !m->done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  m->in_time = m->done;
+}
+
+// Runs `blocking` (a call that waits on the host at its first driver wait)
+// with another thread's capture call started at that wait; true when the
+// other call did not wait for it.
+bool other_calls_proceed(moecap_capturer* h, Tensor& ids, const std::function<void()>& blocking) {
+  CallMeanwhile m;
+  m.h = h;
+  m.ids = ids.get();
+  m.stream = new_stream();
+  standin_set_wait_hook(capture_while_waiting, &m);
+  blocking();
+  standin_set_wait_hook(nullptr, nullptr);
+  if (m.other.joinable()) m.other.join();
+  CHECK(m.started);  // the call did wait
+  return m.in_time;
+}
+
+// Waits until the capturer's memory (its device and pinned blocks, claims,
+// snapshot ring: four allocations) is freed, by whichever thread releases it.
+void wait_until_freed(int64_t held) {
+  for (int i = 0; i < 200 && standin_live_allocations() > held - 4; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(standin_live_allocations() <= held - 4);
+}
+
+}  // namespace
+
+TEST_CASE("get_errors waiting for commits does not hold the capturer's lock") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  forward(ids, 43, 1);
+  capture_layers(h, ids.get(), 1, s);
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  slot.set(0, 3);
+  commit(h, slot.get(), s);  // get_errors waits for it
+  CHECK(other_calls_proceed(h, ids, [&] {
+    moecap_error_counts e{};
+    e.struct_size = sizeof e;
+    CHECK(moecap_get_errors(h, &e, MOECAP_ERRORS_CLEAR) == MOECAP_OK);
+  }));
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
+TEST_CASE("write waiting for a GPU read and for the engine's stream does not hold the capturer's lock") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  forward(ids, 44, 1);
+  capture_layers(h, ids.get(), 1, s);
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  slot.set(0, 4);
+  commit(h, slot.get(), s);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  const moecap_config c = cuda_config();
+  Tensor out({1, c.num_layers, c.top_k}, moecap_test::i64(), kDLCUDA);
+  REQUIRE(moecap_read(h, slot.get(), out.get(), nullptr, 0, s) == MOECAP_OK);  // write waits for it
+  moecap_test::HostTensor reuse({1, c.num_layers, c.top_k}, moecap_test::i32());
+  for (int64_t i = 0; i < reuse.numel(); ++i) reuse.set(i, 1);
+  CHECK(other_calls_proceed(h, ids, [&] {
+    CHECK(moecap_write(h, slot.get(), reuse.get(), nullptr, nullptr) == MOECAP_OK);
+  }));
+  CHECK(device_row(out) == expected_row(44, 0));
+
+  // Device inputs: write waits for the engine's stream before copying them.
+  Tensor device_in({1, c.num_layers, c.top_k}, moecap_test::i32(), kDLCUDA);
+  for (int64_t i = 0; i < c.num_layers * c.top_k; ++i) device_in.as<int32_t>()[i] = 2;
+  capture_layers(h, ids.get(), 1, s);  // the engine's stream has work queued
+  CHECK(other_calls_proceed(h, ids, [&] {
+    CHECK(moecap_write(h, slot.get(), device_in.get(), nullptr, s) == MOECAP_OK);
+  }));
+  CHECK(read_rows(h, {4}) == std::vector<int64_t>(static_cast<size_t>(c.num_layers * c.top_k), 2));
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
+TEST_CASE("a commit waiting for a snapshot-ring entry still in use does not hold the capturer's lock") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  // Eight eager commits with host slots fill the ring; none has run.
+  for (int i = 0; i < 8; ++i) {
+    slot.set(0, i);
+    commit(h, slot.get(), s);
+  }
+  REQUIRE(standin_pending(s) > 0);
+  slot.set(0, 8);
+  CHECK(other_calls_proceed(h, ids, [&] { commit(h, slot.get(), s); }));  // waits for the first entry
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
+TEST_CASE("moecap_destroy and moecap_graph_destroy on one thread during the engine's global capture on another") {
+  const int64_t violations = standin_violations();
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Stream engine = new_stream();
+  Tensor ids = routing_buffer();
+  Tensor slots = index_tensor({5}, kDLCUDA);
+  REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slots.get(), s);
+  moecap_graph* g = nullptr;
+  REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+
+  standin_drain_callbacks();
+  const int64_t held = standin_live_allocations();
+  REQUIRE(driver().begin_capture(engine, kModeGlobal) == 0);  // torch.cuda.graph's default mode
+  moecap_status destroyed_graph = MOECAP_OK, destroyed = MOECAP_OK;
+  std::thread([&] {
+    destroyed = moecap_destroy(h);
+    destroyed_graph = moecap_graph_destroy(g);  // the capturer goes with the graph's last hold
+  }).join();
+  CHECK(destroyed_graph == MOECAP_OK);
+  CHECK(destroyed == MOECAP_OK);
+  standin_drain_callbacks();
+  wait_until_freed(held);
+  Graph captured = nullptr;
+  CHECK(driver().end_capture(engine, &captured) == 0);  // not invalidated
+  if (captured != nullptr) driver().graph_destroy(captured);
+  CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
+}
+
+TEST_CASE("the thread releasing a graph's last hold on the capturer frees it during the engine's global capture") {
+  const int64_t violations = standin_violations();
+  Stream s = new_stream();
+  Stream engine = new_stream();
+  Tensor ids = routing_buffer();
+  Tensor slots = index_tensor({6}, kDLCUDA);
+  moecap_capturer* h = make_capturer();
+  REQUIRE(driver().begin_capture(s, kModeGlobal) == 0);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slots.get(), s);
+  Graph graph = nullptr;
+  REQUIRE(driver().end_capture(s, &graph) == 0);
+  Exec exec = nullptr;
+  REQUIRE(driver().instantiate(&exec, graph, 0) == 0);
+  REQUIRE(moecap_destroy(h) == MOECAP_OK);  // the graph and its exec hold the capturer now
+  standin_drain_callbacks();
+  const int64_t held = standin_live_allocations();
+
+  REQUIRE(driver().begin_capture(engine, kModeGlobal) == 0);  // another engine thread captures
+  std::thread([&] {
+    driver().exec_destroy(exec);
+    driver().graph_destroy(graph);
+  }).join();
+  standin_drain_callbacks();
+  wait_until_freed(held);
+  Graph captured = nullptr;
+  CHECK(driver().end_capture(engine, &captured) == 0);  // not invalidated
+  if (captured != nullptr) driver().graph_destroy(captured);
+  CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
+}
+
+TEST_CASE("the events of commits captured in graphs are freed with the graphs") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  Tensor slots = index_tensor({7}, kDLCUDA);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  const int64_t events = standin_live_events();
+  constexpr int kRecaptures = 30;
+  for (int i = 0; i < kRecaptures; ++i) {
+    // moecap's own graphs and the engine's (cudagraph trees recapture often).
+    REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
+    capture_layers(h, ids.get(), 1, s);
+    commit(h, slots.get(), s);
+    moecap_graph* g = nullptr;
+    REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+    forward(ids, 50 + i, 1);
+    REQUIRE(moecap_graph_launch(g, s) == MOECAP_OK);
+    CHECK(read_rows(h, {7}) == expected_row(50 + i, 0));
+    REQUIRE(moecap_graph_destroy(g) == MOECAP_OK);
+
+    REQUIRE(driver().begin_capture(s, kModeGlobal) == 0);
+    capture_layers(h, ids.get(), 1, s);
+    commit(h, slots.get(), s);
+    Graph graph = nullptr;
+    REQUIRE(driver().end_capture(s, &graph) == 0);
+    Exec exec = nullptr;
+    REQUIRE(driver().instantiate(&exec, graph, 0) == 0);
+    REQUIRE(driver().launch(exec, s) == 0);
+    REQUIRE(driver().stream_sync(s) == 0);
+    driver().exec_destroy(exec);
+    driver().graph_destroy(graph);
+  }
+  // A released graph's hold is deleted on a thread of moecap's (no CUDA call
+  // may run on the driver's callback thread), so its events go a moment later.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  do {
+    standin_drain_callbacks();
+    REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+    if (standin_live_events() <= events + 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  } while (std::chrono::steady_clock::now() < deadline);
+  CHECK(standin_live_events() <= events + 2);  // not one per captured commit
+
+  // A graph still alive is still waited for.
+  REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slots.get(), s);
+  moecap_graph* g = nullptr;
+  REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+  forward(ids, 90, 1);
+  REQUIRE(moecap_graph_launch(g, s) == MOECAP_OK);
+  standin_drain_callbacks();
+  CHECK(read_rows(h, {7}) == expected_row(90, 0));
+  REQUIRE(moecap_graph_destroy(g) == MOECAP_OK);
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+

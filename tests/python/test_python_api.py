@@ -1,0 +1,156 @@
+"""The typed Python face: keywords checked by name, dtypes given as names or as
+NumPy / torch dtypes, named results, and constants that come from the C header
+through the extension (no copy in Python to drift)."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import moecap
+from moecap import _moecap
+
+CONFIG = dict(num_layers=2, top_k=2, num_experts=8, host_slots=16, max_running_requests=4)
+
+
+@pytest.mark.parametrize("call", [moecap.Capturer, moecap.plan])
+def test_a_misspelt_keyword_names_itself_the_closest_keyword_and_every_keyword(call):
+    with pytest.raises(TypeError) as e:
+        call(num_layer=2)
+    message = str(e.value)
+    assert "'num_layer'" in message and "did you mean 'num_layers'?" in message
+    assert all(f.name in message for f in dataclasses.fields(moecap.Config))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'zzz'; its keywords are: num_layers"):
+        call(**CONFIG, zzz=1)  # nothing close: no guess, the list
+
+
+def test_a_missing_keyword_is_named():
+    with pytest.raises(TypeError, match=r"missing the keyword argument 'host_slots' \(required: num_layers"):
+        moecap.Capturer(**{k: v for k, v in CONFIG.items() if k != "host_slots"})
+
+
+def test_ints_and_devices_are_checked_before_the_library_sees_them():
+    with pytest.raises(TypeError, match="top_k must be an int, not str"):
+        moecap.plan(**dict(CONFIG, top_k="2"))
+    with pytest.raises(TypeError, match="top_k must be an int, not bool"):
+        moecap.plan(**dict(CONFIG, top_k=True))
+    assert moecap.plan(**dict(CONFIG, top_k=np.int64(2))).row_elements == 4
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda"):
+        moecap.Config(**CONFIG, device="tpu")
+    assert moecap.Config(**CONFIG, device="cuda").device == "cuda:0"
+    assert moecap.Config(**CONFIG, device=torch.device("cuda", 1)).device == "cuda:1"
+
+
+@pytest.mark.parametrize("given, name", [
+    ("u8", "u8"), (np.uint8, "u8"), (np.dtype("uint16"), "u16"), (torch.int16, "i16"), (torch.int32, "i32"),
+    ("int16", "i16"), (moecap.IdDtype.U16, "u16")])
+def test_id_dtypes_are_names_numpy_or_torch_dtypes(given, name):
+    config = moecap.Config(**CONFIG, id_dtype=given, device_id_dtype=given)
+    assert config.id_dtype == name and config.device_id_dtype == name
+    p = moecap.plan(config)
+    assert p.id_dtype == name and p.device_id_dtype == name
+
+
+@pytest.mark.parametrize("given, name, weight_bytes", [
+    (None, None, 0), ("bf16", "bf16", 2), (torch.bfloat16, "bf16", 2), (np.float16, "f16", 2),
+    (torch.float32, "f32", 4), (moecap.WeightDtype.F32, "f32", 4)])
+def test_weight_dtypes_are_names_numpy_or_torch_dtypes(given, name, weight_bytes):
+    with moecap.Capturer(**CONFIG, weight_dtype=given) as cap:
+        assert cap.config.weight_dtype == name and cap.plan.weight_bytes == weight_bytes
+
+
+def test_a_dtype_moecap_does_not_store_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"id_dtype must be one of 'auto', 'u8'.*NumPy / torch dtype.*not torch.int8"):
+        moecap.plan(**CONFIG, id_dtype=torch.int8)
+    with pytest.raises(ValueError, match="weight_dtype must be one of None, 'f32'"):
+        moecap.plan(**CONFIG, weight_dtype=np.float64)
+
+
+def test_plan_is_named_and_typed_and_its_dtypes_go_back_into_a_config():
+    p = moecap.plan(**CONFIG, chunked_prefill_size=6)
+    assert isinstance(p, moecap.Plan)
+    assert (p.rows_per_rank, p.device_rows, p.row_elements) == (6, 6, 4)
+    assert p.id_dtype == "u8" and p.device_id_dtype == "i16"  # resolved from 'auto', as the keywords name them
+    assert p["id_bytes"] == p.id_bytes == 1 and dict(p)["host_bytes"] == p.host_bytes  # still reads as the dict it was
+    assert moecap.plan(**CONFIG, chunked_prefill_size=6, id_dtype=p.id_dtype, device_id_dtype=p.device_id_dtype) == p
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.id_bytes = 2
+
+
+def test_a_config_object_and_keywords_build_the_same_capturer():
+    config = moecap.Config(**CONFIG)
+    with moecap.Capturer(config) as a, moecap.Capturer(**CONFIG) as b, moecap.Capturer(config, top_k=1) as c:
+        assert a.config == b.config == config and a.plan == b.plan
+        assert c.config.top_k == 1 and c.plan.row_elements == 2
+        assert a.config["num_layers"] == 2 and a.config.get("weight_dtype") is None and "dp_size" in a.config
+    with moecap.Capturer(config=config) as d:
+        assert d.config == config
+    assert moecap.plan(config=config) == moecap.plan(config)
+    with pytest.raises(TypeError, match="takes a moecap.Config or keywords, not dict"):
+        moecap.Capturer(CONFIG)
+
+
+def test_unset_fields_take_the_library_defaults():
+    c_defaults = _moecap.Config()  # moecap_config_init
+    config = moecap.Config(**CONFIG)
+    for name in ("extra_columns", "dp_size", "verify_tokens", "chunked_prefill_size", "max_graph_batch",
+                 "max_batch_tokens"):
+        assert getattr(config, name) == getattr(c_defaults, name), name
+
+
+def test_errors_are_named_counts():
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.capture(0, np.array([[1, 99]], dtype=np.int32))  # 99 >= num_experts: counted, not stored
+        e = cap.errors(clear=True)
+        assert isinstance(e, moecap.ErrorCounts) and (e.skipped_rows, e.invalid_ids) == (0, 1)
+        assert e["invalid_ids"] == 1 and dict(e) == {"skipped_rows": 0, "invalid_ids": 1}
+        assert cap.errors().invalid_ids == 0  # cleared
+
+
+def test_statuses_are_the_libraries_own():
+    for status in moecap.Status:
+        prefix = "MOECAP_" if status == moecap.Status.OK else "MOECAP_ERROR_"
+        assert _moecap.status_name(status) == prefix + status.name
+    named = [code for code in range(256) if _moecap.status_name(code) != "MOECAP_STATUS_UNKNOWN"]
+    assert named == sorted(int(s) for s in moecap.Status)  # a status the library adds is one the extension exports
+    assert moecap.Status is _moecap.Status and moecap.MoecapError(15, "x").status is moecap.Status.NO_ROUTING
+
+
+def test_buffers_and_slot_states_are_the_extensions_constants():
+    assert moecap.BUFFERS == {b.name.lower(): b for b in moecap.Buffer}
+    assert (moecap.SLOT_EMPTY, moecap.SLOT_VALID, moecap.SLOT_INVALID_IDS) == (0, 1, 2)
+    with moecap.Capturer(**CONFIG, histogram=True) as cap:
+        assert np.from_dlpack(cap.export(moecap.Buffer.HISTOGRAM)).shape == (2, 8)
+        assert np.from_dlpack(cap.export("host_states")).shape == (16,)
+        cap.capture(0, np.array([[1, 2]], dtype=np.int32))
+        cap.capture(1, np.array([[3, 4]], dtype=np.int32))
+        cap.commit(np.array([5]))
+        states = cap.slot_states([5, 6])
+        assert states.tolist() == [moecap.SlotState.VALID, moecap.SlotState.EMPTY]
+        assert ((states & moecap.SLOT_VALID) != 0).tolist() == [True, False]
+
+
+def test_the_stubs_say_what_a_tensor_argument_takes():
+    import pathlib
+    stub = pathlib.Path(_moecap.__file__).with_name("_moecap.pyi")
+    if not stub.exists():
+        pytest.skip("no generated stub beside the extension (an install without it)")
+    text = stub.read_text()
+    assert ("def capture(self, layer: int, topk_ids: moecap.DLPackArray, "
+            "topk_weights: moecap.DLPackArray | None = None") in text
+    for name in ("topk_ids", "topk_weights", "dst_slots", "src_rows", "slots", "out", "weights_out", "ids", "weights"):
+        assert f" {name}: object" not in text, name
+    assert "class Status(enum.IntEnum)" in text and "class SlotState(enum.IntFlag)" in text
+    assert "__str__ = __repr__" not in text  # stubgen's IntFlag line that type checkers reject
+
+
+def test_every_buffer_the_library_exports_is_a_buffer_member():
+    with moecap.Capturer(**CONFIG, histogram=True, weight_dtype="f32") as cap:
+        exported = []
+        for which in range(0, 32):
+            try:
+                cap.export_view(which, 0)
+                exported.append(which)
+            except moecap.MoecapError as e:
+                assert e.status == moecap.Status.INVALID_ARGUMENT
+        assert exported == sorted(int(b) for b in moecap.Buffer)
