@@ -22,9 +22,9 @@ def main(layers=61, top_k=8, experts=256, tokens=4096):
     npy = io.BytesIO()
     np.save(npy, ids.astype(np.int32))
     rows = [
-        ("SGLang: base64 of int32 (the baseline)", len(ids_only.to_sglang("int32")["routed_experts"])),
+        ("SGLang: base64 of int32 (the baseline)", len(ids_only.to_sglang())),
         ("vLLM: base64 of np.save int32", len(base64.b64encode(npy.getvalue()))),
-        ("SGLang newer: base64 of uint8 (no room for 'none')", len(ids_only.to_sglang("uint8")["routed_experts"])
+        ("SGLang newer: base64 of uint8 (no room for 'none')", len(base64.b64encode(ids.astype(np.uint8).tobytes()))
          if experts <= 256 else None),
         ("moecap record, plain ids", len(ids_only.to_bytes(packed=False))),
         ("moecap record, packed ids", len(ids_only.to_bytes(packed=True))),

@@ -2,7 +2,12 @@
 # The Python environment moecap builds its extension with and runs its Python
 # tests in: a venv outside the repository, so it survives between runs and
 # checkouts, at ${MOECAP_VENV:-$HOME/.cache/moecap/venv}, with
-# python/requirements-dev.txt from PyPI (torch >= 2.4, NumPy 2, JAX, ...).
+# python/requirements-dev.txt from PyPI (torch, NumPy 2, JAX, ...), then the
+# engines whose own capture code the adapters are tested against (SGLang,
+# vLLM): python/requirements-engines-deps.txt (exact pins of what their
+# capture paths import) and python/requirements-engines.txt (the engines),
+# both with --no-deps, so they never move torch, NumPy, transformers, JAX or
+# megatron-core (checked after the install).
 # Reused while the requirements and the base interpreter are what it was made
 # from (a stamp file); updated in place when only the requirements changed,
 # rebuilt from scratch when the interpreter did. Prints the venv's
@@ -17,6 +22,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${MOECAP_VENV:-$HOME/.cache/moecap/venv}
 base=${MOECAP_VENV_PYTHON:-python3}
 requirements=$root/python/requirements-dev.txt
+engine_deps=$root/python/requirements-engines-deps.txt
+engines=$root/python/requirements-engines.txt
 
 base_path=$(command -v "$base") || { echo "venv: no $base on PATH (set MOECAP_VENV_PYTHON)" >&2; exit 1; }
 base_id=$("$base_path" -c 'import sys, sysconfig; print(sys.executable, sys.version.split()[0], sysconfig.get_paths()["include"])')
@@ -26,7 +33,7 @@ if [ ! -f "$include/Python.h" ]; then
   echo "venv: $base_path has no C headers ($include/Python.h); install its -dev package or set MOECAP_VENV_PYTHON" >&2
   exit 1
 fi
-stamp="$(sha256sum "$requirements" | cut -d' ' -f1) $base_id"
+stamp="$(cat "$requirements" "$engine_deps" "$engines" | sha256sum | cut -d' ' -f1) $base_id"
 # One creator at a time (several checkouts on one machine share the venv).
 mkdir -p "$(dirname "$venv")"
 exec 9>"$venv.lock"
@@ -44,5 +51,20 @@ else
   "$base_exe" -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install -q -r "$requirements" >&2
+# The engines declare CUDA-only dependencies (and pins of torch that differ
+# by a patch release): none of them is installed, only what the capture
+# paths import, pinned, without resolving.
+"$venv/bin/python" -m pip install -q --no-deps -r "$engine_deps" >&2
+"$venv/bin/python" -m pip install -q --no-deps -r "$engines" >&2
+# The pins the other tests rely on must have survived.
+"$venv/bin/python" - "$requirements" >&2 <<'PY'
+import re, sys
+from importlib.metadata import version
+pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", open(sys.argv[1]).read(), re.M))
+moved = [f"{name} {version(name)} (pinned {pins[name]})" for name in
+         ("torch", "numpy", "transformers", "jax", "megatron-core") if version(name) != pins[name]]
+if moved:
+    sys.exit("venv: the engines' install moved " + ", ".join(moved))
+PY
 echo "$stamp" > "$venv/.moecap-stamp"
 echo "$venv/bin/python"

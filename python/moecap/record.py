@@ -12,7 +12,6 @@ has the table).
 """
 from __future__ import annotations
 
-import base64
 import collections
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -265,19 +264,45 @@ class RoutedExperts:
 
     # --- what consumers take ----------------------------------------------------
 
-    def to_sglang(self, dtype="int32"):
-        """SGLang's response fields: base64 of the ids as `dtype` (int32 in SGLang's
-        first versions, which consumers decode as np.int32 reshaped to
-        (-1, layers, top_k); newer ones send uint8/uint16 and name the dtype).
-        SGLang leaves out the last token (never forwarded); so does the record."""
-        dt = np.dtype(dtype)
-        if dt.kind == "u" and not self.valid.all():
-            raise ValueError(f"{dtype} cannot say 'no expert' and some tokens are invalid; use a signed dtype")
-        if self.num_experts - 1 > np.iinfo(dt).max:
-            raise ValueError(f"{dtype} cannot hold expert {self.num_experts - 1}")
-        ids = np.where(self.valid[:, None, None], self.ids, -1)
-        return {"routed_experts": base64.b64encode(ids.astype(dt).tobytes()).decode("ascii"),
-                "routed_experts_dtype": dt.name, "routed_experts_shape": list(self.shape)}
+    # The engines (moecap.formats.sglang / .vllm: what each engine's clients receive).
+
+    def to_sglang(self, num_tokens=None, invalid="raise"):
+        """SGLang's meta_info["routed_experts"] (and OpenAI sglext.routed_experts):
+        base64 of raw little-endian int32 [T-1-start, num_hidden_layers, top_k],
+        dense layers 0, byte for byte what SGLang 0.5.23 sends. Tokens without
+        routing are refused, or sent as 0 with invalid="zero" (SGLang has no
+        value for them)."""
+        from .formats import sglang
+        return sglang.b64(sglang.encode(self, num_tokens, invalid))
+
+    @classmethod
+    def from_sglang(cls, payload, num_experts, num_hidden_layers, top_k, start=0, layers=None, num_tokens=None):
+        """The inverse of to_sglang: SGLang's string (or bytes, or int32 array)
+        reshaped with the model's num_hidden_layers and top_k, from start
+        (routed_experts_start_len); layers: the MoE layers' model indices."""
+        from .formats import sglang
+        return sglang.decode(payload, num_experts, num_hidden_layers, top_k, start, layers, num_tokens)
+
+    def to_vllm(self, num_tokens=None, invalid="raise"):
+        """vLLM's CompletionOutput.routed_experts: an ndarray [T-1-start,
+        num_hidden_layers, top_k], uint8 up to 256 experts else uint16, dense
+        layers 0. Tokens without routing are refused, or sent as 0 with
+        invalid="zero" (vLLM has no value for them)."""
+        from .formats import vllm
+        return vllm.encode(self, num_tokens, invalid)
+
+    def to_vllm_openai(self, num_tokens=None, invalid="raise"):
+        """vLLM's OpenAI choices[i].routed_experts: base64 of the .npy of to_vllm()."""
+        from .formats import vllm
+        return vllm.openai(self, num_tokens, invalid)
+
+    @classmethod
+    def from_vllm(cls, payload, num_experts, start=0, layers=None, num_hidden_layers=None, num_tokens=None):
+        """The inverse of to_vllm / to_vllm_openai (an array, or the base64 .npy
+        string), from start (routed_experts_prompt_start); layers: the MoE
+        layers' model indices."""
+        from .formats import vllm
+        return vllm.decode(payload, num_experts, start, layers, num_hidden_layers, num_tokens)
 
     # The trainers (moecap.formats.<consumer> has each format's rules and decoder).
 

@@ -170,7 +170,7 @@ def test_sizes_for_a_deepseek_v3_request():
     packed, plain = len(r.to_bytes(packed=True)), len(r.to_bytes(packed=False))
     assert packed == 40 + tokens * 61 * 8 * 9 // 8       # 549 bytes a token
     assert plain == 40 + tokens * 61 * 8 * 2             # 976 bytes a token (u16: 255 is an expert)
-    sglang = len(r.to_sglang()["routed_experts"])
+    sglang = len(r.to_sglang())
     assert sglang == 4 * -(-tokens * 61 * 8 * 4 // 3)   # 2602.7 bytes a token
     assert sglang / packed > 4.7
 
@@ -205,15 +205,14 @@ def test_bad_records_are_refused():
 def test_consumer_shapes():
     rng = np.random.default_rng(1)
     ids, _, valid = random_routing(rng, 6, 3, 2, 300, holes=False)
+    valid[2] = False
     r = RoutedExperts(ids, 300, valid=valid)
-    # SGLang: base64 of int32 [tokens, layers, top_k], decoded the way its clients do
-    fields = r.to_sglang()
-    raw = np.frombuffer(base64.b64decode(fields["routed_experts"]), dtype=np.int32).reshape(-1, 3, 2)
-    assert np.array_equal(raw, np.where(valid[:, None, None], ids, -1))
-    assert fields["routed_experts_dtype"] == "int32" and fields["routed_experts_shape"] == [6, 3, 2]
-    with pytest.raises(ValueError, match="uint8 cannot hold expert 299"):
-        RoutedExperts(ids, 300).to_sglang("uint8")
-    # The trainers' formats are tested against their consumers in test_formats_*.py.
+    # SGLang: base64 of int32 [tokens, layers, top_k], decoded the way its clients do; no value for "none"
+    with pytest.raises(ValueError, match="SGLang has no value for 'no routing'"):
+        r.to_sglang()
+    raw = np.frombuffer(base64.b64decode(r.to_sglang(invalid="zero")), dtype=np.int32).reshape(-1, 3, 2)
+    assert np.array_equal(raw, np.where(valid[:, None, None], ids, 0))
+    # Each consumer's format is tested against that consumer in test_formats_*.py / test_integration_*.py.
 
 
 def test_from_read_marks_empty_slots_invalid():

@@ -1,0 +1,293 @@
+"""moecap behind SGLang 0.5.23's RoutedExpertsCapturer interface.
+
+SGLang calls its capturer in four places: ``RoutedExpertsCapturer.create``
+(model_runner, at init), ``capture(layer_id, topk_indices)`` (every MoE
+layer's top-k, inside the CUDA graph), ``on_forward_end(forward_batch,
+can_run_graph, cuda_graph_batch, no_copy_to_cpu)`` (after each forward) and
+``get_topk(req_pool_idx, seqlen, req_to_token_pool, start_len)`` (when a
+request finishes), plus ``destroy()``. ``MoecapRoutedExpertsCapturer`` has
+the same methods over a ``moecap.Capturer``:
+
+- capture writes the layer's rows into moecap's device buffer (the model
+  layer id mapped to its MoE ordinal; dense layers take no memory);
+- on_forward_end commits this rank's rows to the KV slots (out_cache_loc)
+  with moecap_local_rows: the DP-attention slice and the verify rows come
+  from moecap's plan (sized with dp_size and the draft-token count), and a
+  batch that would not fit is refused by name instead of overflowing. The
+  commit is stream-ordered, so nothing waits and on_forward_end returns None
+  (SGLang's overlap scheduler then has nothing to finalize);
+- get_topk reads the request's slots [start_len, seqlen - 1) into SGLang's
+  int32 [rows, num_hidden_layers, top_k] tensor (dense layers 0), byte for
+  byte what SGLang's own capturer returns, or, where a token has no routing
+  (a slot never committed, or freed and reused), follows ``invalid``:
+  "omit" (the default) returns None, so the request is answered without
+  routed_experts and the error is logged, "raise" raises, "zero" sends 0 as
+  SGLang would.
+
+``install()`` makes SGLang's model runner create this class (it replaces the
+factory ``RoutedExpertsCapturer.create`` on SGLang's class; no SGLang file
+changes); ``uninstall()`` puts SGLang's back. Call it in every process that
+builds a model runner (docs/ENGINES.md).
+"""
+import logging
+
+import numpy as np
+
+from .. import Capturer, SLOT_VALID
+from ..formats import sglang as sglang_format
+from ..record import LayerMap, RoutedExperts
+from . import _model
+
+logger = logging.getLogger(__name__)
+
+INVALID = ("omit", "raise", "zero")
+
+
+def _sglang():
+    from sglang.srt.state_capturer import routed_experts
+    return routed_experts
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _moe_layers_of(model):
+    # Every SGLang MoE layer owns a TopK whose layer_id is its global layer index.
+    try:
+        from sglang.srt.layers.moe.topk import TopK
+    except ImportError:  # pragma: no cover - SGLang without the module
+        return None
+    if model is None or not hasattr(model, "modules"):
+        return None
+    ids = sorted({int(m.layer_id) for m in model.modules() if isinstance(m, TopK) and m.layer_id is not None})
+    return tuple(ids) or None
+
+
+class MoecapRoutedExpertsCapturer:
+    """SGLang's RoutedExpertsCapturer interface over a moecap.Capturer.
+
+    model_config: SGLang's ModelConfig (hf_text_config gives num_hidden_layers,
+    num_experts_per_tok and the expert count); num_tokens: the KV slots (host
+    cache rows); max_running_requests per DP rank; num_fused_shared_experts:
+    extra top-k columns the router may pass (dropped). Keywords (default: read
+    from SGLang's runtime context): moe_layers (model layers that route),
+    num_experts, dp_size, verify_tokens, chunked_prefill_size,
+    max_batch_tokens, invalid ("omit", "raise", "zero").
+    """
+
+    def __init__(self, model_config, num_tokens, max_running_requests, num_fused_shared_experts=0, device="cpu",
+                 *, moe_layers=None, num_experts=None, dp_size=None, verify_tokens=None,
+                 chunked_prefill_size=None, max_batch_tokens=None, invalid="omit", dp_rank=None):
+        if invalid not in INVALID:
+            raise ValueError(f"invalid must be one of {INVALID}, not {invalid!r}")
+        hf = model_config.hf_text_config
+        self.num_layers = int(hf.num_hidden_layers)  # SGLang's name: every model layer
+        self.topk_size = int(hf.num_experts_per_tok)
+        self.num_fused_shared_experts = int(num_fused_shared_experts)
+        self.num_experts = int(num_experts if num_experts is not None else _model.num_experts(hf))
+        layers = moe_layers if moe_layers is not None else _model.moe_layers_from_config(hf)
+        self.moe_layers = _model.check_layers(layers, self.num_layers)
+        self._ordinal = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.invalid = invalid
+        self._dp_rank = dp_rank
+        ctx = _runtime_sizes()
+        dp_size = int(dp_size if dp_size is not None else ctx["dp_size"])
+        verify_tokens = int(verify_tokens if verify_tokens is not None else ctx["verify_tokens"])
+        chunked = int(chunked_prefill_size if chunked_prefill_size is not None else ctx["chunked_prefill_size"])
+        batch_tokens = int(max_batch_tokens if max_batch_tokens is not None else ctx["max_batch_tokens"])
+        self.device = str(device)
+        self.capturer = Capturer(
+            num_layers=len(self.moe_layers), top_k=self.topk_size, num_experts=self.num_experts,
+            extra_columns=self.num_fused_shared_experts, host_slots=int(num_tokens),
+            max_running_requests=int(max_running_requests), dp_size=dp_size, verify_tokens=max(verify_tokens, 1),
+            chunked_prefill_size=max(chunked, 0), max_batch_tokens=max(batch_tokens, 0),
+            device="cpu" if self.device == "cpu" else (self.device if ":" in self.device else "cuda:0"))
+        self.capturer.layer_map = LayerMap(self.moe_layers, self.num_layers)  # for RequestTable and readers
+        self.dp_size = dp_size
+        self.plan = self.capturer.plan
+
+    # --- what SGLang calls ------------------------------------------------------
+
+    @staticmethod
+    def create(*, model, model_config, num_tokens, max_running_requests, device, **options):
+        """SGLang's factory: None unless --enable-return-routed-experts."""
+        from sglang.srt.runtime_context import get_exec
+        if not get_exec().features.enable_return_routed_experts:
+            return None
+        if _scattered_a2a():
+            raise NotImplementedError("moecap's SGLang capturer does not gather DeepEP's scattered top-k across "
+                                      "attention-TP ranks; run without --moe-a2a-backend deepep or uninstall()")
+        options = {**_installed_options, **options}
+        if "moe_layers" not in options:
+            found = _moe_layers_of(model)
+            if found is not None:
+                options["moe_layers"] = found
+        shared = getattr(getattr(model, "shared_experts_config", None), "num_fused_shared_experts", 0)
+        return MoecapRoutedExpertsCapturer(model_config, num_tokens=num_tokens,
+                                           max_running_requests=max_running_requests,
+                                           num_fused_shared_experts=shared, device=device, **options)
+
+    def capture(self, layer_id, topk_indices):
+        """One MoE layer's top-k ([n, top_k] or [n, top_k + fused shared]) into device rows [0, n)."""
+        ordinal = self._ordinal.get(int(layer_id))
+        if ordinal is None:
+            raise ValueError(f"layer {layer_id} is not one of the MoE layers this capturer was built for "
+                             f"({list(self.moe_layers)}); pass moe_layers to install()")
+        torch = _torch()
+        compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
+        if compiling:
+            self.capturer.ops.capture(ordinal, topk_indices)
+        else:
+            self.capturer.capture(ordinal, topk_indices)
+
+    def on_forward_end(self, forward_batch, can_run_graph, cuda_graph_batch, no_copy_to_cpu=False):
+        """Commits this rank's rows of the forward to their KV slots (stream-ordered; returns None)."""
+        slots = forward_batch.out_cache_loc_virtual
+        if slots is None:
+            slots = forward_batch.out_cache_loc
+        n = int(slots.shape[0])
+        tokens_per_rank = getattr(forward_batch, "global_num_tokens_cpu", None)
+        # One entry: SGLang skipped the all-gather and the batch is this rank's alone.
+        if self.dp_size > 1 and tokens_per_rank is not None and len(tokens_per_rank) > 1:
+            tokens_per_rank = [int(t) for t in tokens_per_rank]
+            rank = self._local_rank(tokens_per_rank)
+            padded = int(cuda_graph_batch) if can_run_graph and cuda_graph_batch else None
+            start, count, _ = self.capturer.local_rows(rank, tokens_per_rank, padded)
+        else:
+            start, count = 0, int(forward_batch.out_cache_loc.shape[0])
+        if n > count:
+            raise ValueError(f"out_cache_loc_virtual has {n} slots; this rank's batch has {count} rows")
+        if n:
+            self.capturer.commit(slots, src_start=start)
+        return None
+
+    def get_topk(self, req_pool_idx, seqlen, req_to_token_pool, start_len=0):
+        """int32 [seqlen - 1 - start_len, num_hidden_layers, top_k] (CPU), or None
+        under invalid="omit" when a token has no routing."""
+        if start_len < 0:
+            raise ValueError(f"start_len={start_len} must be non-negative")
+        start_len = min(int(start_len), int(seqlen) - 1)
+        slots = req_to_token_pool.req_to_token[req_pool_idx][start_len:seqlen - 1]
+        routed = self.read(slots, start=start_len)
+        torch = _torch()
+        try:
+            rows = sglang_format.encode(routed, invalid="zero" if self.invalid == "zero" else "raise")
+        except ValueError as e:
+            if self.invalid == "raise":
+                raise
+            logger.error("routed_experts left out of request %s: %s", req_pool_idx, e)
+            return None
+        return torch.from_numpy(rows.astype(np.int32))
+
+    def destroy(self):
+        self.capturer.close()
+
+    # --- moecap's own ---------------------------------------------------------
+
+    def read(self, slots, start=0):
+        """The routing of KV slots (host or device tensor, or an array) as a
+        RoutedExperts at model layers moe_layers, tokens without routing invalid."""
+        if hasattr(slots, "detach"):
+            slots = slots.detach().cpu().numpy()
+        slots = np.ascontiguousarray(np.asarray(slots, dtype=np.int64).reshape(-1))
+        ids = self.capturer.read(slots)
+        valid = (np.asarray(self.capturer.slot_states(slots)) & SLOT_VALID).astype(bool) if slots.size else \
+            np.ones(0, dtype=bool)
+        # A valid slot whose row holds a -1 (a layer left unwritten, an id out of range) is no routing either.
+        valid &= ~(ids < 0).any(axis=(1, 2))
+        return RoutedExperts(ids, self.num_experts, valid=valid, start=start, layers=self.moe_layers,
+                             num_hidden_layers=self.num_layers)
+
+    def stream(self, req_pool_idx, req_to_token_pool, start_len=0):
+        """A RoutingStream over a running request: each next(forwarded) reads only
+        the KV slots of positions not sent yet (moecap.integrations.stream)."""
+        from .stream import RoutingStream
+
+        def read_rows(begin, end):
+            return self.read(req_to_token_pool.req_to_token[req_pool_idx][begin:end], start=begin)
+        return RoutingStream(read_rows, start_len)
+
+    def invalidate(self, slots):
+        """Forgets the routing of freed KV slots (they read as no routing until committed again)."""
+        self.capturer.invalidate(slots)
+
+    def _local_rank(self, tokens_per_rank):
+        if self._dp_rank is not None:
+            return int(self._dp_rank)
+        from sglang.srt.layers.dp_attention import dp_slot_in
+        return int(dp_slot_in(tokens_per_rank))
+
+
+def _scattered_a2a():
+    try:
+        from sglang.srt.layers.moe import get_moe_a2a_backend
+        backend = get_moe_a2a_backend()
+        return backend.is_deepep() or backend.is_deepep_v2()
+    except Exception:  # a backend not initialised yet is not DeepEP
+        return False
+
+
+def _runtime_sizes():
+    """dp_size, verify_tokens, chunked_prefill_size, max_batch_tokens from
+    SGLang's runtime context (what its own capturer sizes from, plus the
+    draft tokens its FIXME leaves out)."""
+    out = {"dp_size": 1, "verify_tokens": 1, "chunked_prefill_size": 0, "max_batch_tokens": 0}
+    try:
+        from sglang.srt import runtime_context as rc
+    except ImportError:
+        return out
+    try:
+        # The MoE layers see other ranks' tokens only under DP attention (then
+        # num_dp_ranks of them, gathered); DP replicas each run their own batch.
+        if rc.get_flags().dp.enabled:
+            out["dp_size"] = int(rc.get_parallel().num_dp_ranks)
+    except Exception:
+        pass
+    try:
+        schedule = rc.get_schedule()
+        chunked = int(getattr(schedule, "chunked_prefill_size", 0) or 0)
+        out["chunked_prefill_size"] = max(chunked, 0)
+        # Without chunking a prefill is as long as the scheduler admits; with
+        # it, PP's dynamic chunking may grow a chunk to 1.25x.
+        prefill = int(getattr(schedule, "max_prefill_tokens", 0) or 0)
+        out["max_batch_tokens"] = prefill if chunked <= 0 else -(-chunked * 5 // 4)
+    except Exception:
+        pass
+    try:
+        out["verify_tokens"] = int(rc.max_speculative_num_draft_tokens() or 1)
+    except Exception:
+        pass
+    return out
+
+
+_installed_options = {}
+_original_create = None
+
+
+def install(**options):
+    """Makes SGLang's model runner create MoecapRoutedExpertsCapturer (with
+    these keyword options) wherever it would create its own capturer. Idempotent;
+    call it in each process before the model runner starts."""
+    global _original_create
+    module = _sglang()
+    cls = module.RoutedExpertsCapturer
+    if _original_create is None:
+        _original_create = cls.__dict__["create"]
+    _installed_options.clear()
+    _installed_options.update(options)
+    cls.create = staticmethod(MoecapRoutedExpertsCapturer.create)
+
+
+def uninstall():
+    """Puts SGLang's own factory back."""
+    global _original_create
+    if _original_create is not None:
+        _sglang().RoutedExpertsCapturer.create = _original_create
+        _original_create = None
+    _installed_options.clear()
+
+
+def installed():
+    return _original_create is not None

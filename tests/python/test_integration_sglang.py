@@ -1,0 +1,450 @@
+"""moecap behind SGLang's RoutedExpertsCapturer interface, side by side with
+SGLang 0.5.23's own capturer on the same batches.
+
+SGLang's own code runs: RoutedExpertsCapturer.create / on_forward_end /
+get_topk, layers.moe.topk.capture_routed_experts_if_allowed (the one capture
+site), ReqToTokenPool, ForwardBatch, and DetokenizerManager's base64 encoding
+of what a client receives. Only cudaHostRegister is patched (no driver on a
+CPU machine); the model and model config are namespaces with the fields the
+capturer reads. The test plays the scheduler: allocates KV slots, writes
+req_to_token, runs prefill, decode and speculative verify forwards (verify
+writes a row for every draft slot; only the accepted ones reach
+req_to_token), at dp 1 and dp 2 (eager and graph-padded layouts).
+
+The format tests at the end need no SGLang.
+"""
+import base64
+import contextlib
+import types
+
+import numpy as np
+import pytest
+
+from moecap.formats import sglang as sglang_format
+from moecap.record import RoutedExperts
+
+NUM_LAYERS, TOP_K, NUM_EXPERTS = 5, 2, 8
+MOE_LAYERS = (1, 2, 4)  # layers 0 and 3 are dense (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers)
+
+
+# --- SGLang's own code, on a CPU ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sgl():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("sglang.srt.state_capturer.routed_experts")
+    import sglang.srt.mem_cache.pool_host.common as pool_host
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.configs.shared_experts import SharedExpertsConfig
+    from sglang.srt.layers.moe import topk as sgl_topk
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.state_capturer import routed_experts as sgl_re
+    from moecap.integrations import sglang as adapter
+
+    register = pool_host._cuda_host_register
+    pool_host._cuda_host_register = lambda *a, **k: None  # pinning needs a CUDA driver
+    yield types.SimpleNamespace(torch=torch, rc=rc, SharedExpertsConfig=SharedExpertsConfig, topk=sgl_topk,
+                                b64=DetokenizerManager._b64_encode_per_request, ReqToTokenPool=ReqToTokenPool,
+                                ForwardBatch=ForwardBatch, ForwardMode=ForwardMode, re=sgl_re, adapter=adapter)
+    pool_host._cuda_host_register = register
+    adapter.uninstall()
+
+
+@contextlib.contextmanager
+def server(sgl, chunked_prefill_size=64, dp_size=1, dp_rank=0, attention=True):
+    ctx = sgl.rc.get_context().override_server_args(enable_return_routed_experts=True, device="cpu",
+                                                    chunked_prefill_size=chunked_prefill_size,
+                                                    disable_overlap_schedule=True)
+    ctx.install()
+    try:
+        if dp_size == 1:
+            yield
+        else:
+            flags = sgl.rc.get_flags().dp
+            enabled = flags.enabled
+            flags.enabled = attention  # False: DP replicas, each with a batch of its own
+            try:
+                with sgl.rc.get_parallel().override(attn_dp_size=dp_size, attn_tp_size=1, attn_dp_rank=dp_rank,
+                                                    attn_tp_rank=0, tp_rank=dp_rank, tp_size=dp_size,
+                                                    moe_tp_size=dp_size, num_dp_ranks=dp_size):
+                    yield
+            finally:
+                flags.enabled = enabled
+    finally:
+        ctx.restore()
+
+
+def make_model(sgl, shared=0):
+    hf = types.SimpleNamespace(num_hidden_layers=NUM_LAYERS, num_experts_per_tok=TOP_K, num_experts=NUM_EXPERTS,
+                               mlp_only_layers=[0, 3])
+    model = types.SimpleNamespace(shared_experts_config=sgl.SharedExpertsConfig(num_fused_shared_experts=shared))
+    return model, types.SimpleNamespace(hf_text_config=hf)
+
+
+def create_pair(sgl, num_tokens, max_running, shared=0, **options):
+    """SGLang's capturer and moecap's, both made by SGLang's factory (the second after install())."""
+    model, config = make_model(sgl, shared)
+    sgl.adapter.uninstall()
+    theirs = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=config, num_tokens=num_tokens,
+                                                 max_running_requests=max_running, device="cpu")
+    sgl.adapter.install(**options)
+    try:
+        ours = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=config, num_tokens=num_tokens,
+                                                   max_running_requests=max_running, device="cpu")
+    finally:
+        sgl.adapter.uninstall()
+    assert type(theirs) is sgl.re.RoutedExpertsCapturer
+    assert isinstance(ours, sgl.adapter.MoecapRoutedExpertsCapturer)
+    return theirs, ours
+
+
+class Scheduler:
+    """The scheduler's part: KV slots, req_to_token, output-token counts."""
+
+    def __init__(self, sgl, num_tokens, max_requests, rng):
+        self.sgl, self.rng = sgl, rng
+        self.pool = sgl.ReqToTokenPool(size=max_requests, max_context_len=256, device="cpu", enable_memory_saver=False)
+        self.free = list(rng.permutation(np.arange(1, num_tokens)))  # slot 0 is SGLang's padding slot
+        self.reqs = {}  # rid -> [req_pool_idx, tokens written to req_to_token, prompt length]
+
+    def alloc(self, n):
+        out, self.free = self.free[:n], self.free[n:]
+        assert len(out) == n, "out of KV slots"
+        return [int(x) for x in out]
+
+    def keep(self, rid, slots):
+        idx, written, _ = self.reqs[rid]
+        self.pool.req_to_token[idx, written:written + len(slots)] = self.sgl.torch.tensor(slots, dtype=self.sgl.torch.int32)
+        self.reqs[rid][1] += len(slots)
+
+
+def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=None, shared_cols=0, overlap=False):
+    """One forward: every MoE layer's top-k through SGLang's capture site for
+    each capturer (the global one), then on_forward_end on each.
+    rows_ids: [rows, moe_layers, top_k] of the gathered batch (graph-padded
+    rows included). capturers: (capturer, its out_cache_loc) pairs."""
+    torch = sgl.torch
+    config = types.SimpleNamespace(allow_routed_experts_capture=True)
+    for cap, loc in capturers:
+        sgl.re.set_global_experts_capturer(cap)
+        try:
+            for i, layer in enumerate(MOE_LAYERS):
+                ids = torch.from_numpy(np.ascontiguousarray(rows_ids[:, i, :]).astype(np.int32))
+                if shared_cols:
+                    ids = torch.cat([ids, torch.full((ids.shape[0], shared_cols), NUM_EXPERTS, dtype=torch.int32)], 1)
+                sgl.topk.capture_routed_experts_if_allowed(config, layer, ids)
+            fb = sgl.ForwardBatch(forward_mode=sgl.ForwardMode.DECODE, batch_size=1,
+                                  input_ids=torch.zeros(len(loc), dtype=torch.long),
+                                  req_pool_indices=torch.zeros(1, dtype=torch.long),
+                                  seq_lens=torch.tensor([len(loc)]), out_cache_loc=torch.tensor(loc, dtype=torch.long),
+                                  seq_lens_sum=len(loc))
+            if tokens_per_rank is not None:
+                fb.global_num_tokens_cpu = list(tokens_per_rank)
+            out = cap.on_forward_end(forward_batch=fb, can_run_graph=graph_bs is not None, cuda_graph_batch=graph_bs,
+                                     no_copy_to_cpu=overlap)
+            if out is not None:  # SGLang's overlap path: GenerationBatchResult.copy_to_cpu, then the processor's finalize
+                assert overlap and isinstance(cap, sgl.re.RoutedExpertsCapturer)
+                out.map_device_tensors(lambda t: t.to("cpu", copy=True))
+                out.finalize()
+        finally:
+            sgl.re.set_global_experts_capturer(None)
+
+
+def payloads(sgl, cap, sched, rid, seqlen, start_len):
+    tensor = cap.get_topk(req_pool_idx=sched.reqs[rid][0], seqlen=seqlen, req_to_token_pool=sched.pool,
+                          start_len=start_len)
+    return sgl.b64([tensor])[0], tensor
+
+
+def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4, overlap=False):
+    """Prefill (two chunks), decode steps (or verify steps with `verify` draft
+    tokens each), then every request's payload from both capturers."""
+    sched = Scheduler(sgl, 400, requests + 1, rng)
+    rids = list(range(requests))
+    for rid in rids:
+        sched.reqs[rid] = [rid, 0, prompt]
+    lens = {rid: 0 for rid in rids}  # tokens that went through a forward
+    # Prefill in two chunks (chunked prefill: each chunk is its own forward)
+    for part in (slice(0, prompt // 2), slice(prompt // 2, prompt)):
+        n = part.stop - part.start
+        loc = []
+        for rid in rids:
+            slots = sched.alloc(n)
+            sched.keep(rid, slots)
+            loc += slots
+            lens[rid] += n
+        rows = rng.integers(0, NUM_EXPERTS, size=(len(loc), len(MOE_LAYERS), TOP_K))
+        run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc, overlap=overlap)
+    for _ in range(steps):
+        per = verify or 1
+        loc, keep = [], {}
+        for rid in rids:
+            slots = sched.alloc(per)
+            loc += slots
+            accepted = int(rng.integers(0, per)) + 1 if verify else 1
+            keep[rid] = slots[:accepted]
+        rows = rng.integers(0, NUM_EXPERTS, size=(len(loc), len(MOE_LAYERS), TOP_K))
+        run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc, overlap=overlap)
+        for rid in rids:  # accepted tokens (and the bonus token) reach req_to_token; rejected slots are freed
+            sched.keep(rid, keep[rid])
+            lens[rid] += len(keep[rid])
+    checked = 0
+    for rid in rids:
+        seqlen = lens[rid] + 1  # the last sampled token never went through a forward
+        for start_len in (0, 3, prompt, seqlen + 5):
+            a, ta = payloads(sgl, theirs, sched, rid, seqlen, start_len)
+            b, tb = payloads(sgl, ours, sched, rid, seqlen, start_len)
+            assert tb.dtype == ta.dtype and tuple(tb.shape) == tuple(ta.shape)
+            assert a == b, f"request {rid} start_len {start_len}: payloads differ"
+            rows = max(0, seqlen - 1 - min(start_len, seqlen - 1))
+            assert len(base64.b64decode(a)) == rows * NUM_LAYERS * TOP_K * 4
+            checked += 1
+    decoded = RoutedExperts.from_sglang(a, NUM_EXPERTS, NUM_LAYERS, TOP_K, start=min(start_len, seqlen - 1),
+                                        layers=MOE_LAYERS)
+    assert decoded.layers == MOE_LAYERS
+    return sched, checked
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_payloads_equal_sglangs_at_dp1(sgl, overlap):
+    """SGLang's synchronous copy, and its overlap scheduler's deferred copy and
+    finalize (moecap's commit is stream-ordered: it returns nothing to finalize)."""
+    with server(sgl):
+        theirs, ours = create_pair(sgl, num_tokens=400, max_running=4)
+        assert ours.moe_layers == MOE_LAYERS  # from mlp_only_layers: dense layers take no memory
+        assert ours.capturer.config["num_layers"] == len(MOE_LAYERS)
+        _, checked = scenario(sgl, theirs, ours, np.random.default_rng(0), overlap=overlap)
+    assert checked == 12
+    # Dense layers read 0 in both: SGLang's own payload, decoded, has nothing in layers 0 and 3.
+
+
+def test_payloads_equal_sglangs_with_fused_shared_expert_columns(sgl):
+    with server(sgl):
+        theirs, ours = create_pair(sgl, num_tokens=400, max_running=4, shared=1)
+        rng = np.random.default_rng(1)
+        sched = Scheduler(sgl, 400, 2, rng)
+        sched.reqs[0] = [0, 0, 6]
+        loc = sched.alloc(6)
+        sched.keep(0, loc)
+        rows = rng.integers(0, NUM_EXPERTS, size=(6, len(MOE_LAYERS), TOP_K))
+        run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc, shared_cols=1)
+        assert payloads(sgl, theirs, sched, 0, 6, 0)[0] == payloads(sgl, ours, sched, 0, 6, 0)[0]
+
+
+def test_payloads_equal_sglangs_with_speculative_verify_rows(sgl):
+    # Verify with 3 draft tokens for 4 requests writes 12 rows per forward:
+    # SGLang sizes its device buffer max(chunked_prefill, max_running) = 8
+    # rows (its FIXME: verify tokens are not counted) and cannot take them;
+    # moecap's plan counts them.
+    with server(sgl, chunked_prefill_size=8):
+        theirs, ours = create_pair(sgl, num_tokens=400, max_running=4, verify_tokens=3)
+        assert theirs.device_cache.buffer.shape[0] == 8
+        assert ours.plan["rows_per_rank"] >= 12
+        rows = np.random.default_rng(2).integers(0, NUM_EXPERTS, size=(12, len(MOE_LAYERS), TOP_K))
+        with pytest.raises(RuntimeError):
+            run_forward(sgl, [(theirs, list(range(1, 13)))], rows, list(range(1, 13)))
+    # Within SGLang's sizing both agree byte for byte, verify rows included.
+    with server(sgl, chunked_prefill_size=64):
+        theirs, ours = create_pair(sgl, num_tokens=400, max_running=4, verify_tokens=3)
+        _, checked = scenario(sgl, theirs, ours, np.random.default_rng(3), verify=3)
+    assert checked == 12
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_payloads_equal_sglangs_at_dp2(sgl, graph):
+    """Two attention-DP ranks: the MoE layers see the gathered batch (ranks
+    back to back, or at rank * graph batch when padded); each rank's
+    capturer commits its own rows."""
+    rng = np.random.default_rng(4)
+    pairs = []
+    for rank in range(2):
+        with server(sgl, dp_size=2, dp_rank=rank):
+            theirs, ours = create_pair(sgl, num_tokens=200, max_running=4)
+            assert ours.dp_size == 2
+            pairs.append((theirs, ours))
+    scheds = [Scheduler(sgl, 200, 3, np.random.default_rng(10 + r)) for r in range(2)]
+    lens = [{}, {}]
+    for r in range(2):
+        for rid in range(2):
+            scheds[r].reqs[rid] = [rid, 0, 0]
+            lens[r][rid] = 0
+    graph_bs = 4
+    expected = [{}, {}]  # per rank: slot -> its row of the gathered batch (the MoE layers' ids)
+    for step in range(5):
+        per_rank = [1 + (step + r) % 3 for r in range(2)]  # tokens each rank brings (uneven)
+        locs = []
+        for r in range(2):
+            loc = []
+            for i in range(per_rank[r]):
+                rid = i % 2
+                slot = scheds[r].alloc(1)
+                scheds[r].keep(rid, slot)
+                lens[r][rid] += 1
+                loc += slot
+            locs.append(loc)
+        if graph:
+            rows = rng.integers(0, NUM_EXPERTS, size=(2 * graph_bs, len(MOE_LAYERS), TOP_K))
+        else:
+            rows = rng.integers(0, NUM_EXPERTS, size=(sum(per_rank), len(MOE_LAYERS), TOP_K))
+        for r in range(2):
+            first = r * graph_bs if graph else sum(per_rank[:r])
+            for i, slot in enumerate(locs[r]):
+                expected[r][slot] = rows[first + i]
+            with server(sgl, dp_size=2, dp_rank=r):
+                theirs, ours = pairs[r]
+                run_forward(sgl, [(theirs, locs[r]), (ours, locs[r])], rows, locs[r], tokens_per_rank=per_rank,
+                            graph_bs=graph_bs if graph else None)
+    for r in range(2):
+        theirs, ours = pairs[r]
+        for rid in range(2):
+            seqlen = lens[r][rid] + 1
+            a = payloads(sgl, theirs, scheds[r], rid, seqlen, 0)[0]
+            b = payloads(sgl, ours, scheds[r], rid, seqlen, 0)[0]
+            assert a == b and len(base64.b64decode(a)) == (seqlen - 1) * NUM_LAYERS * TOP_K * 4
+            slots = scheds[r].pool.req_to_token[rid, :seqlen - 1].tolist()
+            got = RoutedExperts.from_sglang(b, NUM_EXPERTS, NUM_LAYERS, TOP_K, layers=MOE_LAYERS).ids
+            assert np.array_equal(got, np.stack([expected[r][s] for s in slots]))  # this rank's own rows
+
+
+def test_dp_replicas_without_dp_attention_commit_their_own_batch(sgl):
+    """Two DP replicas (no DP attention): SGLang counts both in num_dp_ranks,
+    but each replica's MoE layers see its own tokens only; so does moecap."""
+    with server(sgl, dp_size=2, dp_rank=1, attention=False):
+        theirs, ours = create_pair(sgl, num_tokens=400, max_running=4)
+        assert ours.dp_size == 1
+        _, checked = scenario(sgl, theirs, ours, np.random.default_rng(8))
+    assert checked == 12
+
+
+def test_a_slot_without_routing_is_never_sent_as_routing(sgl):
+    """A token whose slot was never committed (or was freed): SGLang hands out
+    its zeros or an earlier owner's routing; moecap leaves the request's
+    routed_experts out (or raises, or sends 0, as told)."""
+    with server(sgl):
+        theirs, ours = create_pair(sgl, num_tokens=100, max_running=2)
+        rng = np.random.default_rng(5)
+        sched = Scheduler(sgl, 100, 2, rng)
+        sched.reqs[0] = [0, 0, 4]
+        loc = sched.alloc(4)
+        sched.keep(0, loc)
+        rows = rng.integers(0, NUM_EXPERTS, size=(4, len(MOE_LAYERS), TOP_K))
+        run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc)
+        ours.invalidate(np.array(loc[1:2]))  # the engine freed (and may reuse) one slot
+        a, _ = payloads(sgl, theirs, sched, 0, 5, 0)
+        assert len(base64.b64decode(a)) == 4 * NUM_LAYERS * TOP_K * 4  # SGLang sends the old rows as real
+        assert ours.get_topk(0, 5, sched.pool, 0) is None
+        ours.invalid = "raise"
+        with pytest.raises(ValueError, match="position 1"):
+            ours.get_topk(0, 5, sched.pool, 0)
+        ours.invalid = "zero"
+        zeroed = np.frombuffer(base64.b64decode(sgl.b64([ours.get_topk(0, 5, sched.pool, 0)])[0]), "<i4")
+        assert not zeroed.reshape(4, NUM_LAYERS, TOP_K)[1].any()
+        # Slots in req_to_token that no forward ever committed: SGLang sends expert 0 for every layer.
+        sched.reqs[1] = [1, 0, 3]
+        sched.keep(1, sched.alloc(3))
+        a, _ = payloads(sgl, theirs, sched, 1, 4, 0)
+        assert len(a) and not np.frombuffer(base64.b64decode(a), "<i4").any()
+        ours.invalid = "omit"
+        assert ours.get_topk(1, 4, sched.pool, 0) is None
+
+
+def test_streaming_reads_only_new_positions(sgl):
+    """A running request read chunk by chunk: each chunk is what SGLang sends
+    with routed_experts_start_len at its first position, and no read touches
+    a slot already sent."""
+    with server(sgl):
+        theirs, ours = create_pair(sgl, num_tokens=200, max_running=2)
+        rng = np.random.default_rng(6)
+        sched = Scheduler(sgl, 200, 2, rng)
+        sched.reqs[0] = [0, 0, 5]
+        reads = []
+        original = ours.capturer.read
+        ours.capturer.read = lambda slots, *a, **k: reads.append(len(slots)) or original(slots, *a, **k)
+        stream = ours.stream(0, sched.pool)
+        chunks, forwarded = [], 0
+        for n in (5, 1, 1, 3, 1):  # a prefill, decodes, a verify that kept 3
+            loc = sched.alloc(n)
+            sched.keep(0, loc)
+            rows = rng.integers(0, NUM_EXPERTS, size=(n, len(MOE_LAYERS), TOP_K))
+            run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc)
+            forwarded += n
+            chunk = stream.next(forwarded)
+            seqlen = forwarded + 1
+            assert chunk.to_sglang() == payloads(sgl, theirs, sched, 0, seqlen, chunk.start)[0]
+            chunks.append(chunk)
+        assert reads == [5, 1, 1, 3, 1]
+        whole = RoutedExperts.concat(chunks)
+        assert whole.to_sglang() == payloads(sgl, theirs, sched, 0, forwarded + 1, 0)[0]
+
+
+def test_install_switches_sglangs_factory_and_back(sgl):
+    cls = sgl.re.RoutedExpertsCapturer
+    original = cls.__dict__["create"]
+    sgl.adapter.install(invalid="raise")
+    assert sgl.adapter.installed()
+    with server(sgl):
+        model, config = make_model(sgl)
+        cap = cls.create(model=model, model_config=config, num_tokens=50, max_running_requests=2, device="cpu")
+        assert isinstance(cap, sgl.adapter.MoecapRoutedExpertsCapturer) and cap.invalid == "raise"
+        cap.destroy()
+    sgl.adapter.uninstall()
+    assert cls.__dict__["create"] is original and not sgl.adapter.installed()
+
+
+def test_a_layer_outside_the_layer_map_is_refused(sgl):
+    with server(sgl):
+        _, ours = create_pair(sgl, num_tokens=50, max_running=2)
+        with pytest.raises(ValueError, match="layer 3 is not one of the MoE layers"):
+            ours.capture(3, sgl.torch.zeros((1, TOP_K), dtype=sgl.torch.int32))
+
+
+# --- the payload contract (no SGLang needed) --------------------------------------------------
+
+def routing(tokens=6, start=0, valid=None, experts=NUM_EXPERTS):
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, experts, size=(tokens, len(MOE_LAYERS), TOP_K))
+    return RoutedExperts(ids, experts, valid=valid, start=start, layers=MOE_LAYERS, num_hidden_layers=NUM_LAYERS)
+
+
+def test_sglang_payload_is_raw_little_endian_int32_over_every_layer():
+    r = routing()
+    s = r.to_sglang(num_tokens=7)
+    raw = base64.b64decode(s)
+    assert len(raw) == 6 * NUM_LAYERS * TOP_K * 4
+    flat = np.frombuffer(raw, dtype="<i4").reshape(6, NUM_LAYERS, TOP_K)  # what slime and verl do
+    assert not flat[:, [0, 3]].any()
+    assert np.array_equal(flat[:, list(MOE_LAYERS)], r.ids)
+    assert RoutedExperts.from_sglang(s, NUM_EXPERTS, NUM_LAYERS, TOP_K, layers=MOE_LAYERS, num_tokens=7) == r
+    assert sglang_format.meta_info(r) == {"routed_experts": s} and sglang_format.sglext(r) == {"routed_experts": s}
+    with pytest.raises(ValueError, match="num_tokens is 9"):
+        r.to_sglang(num_tokens=9)
+
+
+def test_sglang_payload_from_a_start_and_empty():
+    r = routing(start=4)
+    assert RoutedExperts.from_sglang(r.to_sglang(num_tokens=11), NUM_EXPERTS, NUM_LAYERS, TOP_K, start=4,
+                                     layers=MOE_LAYERS) == r
+    empty = routing(tokens=0, start=3)
+    assert empty.to_sglang() == "" and sglang_format.sglext(empty) == {}
+
+
+def test_sglang_payload_refuses_tokens_without_routing_unless_told():
+    r = routing(valid=[True, True, False, True, True, True])
+    with pytest.raises(ValueError, match="first at position 2"):
+        r.to_sglang()
+    zero = np.frombuffer(base64.b64decode(r.to_sglang(invalid="zero")), "<i4").reshape(6, NUM_LAYERS, TOP_K)
+    assert not zero[2].any() and zero[3].any()
+    with pytest.raises(ValueError, match="invalid must be"):
+        r.to_sglang(invalid="drop")
+
+
+def test_sglang_decoder_checks_shape_and_dense_layers():
+    with pytest.raises(ValueError, match="not a whole number of rows"):
+        RoutedExperts.from_sglang(base64.b64encode(b"\0" * 12).decode(), NUM_EXPERTS, NUM_LAYERS, TOP_K)
+    bad = np.ones((2, NUM_LAYERS, TOP_K), dtype="<i4")
+    with pytest.raises(ValueError, match="layer 0 is dense"):
+        RoutedExperts.from_sglang(bad.tobytes(), NUM_EXPERTS, NUM_LAYERS, TOP_K, layers=MOE_LAYERS)
+    with pytest.raises(ValueError, match="has 2 rows"):
+        RoutedExperts.from_sglang(bad.tobytes(), NUM_EXPERTS, NUM_LAYERS, TOP_K, num_tokens=5)
