@@ -2,7 +2,8 @@
 # The Python environment moecap builds its extension with and runs its Python
 # tests in: a venv outside the repository, so it survives between runs and
 # checkouts, at ${MOECAP_VENV:-$HOME/.cache/moecap/venv}, with
-# python/requirements-dev.txt from PyPI (torch, NumPy 2, JAX, ...), then the
+# python/requirements-dev.txt from PyPI (torch, NumPy 2, JAX, ...; every package,
+# transitive ones too, held at python/constraints.txt's exact versions), then the
 # engines whose own capture code the adapters are tested against (SGLang,
 # vLLM): python/requirements-engines-deps.txt (exact pins of what their
 # capture paths import) and python/requirements-engines.txt (the engines),
@@ -24,6 +25,7 @@ base=${MOECAP_VENV_PYTHON:-python3}
 requirements=$root/python/requirements-dev.txt
 engine_deps=$root/python/requirements-engines-deps.txt
 engines=$root/python/requirements-engines.txt
+constraints=$root/python/constraints.txt  # the whole venv at exact versions, transitive packages too
 
 base_path=$(command -v "$base") || { echo "venv: no $base on PATH (set MOECAP_VENV_PYTHON)" >&2; exit 1; }
 base_id=$("$base_path" -c 'import sys, sysconfig; print(sys.executable, sys.version.split()[0], sysconfig.get_paths()["include"])')
@@ -33,7 +35,7 @@ if [ ! -f "$include/Python.h" ]; then
   echo "venv: $base_path has no C headers ($include/Python.h); install its -dev package or set MOECAP_VENV_PYTHON" >&2
   exit 1
 fi
-stamp="$(cat "$requirements" "$engine_deps" "$engines" | sha256sum | cut -d' ' -f1) $base_id"
+stamp="$(cat "$requirements" "$engine_deps" "$engines" "$constraints" | sha256sum | cut -d' ' -f1) $base_id"
 # One creator at a time (several checkouts on one machine share the venv).
 mkdir -p "$(dirname "$venv")"
 exec 9>"$venv.lock"
@@ -50,7 +52,7 @@ else
   rm -rf "$venv"
   "$base_exe" -m venv "$venv"
 fi
-"$venv/bin/python" -m pip install -q -r "$requirements" >&2
+"$venv/bin/python" -m pip install -q -r "$requirements" -c "$constraints" >&2
 # The engines declare CUDA-only dependencies (and pins of torch that differ
 # by a patch release): none of them is installed, only what the capture
 # paths import, pinned, without resolving.
