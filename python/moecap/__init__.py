@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["BUFFERS", "Buffer", "Capturer", "Config", "ConfigFlag", "DLPackArray", "DLPackView", "DeviceType",
            "ErrorCounts", "Graph", "IdDtype", "MoecapError", "Plan", "RecordError", "RequestTable", "RoutedExperts",
            "SLOT_EMPTY", "SLOT_INVALID_IDS", "SLOT_VALID", "SlotState", "Status", "WeightDtype", "abi_version",
-           "batch_slots", "commit_batch", "engine", "formats", "hf", "plan", "record", "write_routed"]
+           "batch_slots", "commit_batch", "engine", "formats", "hf", "integrations", "plan", "record",
+           "write_routed"]
 
 # Every constant below is the extension's (abi/moecap.h's values, exported by
 # python/src/module.cpp); this module only names them the way keywords do.
@@ -461,7 +462,8 @@ def _torch_if_imported() -> Any:
 # imported on first use: it needs NumPy (and hf torch and transformers), while `import moecap`
 # needs nothing but the extension.
 _LAZY = {
-    "engine": ("engine", None), "formats": ("formats", None), "hf": ("hf", None), "record": ("record", None),
+    "engine": ("engine", None), "formats": ("formats", None), "hf": ("hf", None),
+    "integrations": ("integrations", None), "record": ("record", None),
     "RequestTable": ("engine", "RequestTable"), "batch_slots": ("engine", "batch_slots"),
     "commit_batch": ("engine", "commit_batch"), "write_routed": ("engine", "write_routed"),
     "RecordError": ("record", "RecordError"), "RoutedExperts": ("record", "RoutedExperts"),
