@@ -266,7 +266,7 @@ class RoutedExperts:
 
     # The engines (moecap.formats.sglang / .vllm: what each engine's clients receive).
 
-    def to_sglang(self, num_tokens=None, invalid="raise"):
+    def to_sglang(self, num_tokens: Optional[int] = None, invalid: str = "raise") -> str:
         """SGLang's meta_info["routed_experts"] (and OpenAI sglext.routed_experts):
         base64 of raw little-endian int32 [T-1-start, num_hidden_layers, top_k],
         dense layers 0, byte for byte what SGLang 0.5.23 sends. Tokens without
@@ -276,14 +276,16 @@ class RoutedExperts:
         return sglang.b64(sglang.encode(self, num_tokens, invalid))
 
     @classmethod
-    def from_sglang(cls, payload, num_experts, num_hidden_layers, top_k, start=0, layers=None, num_tokens=None):
+    def from_sglang(cls, payload: str | bytes | np.ndarray, num_experts: int, num_hidden_layers: int, top_k: int,
+                    start: int = 0, layers: Optional[Sequence[int]] = None,
+                    num_tokens: Optional[int] = None) -> RoutedExperts:
         """The inverse of to_sglang: SGLang's string (or bytes, or int32 array)
         reshaped with the model's num_hidden_layers and top_k, from start
         (routed_experts_start_len); layers: the MoE layers' model indices."""
         from .formats import sglang
         return sglang.decode(payload, num_experts, num_hidden_layers, top_k, start, layers, num_tokens)
 
-    def to_vllm(self, num_tokens=None, invalid="raise"):
+    def to_vllm(self, num_tokens: Optional[int] = None, invalid: str = "raise") -> np.ndarray:
         """vLLM's CompletionOutput.routed_experts: an ndarray [T-1-start,
         num_hidden_layers, top_k], uint8 up to 256 experts else uint16, dense
         layers 0. Tokens without routing are refused, or sent as 0 with
@@ -291,13 +293,15 @@ class RoutedExperts:
         from .formats import vllm
         return vllm.encode(self, num_tokens, invalid)
 
-    def to_vllm_openai(self, num_tokens=None, invalid="raise"):
+    def to_vllm_openai(self, num_tokens: Optional[int] = None, invalid: str = "raise") -> str:
         """vLLM's OpenAI choices[i].routed_experts: base64 of the .npy of to_vllm()."""
         from .formats import vllm
         return vllm.openai(self, num_tokens, invalid)
 
     @classmethod
-    def from_vllm(cls, payload, num_experts, start=0, layers=None, num_hidden_layers=None, num_tokens=None):
+    def from_vllm(cls, payload: str | np.ndarray, num_experts: int, start: int = 0,
+                  layers: Optional[Sequence[int]] = None, num_hidden_layers: Optional[int] = None,
+                  num_tokens: Optional[int] = None) -> RoutedExperts:
         """The inverse of to_vllm / to_vllm_openai (an array, or the base64 .npy
         string), from start (routed_experts_prompt_start); layers: the MoE
         layers' model indices."""
@@ -306,7 +310,7 @@ class RoutedExperts:
 
     # The trainers (moecap.formats.<consumer> has each format's rules and decoder).
 
-    def to_megatron(self, dtype="int64", num_tokens=None, invalid="raise"):
+    def to_megatron(self, dtype: str = "int64", num_tokens: Optional[int] = None, invalid: str = "raise") -> list[Any]:
         """Megatron-core RouterReplay.set_replay_data: one torch [tokens, top_k]
         int64 (or int32) per MoE layer. num_tokens=T adds the last token's row
         (experts arange(top_k)); tokens without routing are refused, or routed
@@ -314,36 +318,37 @@ class RoutedExperts:
         from .formats import megatron
         return megatron.encode(self, dtype, num_tokens, invalid)
 
-    def to_verl(self, prompt_len, prompt_width, response_width):
+    def to_verl(self, prompt_len: int, prompt_width: int, response_width: int) -> np.ndarray:
         """verl's batch field routed_experts for this sequence: int16 [1,
         prompt_width + response_width, num_hidden_layers, top_k], the prompt
         left-padded, 0 elsewhere (the last token's row too)."""
         from .formats import verl
         return verl.encode(self, prompt_len, prompt_width, response_width)
 
-    def to_slime(self, num_tokens=None):
+    def to_slime(self, num_tokens: Optional[int] = None) -> np.ndarray:
         """slime's rollout_routed_experts: int32 [T-1-start, num_hidden_layers, top_k]."""
         from .formats import slime
         return slime.encode(self, num_tokens)
 
-    def to_nemo_rl(self, num_tokens=None, padded_length=None, layout="full"):
+    def to_nemo_rl(self, num_tokens: Optional[int] = None, padded_length: Optional[int] = None,
+                   layout: str = "full") -> str:
         """NeMo-RL's envelope ``nrlre1:<dtype>:<S>x<L>x<K>:<base64>``: narrowest
         signed dtype, default route arange(top_k) past T-1, -1 rows for tokens
         without routing."""
         from .formats import nemo_rl
         return nemo_rl.encode(self, num_tokens, padded_length, layout)
 
-    def to_skyrl(self, num_tokens=None):
+    def to_skyrl(self, num_tokens: Optional[int] = None) -> dict[str, Any]:
         """SkyRL's {"data", "shape", "dtype"}: T-1 rows, canonical dtype."""
         from .formats import skyrl
         return skyrl.encode(self, num_tokens)
 
-    def to_prime_rl(self, num_tokens=None):
+    def to_prime_rl(self, num_tokens: Optional[int] = None) -> dict[str, Any]:
         """prime-rl's {"data", "shape", "start", "dtype"}: uint8, or uint16 past id 255."""
         from .formats import prime_rl
         return prime_rl.encode(self, num_tokens)
 
 
-def sglang_base64_bytes_per_token(layers, top_k, dtype_bytes=4):
+def sglang_base64_bytes_per_token(layers: int, top_k: int, dtype_bytes: int = 4) -> float:
     """Bytes of SGLang's base64 field per token (int32 unless said otherwise)."""
     return layers * top_k * dtype_bytes * 4 / 3
