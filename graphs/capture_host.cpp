@@ -5,6 +5,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "graphs/kernel_ops.h"
 
 namespace moecap {
@@ -149,6 +153,44 @@ MOECAP_NARROW_FROM(int32_t)
 #undef MOECAP_NARROW_FROM
 #undef MOECAP_NARROW
 
+#if defined(__SSE2__)
+// The common pair (int16 device ids, u8 host ids, top-8) narrowed straight
+// into the slot-major staging tile: one pass, no intermediate narrowed
+// buffer and no second copy per row chunk. Each row's 8 ids are one 16-byte
+// load and one 8-byte store at its row's place in the tile; SSE2 is the
+// x86-64 baseline, so no dispatch. An id outside [0, experts) (negative ones
+// wrap above as unsigned) becomes all ones, as narrow_body does. Returns
+// nonzero when any id was outside. Needs 1 <= experts <= 256.
+inline bool narrow_rows_i16_u8_k8(const int16_t* in, uint8_t* out, int64_t out_stride, int64_t n,
+                                  uint32_t experts) {
+  const __m128i top = _mm_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(experts - 1)));
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i low = _mm_set1_epi16(0x00ff);
+  __m128i bad = zero;
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {  // two rows per pack: 32 bytes in, two 8-byte stores
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * 8));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * 8 + 8));
+    // above > 0 exactly where id > experts - 1 as unsigned
+    const __m128i oa = _mm_xor_si128(_mm_cmpeq_epi16(_mm_subs_epu16(a, top), zero), _mm_set1_epi16(-1));
+    const __m128i ob = _mm_xor_si128(_mm_cmpeq_epi16(_mm_subs_epu16(b, top), zero), _mm_set1_epi16(-1));
+    bad = _mm_or_si128(bad, _mm_or_si128(oa, ob));
+    const __m128i packed = _mm_packus_epi16(_mm_and_si128(_mm_or_si128(a, oa), low), _mm_and_si128(_mm_or_si128(b, ob), low));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i * out_stride), packed);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + (i + 1) * out_stride), _mm_unpackhi_epi64(packed, packed));
+  }
+  if (i < n) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * 8));
+    const __m128i oa = _mm_xor_si128(_mm_cmpeq_epi16(_mm_subs_epu16(a, top), zero), _mm_set1_epi16(-1));
+    bad = _mm_or_si128(bad, oa);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i * out_stride),
+                     _mm_packus_epi16(_mm_and_si128(_mm_or_si128(a, oa), low), zero));
+  }
+  return _mm_movemask_epi8(bad) != 0;
+}
+#define MOECAP_HAVE_FUSED_NARROW 1
+#endif
+
 // The device buffer's "no routing" is all ones in every dtype, its no weight
 // zero: consuming is a fill of bytes.
 void consume_run(const CommitParams& p, int64_t layer, int64_t first_row, int64_t rows) {
@@ -242,7 +284,25 @@ void commit_rows(const CommitParams& p, bool consume) {
       }
       const int64_t written = layer_written_rows(p, l);
       const bool all_written = last_src < written;
-      if (narrow_ids(in, narrowed, n * top_k, experts) != 0) {
+      D* out = staged + l * top_k;
+      bool any_bad;
+#ifdef MOECAP_HAVE_FUSED_NARROW
+      constexpr bool fused = TopK == 8 && std::is_same_v<S, int16_t> && std::is_same_v<D, uint8_t>;
+#else
+      constexpr bool fused = false;
+#endif
+      if constexpr (fused) {
+        if (experts >= 1 && experts <= 256) {
+          any_bad = narrow_rows_i16_u8_k8(reinterpret_cast<const int16_t*>(in), reinterpret_cast<uint8_t*>(out), row, n, experts);
+        } else {
+          any_bad = narrow_ids(in, narrowed, n * top_k, experts) != 0;
+          for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * row, narrowed + i * top_k, id_chunk);
+        }
+      } else {
+        any_bad = narrow_ids(in, narrowed, n * top_k, experts) != 0;
+        for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * row, narrowed + i * top_k, id_chunk);
+      }
+      if (any_bad) {
         for (int64_t i = 0; i < n; ++i) {  // rare: which rows had no real id, counting the bad ones
           if (!all_written && srcs[i] >= written) continue;
           uint8_t row_bad = 0;
@@ -250,8 +310,6 @@ void commit_rows(const CommitParams& p, bool consume) {
           bad[i] = static_cast<uint8_t>(bad[i] | row_bad);
         }
       }
-      D* out = staged + l * top_k;
-      for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * row, narrowed + i * top_k, id_chunk);
       uint8_t* wout = staged_w + l * top_k * w_bytes;
       for (int64_t i = 0; w_bytes > 0 && i < n; ++i) {
         std::memcpy(wout + i * w_row, p.src_weights + (l * layer_stride + srcs[i] * top_k) * w_bytes,
