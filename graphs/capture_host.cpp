@@ -223,6 +223,50 @@ __attribute__((target("avx2"))) bool narrow_rows_i16_u8_k8_avx2(const int16_t* i
   return tail_bad || !_mm256_testz_si256(bad, bad);
 }
 
+// Two layers at once (a layer's rows, then the next layer's `layer_stride`
+// elements further): their chunks sit side by side in each staged row, so
+// every row gets one 16-byte store for both instead of two 8-byte ones,
+// halving the stores that bound the single-layer loop.
+__attribute__((target("avx2"))) bool narrow_layer_pair_i16_u8_k8_avx2(const int16_t* in, int64_t layer_stride,
+                                                                       uint8_t* out, int64_t out_stride, int64_t n,
+                                                                       uint32_t experts) {
+  const __m256i top = _mm256_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(experts - 1)));
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(-1);
+  const __m256i low = _mm256_set1_epi16(0x00ff);
+  const int16_t* in2 = in + layer_stride;
+  __m256i bad = zero;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    // Rows i..i+3 of each layer, narrowed: bytes hold rows 0, 2 | 1, 3 (packing is per 128-bit half).
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 8));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 8 + 16));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in2 + i * 8));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in2 + i * 8 + 16));
+    const __m256i oa = _mm256_xor_si256(_mm256_cmpeq_epi16(_mm256_subs_epu16(a, top), zero), ones);
+    const __m256i ob = _mm256_xor_si256(_mm256_cmpeq_epi16(_mm256_subs_epu16(b, top), zero), ones);
+    const __m256i oc = _mm256_xor_si256(_mm256_cmpeq_epi16(_mm256_subs_epu16(c, top), zero), ones);
+    const __m256i od = _mm256_xor_si256(_mm256_cmpeq_epi16(_mm256_subs_epu16(d, top), zero), ones);
+    bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_or_si256(oa, ob), _mm256_or_si256(oc, od)));
+    const __m256i first =
+        _mm256_packus_epi16(_mm256_and_si256(_mm256_or_si256(a, oa), low), _mm256_and_si256(_mm256_or_si256(b, ob), low));
+    const __m256i second =
+        _mm256_packus_epi16(_mm256_and_si256(_mm256_or_si256(c, oc), low), _mm256_and_si256(_mm256_or_si256(d, od), low));
+    const __m256i rows01 = _mm256_unpacklo_epi64(first, second);  // row 0 | row 1, each both layers
+    const __m256i rows23 = _mm256_unpackhi_epi64(first, second);  // row 2 | row 3
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i * out_stride), _mm256_castsi256_si128(rows01));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (i + 1) * out_stride), _mm256_extracti128_si256(rows01, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (i + 2) * out_stride), _mm256_castsi256_si128(rows23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (i + 3) * out_stride), _mm256_extracti128_si256(rows23, 1));
+  }
+  bool tail_bad = false;
+  if (i < n) {
+    tail_bad = narrow_rows_i16_u8_k8_sse2(in + i * 8, out + i * out_stride, out_stride, n - i, experts);
+    tail_bad = narrow_rows_i16_u8_k8_sse2(in2 + i * 8, out + i * out_stride + 8, out_stride, n - i, experts) || tail_bad;
+  }
+  return tail_bad || !_mm256_testz_si256(bad, bad);
+}
+
 const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
@@ -232,6 +276,16 @@ inline bool narrow_rows_i16_u8_k8(const int16_t* in, uint8_t* out, int64_t out_s
   if (kHaveAvx2) return narrow_rows_i16_u8_k8_avx2(in, out, out_stride, n, experts);
 #endif
   return narrow_rows_i16_u8_k8_sse2(in, out, out_stride, n, experts);
+}
+
+// Layers l and l + 1 of rows read in place; true when an id of either was outside.
+inline bool narrow_layer_pair_i16_u8_k8(const int16_t* in, int64_t layer_stride, uint8_t* out, int64_t out_stride,
+                                        int64_t n, uint32_t experts) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kHaveAvx2) return narrow_layer_pair_i16_u8_k8_avx2(in, layer_stride, out, out_stride, n, experts);
+#endif
+  const bool first = narrow_rows_i16_u8_k8_sse2(in, out, out_stride, n, experts);
+  return narrow_rows_i16_u8_k8_sse2(in + layer_stride, out + 8, out_stride, n, experts) || first;
 }
 #endif
 
@@ -316,6 +370,7 @@ void commit_rows(const CommitParams& p, bool consume) {
     int64_t last_src = -1;  // the tile's highest source row: most layers wrote every row of a tile
     for (int64_t i = 1; i < n; ++i) consecutive = consecutive && srcs[i] == srcs[0] + i;
     for (int64_t i = 0; i < n; ++i) last_src = std::max(last_src, srcs[i]);
+    bool pair_bad = false;
     for (int64_t l = 0; l < p.num_layers && n > 0; ++l) {
       const S* layer = reinterpret_cast<const S*>(p.src_ids) + l * layer_stride;
       const S* in = gathered;
@@ -336,7 +391,14 @@ void commit_rows(const CommitParams& p, bool consume) {
       constexpr bool fused = false;
 #endif
       if constexpr (fused) {
-        if (experts >= 1 && experts <= 256) {
+        if (experts >= 1 && experts <= 256 && consecutive && l % 2 == 1) {
+          any_bad = pair_bad;  // narrowed with the layer before; exact per row below when set
+        } else if (experts >= 1 && experts <= 256 && consecutive && l + 1 < p.num_layers) {
+          // This layer and the next in one pass (both read in place); the
+          // next layer's iteration keeps only its checks, fill and consume.
+          any_bad = pair_bad = narrow_layer_pair_i16_u8_k8(reinterpret_cast<const int16_t*>(in), layer_stride,
+                                                           reinterpret_cast<uint8_t*>(out), row, n, experts);
+        } else if (experts >= 1 && experts <= 256) {
           any_bad = narrow_rows_i16_u8_k8(reinterpret_cast<const int16_t*>(in), reinterpret_cast<uint8_t*>(out), row, n, experts);
         } else {
           any_bad = narrow_ids(in, narrowed, n * top_k, experts) != 0;
