@@ -267,13 +267,19 @@ __attribute__((target("avx2"))) bool narrow_layer_pair_i16_u8_k8_avx2(const int1
   return tail_bad || !_mm256_testz_si256(bad, bad);
 }
 
-const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+// Initialized explicitly: this may run among a library's constructors,
+// before libgcc's own has filled in the CPU model.
+const bool kCpuHasAvx2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}();
+bool use_avx2 = kCpuHasAvx2;
 #endif
 
 inline bool narrow_rows_i16_u8_k8(const int16_t* in, uint8_t* out, int64_t out_stride, int64_t n,
                                   uint32_t experts) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (kHaveAvx2) return narrow_rows_i16_u8_k8_avx2(in, out, out_stride, n, experts);
+  if (use_avx2) return narrow_rows_i16_u8_k8_avx2(in, out, out_stride, n, experts);
 #endif
   return narrow_rows_i16_u8_k8_sse2(in, out, out_stride, n, experts);
 }
@@ -282,7 +288,7 @@ inline bool narrow_rows_i16_u8_k8(const int16_t* in, uint8_t* out, int64_t out_s
 inline bool narrow_layer_pair_i16_u8_k8(const int16_t* in, int64_t layer_stride, uint8_t* out, int64_t out_stride,
                                         int64_t n, uint32_t experts) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (kHaveAvx2) return narrow_layer_pair_i16_u8_k8_avx2(in, layer_stride, out, out_stride, n, experts);
+  if (use_avx2) return narrow_layer_pair_i16_u8_k8_avx2(in, layer_stride, out, out_stride, n, experts);
 #endif
   const bool first = narrow_rows_i16_u8_k8_sse2(in, out, out_stride, n, experts);
   return narrow_rows_i16_u8_k8_sse2(in + layer_stride, out + 8, out_stride, n, experts) || first;
@@ -476,6 +482,17 @@ void commit_dispatch(const CommitParams& p, bool consume) {
 }  // namespace
 
 void commit_on_host(const CommitParams& p) { commit_dispatch(p, false); }
+
+bool allow_host_commit_avx2(bool allowed) {
+#if defined(MOECAP_HAVE_FUSED_NARROW) && defined(__x86_64__) && defined(__GNUC__)
+  const bool before = use_avx2;
+  use_avx2 = allowed && kCpuHasAvx2;
+  return before;
+#else
+  (void)allowed;
+  return false;
+#endif
+}
 
 void claim_on_host(const CommitParams& p) {
   for (int64_t j = 0; j < p.count; ++j) claim_slot(p, j);
