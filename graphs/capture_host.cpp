@@ -5,6 +5,13 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include "graphs/kernel_ops.h"
 
 namespace moecap {
@@ -149,6 +156,145 @@ MOECAP_NARROW_FROM(int32_t)
 #undef MOECAP_NARROW_FROM
 #undef MOECAP_NARROW
 
+#if defined(__SSE2__)
+// The common pair (int16 device ids, u8 host ids, top-8) narrowed straight
+// into the slot-major staging tile: one pass, no intermediate narrowed
+// buffer and no second copy per row chunk. Each row's 8 ids are one 16-byte
+// load and one 8-byte store at its row's place in the tile; SSE2 is the
+// x86-64 baseline, so no dispatch. An id outside [0, experts) (negative ones
+// wrap above as unsigned) becomes all ones, as narrow_body does. Returns
+// nonzero when any id was outside. Needs 1 <= experts <= 256.
+inline bool narrow_rows_i16_u8_k8_sse2(const int16_t* in, uint8_t* out, int64_t out_stride, int64_t n,
+                                       uint32_t experts) {
+  const __m128i top = _mm_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(experts - 1)));
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i low = _mm_set1_epi16(0x00ff);
+  __m128i bad = zero;
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {  // two rows per pack: 32 bytes in, two 8-byte stores
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * 8));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * 8 + 8));
+    // above > 0 exactly where id > experts - 1 as unsigned
+    const __m128i oa = _mm_xor_si128(_mm_cmpeq_epi16(_mm_subs_epu16(a, top), zero), _mm_set1_epi16(-1));
+    const __m128i ob = _mm_xor_si128(_mm_cmpeq_epi16(_mm_subs_epu16(b, top), zero), _mm_set1_epi16(-1));
+    bad = _mm_or_si128(bad, _mm_or_si128(oa, ob));
+    const __m128i packed = _mm_packus_epi16(_mm_and_si128(_mm_or_si128(a, oa), low), _mm_and_si128(_mm_or_si128(b, ob), low));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i * out_stride), packed);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + (i + 1) * out_stride), _mm_unpackhi_epi64(packed, packed));
+  }
+  if (i < n) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * 8));
+    const __m128i oa = _mm_xor_si128(_mm_cmpeq_epi16(_mm_subs_epu16(a, top), zero), _mm_set1_epi16(-1));
+    bad = _mm_or_si128(bad, oa);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i * out_stride),
+                     _mm_packus_epi16(_mm_and_si128(_mm_or_si128(a, oa), low), zero));
+  }
+  return _mm_movemask_epi8(bad) != 0;
+}
+#define MOECAP_HAVE_FUSED_NARROW 1
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The same with AVX2, four rows per pass: the per-row arithmetic halves, and
+// what is left is one 8-byte store per row and layer. Packing works per
+// 128-bit half, so the packed register holds rows 0, 2, 1, 3.
+__attribute__((target("avx2"))) bool narrow_rows_i16_u8_k8_avx2(const int16_t* in, uint8_t* out,
+                                                                 int64_t out_stride, int64_t n, uint32_t experts) {
+  const __m256i top = _mm256_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(experts - 1)));
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(-1);
+  const __m256i low = _mm256_set1_epi16(0x00ff);
+  __m256i bad = zero;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 8));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 8 + 16));
+    const __m256i oa = _mm256_xor_si256(_mm256_cmpeq_epi16(_mm256_subs_epu16(a, top), zero), ones);
+    const __m256i ob = _mm256_xor_si256(_mm256_cmpeq_epi16(_mm256_subs_epu16(b, top), zero), ones);
+    bad = _mm256_or_si256(bad, _mm256_or_si256(oa, ob));
+    const __m256i packed =
+        _mm256_packus_epi16(_mm256_and_si256(_mm256_or_si256(a, oa), low), _mm256_and_si256(_mm256_or_si256(b, ob), low));
+    const __m128i lo = _mm256_castsi256_si128(packed), hi = _mm256_extracti128_si256(packed, 1);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i * out_stride), lo);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + (i + 1) * out_stride), hi);
+    _mm_storeh_pd(reinterpret_cast<double*>(out + (i + 2) * out_stride), _mm_castsi128_pd(lo));
+    _mm_storeh_pd(reinterpret_cast<double*>(out + (i + 3) * out_stride), _mm_castsi128_pd(hi));
+  }
+  const bool tail_bad = i < n && narrow_rows_i16_u8_k8_sse2(in + i * 8, out + i * out_stride, out_stride, n - i, experts);
+  return tail_bad || !_mm256_testz_si256(bad, bad);
+}
+
+// Two layers at once (a layer's rows, then the next layer's `layer_stride`
+// elements further): their chunks sit side by side in each staged row, so
+// every row gets one 16-byte store for both instead of two 8-byte ones,
+// halving the stores that bound the single-layer loop.
+__attribute__((target("avx2"))) bool narrow_layer_pair_i16_u8_k8_avx2(const int16_t* in, int64_t layer_stride,
+                                                                       uint8_t* out, int64_t out_stride, int64_t n,
+                                                                       uint32_t experts) {
+  const __m256i top = _mm256_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(experts - 1)));
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(-1);
+  const __m256i low = _mm256_set1_epi16(0x00ff);
+  const int16_t* in2 = in + layer_stride;
+  __m256i bad = zero;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    // Rows i..i+3 of each layer, narrowed: bytes hold rows 0, 2 | 1, 3 (packing is per 128-bit half).
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 8));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 8 + 16));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in2 + i * 8));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in2 + i * 8 + 16));
+    const __m256i oa = _mm256_xor_si256(_mm256_cmpeq_epi16(_mm256_subs_epu16(a, top), zero), ones);
+    const __m256i ob = _mm256_xor_si256(_mm256_cmpeq_epi16(_mm256_subs_epu16(b, top), zero), ones);
+    const __m256i oc = _mm256_xor_si256(_mm256_cmpeq_epi16(_mm256_subs_epu16(c, top), zero), ones);
+    const __m256i od = _mm256_xor_si256(_mm256_cmpeq_epi16(_mm256_subs_epu16(d, top), zero), ones);
+    bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_or_si256(oa, ob), _mm256_or_si256(oc, od)));
+    const __m256i first =
+        _mm256_packus_epi16(_mm256_and_si256(_mm256_or_si256(a, oa), low), _mm256_and_si256(_mm256_or_si256(b, ob), low));
+    const __m256i second =
+        _mm256_packus_epi16(_mm256_and_si256(_mm256_or_si256(c, oc), low), _mm256_and_si256(_mm256_or_si256(d, od), low));
+    const __m256i rows01 = _mm256_unpacklo_epi64(first, second);  // row 0 | row 1, each both layers
+    const __m256i rows23 = _mm256_unpackhi_epi64(first, second);  // row 2 | row 3
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i * out_stride), _mm256_castsi256_si128(rows01));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (i + 1) * out_stride), _mm256_extracti128_si256(rows01, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (i + 2) * out_stride), _mm256_castsi256_si128(rows23));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (i + 3) * out_stride), _mm256_extracti128_si256(rows23, 1));
+  }
+  bool tail_bad = false;
+  if (i < n) {
+    tail_bad = narrow_rows_i16_u8_k8_sse2(in + i * 8, out + i * out_stride, out_stride, n - i, experts);
+    tail_bad = narrow_rows_i16_u8_k8_sse2(in2 + i * 8, out + i * out_stride + 8, out_stride, n - i, experts) || tail_bad;
+  }
+  return tail_bad || !_mm256_testz_si256(bad, bad);
+}
+
+// Initialized explicitly: this may run among a library's constructors,
+// before libgcc's own has filled in the CPU model.
+const bool kCpuHasAvx2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}();
+bool use_avx2 = kCpuHasAvx2;
+#endif
+
+inline bool narrow_rows_i16_u8_k8(const int16_t* in, uint8_t* out, int64_t out_stride, int64_t n,
+                                  uint32_t experts) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (use_avx2) return narrow_rows_i16_u8_k8_avx2(in, out, out_stride, n, experts);
+#endif
+  return narrow_rows_i16_u8_k8_sse2(in, out, out_stride, n, experts);
+}
+
+// Layers l and l + 1 of rows read in place; true when an id of either was outside.
+inline bool narrow_layer_pair_i16_u8_k8(const int16_t* in, int64_t layer_stride, uint8_t* out, int64_t out_stride,
+                                        int64_t n, uint32_t experts) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (use_avx2) return narrow_layer_pair_i16_u8_k8_avx2(in, layer_stride, out, out_stride, n, experts);
+#endif
+  const bool first = narrow_rows_i16_u8_k8_sse2(in, out, out_stride, n, experts);
+  return narrow_rows_i16_u8_k8_sse2(in + layer_stride, out + 8, out_stride, n, experts) || first;
+}
+#endif
+
 // The device buffer's "no routing" is all ones in every dtype, its no weight
 // zero: consuming is a fill of bytes.
 void consume_run(const CommitParams& p, int64_t layer, int64_t first_row, int64_t rows) {
@@ -230,6 +376,7 @@ void commit_rows(const CommitParams& p, bool consume) {
     int64_t last_src = -1;  // the tile's highest source row: most layers wrote every row of a tile
     for (int64_t i = 1; i < n; ++i) consecutive = consecutive && srcs[i] == srcs[0] + i;
     for (int64_t i = 0; i < n; ++i) last_src = std::max(last_src, srcs[i]);
+    bool pair_bad = false;
     for (int64_t l = 0; l < p.num_layers && n > 0; ++l) {
       const S* layer = reinterpret_cast<const S*>(p.src_ids) + l * layer_stride;
       const S* in = gathered;
@@ -242,7 +389,32 @@ void commit_rows(const CommitParams& p, bool consume) {
       }
       const int64_t written = layer_written_rows(p, l);
       const bool all_written = last_src < written;
-      if (narrow_ids(in, narrowed, n * top_k, experts) != 0) {
+      D* out = staged + l * top_k;
+      bool any_bad;
+#ifdef MOECAP_HAVE_FUSED_NARROW
+      constexpr bool fused = TopK == 8 && std::is_same_v<S, int16_t> && std::is_same_v<D, uint8_t>;
+#else
+      constexpr bool fused = false;
+#endif
+      if constexpr (fused) {
+        if (experts >= 1 && experts <= 256 && consecutive && l % 2 == 1) {
+          any_bad = pair_bad;  // narrowed with the layer before; exact per row below when set
+        } else if (experts >= 1 && experts <= 256 && consecutive && l + 1 < p.num_layers) {
+          // This layer and the next in one pass (both read in place); the
+          // next layer's iteration keeps only its checks, fill and consume.
+          any_bad = pair_bad = narrow_layer_pair_i16_u8_k8(reinterpret_cast<const int16_t*>(in), layer_stride,
+                                                           reinterpret_cast<uint8_t*>(out), row, n, experts);
+        } else if (experts >= 1 && experts <= 256) {
+          any_bad = narrow_rows_i16_u8_k8(reinterpret_cast<const int16_t*>(in), reinterpret_cast<uint8_t*>(out), row, n, experts);
+        } else {
+          any_bad = narrow_ids(in, narrowed, n * top_k, experts) != 0;
+          for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * row, narrowed + i * top_k, id_chunk);
+        }
+      } else {
+        any_bad = narrow_ids(in, narrowed, n * top_k, experts) != 0;
+        for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * row, narrowed + i * top_k, id_chunk);
+      }
+      if (any_bad) {
         for (int64_t i = 0; i < n; ++i) {  // rare: which rows had no real id, counting the bad ones
           if (!all_written && srcs[i] >= written) continue;
           uint8_t row_bad = 0;
@@ -250,8 +422,6 @@ void commit_rows(const CommitParams& p, bool consume) {
           bad[i] = static_cast<uint8_t>(bad[i] | row_bad);
         }
       }
-      D* out = staged + l * top_k;
-      for (int64_t i = 0; i < n; ++i) std::memcpy(out + i * row, narrowed + i * top_k, id_chunk);
       uint8_t* wout = staged_w + l * top_k * w_bytes;
       for (int64_t i = 0; w_bytes > 0 && i < n; ++i) {
         std::memcpy(wout + i * w_row, p.src_weights + (l * layer_stride + srcs[i] * top_k) * w_bytes,
@@ -312,6 +482,17 @@ void commit_dispatch(const CommitParams& p, bool consume) {
 }  // namespace
 
 void commit_on_host(const CommitParams& p) { commit_dispatch(p, false); }
+
+bool allow_host_commit_avx2(bool allowed) {
+#if defined(MOECAP_HAVE_FUSED_NARROW) && defined(__x86_64__) && defined(__GNUC__)
+  const bool before = use_avx2;
+  use_avx2 = allowed && kCpuHasAvx2;
+  return before;
+#else
+  (void)allowed;
+  return false;
+#endif
+}
 
 void claim_on_host(const CommitParams& p) {
   for (int64_t j = 0; j < p.count; ++j) claim_slot(p, j);

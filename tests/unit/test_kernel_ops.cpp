@@ -132,3 +132,88 @@ TEST_CASE("commit_on_host writes what the per-element kernel operations write, e
   CHECK(cases > 150);
   CHECK(wrong == 0);
 }
+
+// The fused path of the common pair (int16 device ids, u8 host ids, top-8),
+// with AVX2 where the CPU has it and with the SSE2 baseline: odd and even
+// layer counts (layers narrowed in pairs, the last one alone), tails of 1-3
+// rows, ids outside [0, experts) and negative ones, rows read in place and
+// through a row list, slots listed twice and -1.
+TEST_CASE("commit_on_host: the fused int16 -> u8 top-8 narrowing writes what the per-element operations write") {
+  std::mt19937 rng(11);
+  int cases = 0, wrong = 0;
+  for (const bool avx2 : {true, false}) {
+    const bool before = allow_host_commit_avx2(avx2);
+    for (int32_t layers : {1, 2, 5, 61}) {
+      for (int32_t experts : {7, 256}) {
+        for (int64_t count : {1, 3, 86, 301}) {
+          for (const bool row_list : {false, true}) {
+            const int32_t top_k = 8;
+            const int64_t device_rows = 400, host_slots = 500, row = int64_t{layers} * top_k;
+            std::vector<int16_t> src(static_cast<size_t>(layers * device_rows * top_k));
+            for (int16_t& id : src) {
+              const uint32_t r = rng() % 60;
+              id = r == 0 ? static_cast<int16_t>(-1 - static_cast<int>(rng() % 3))
+                   : r == 1 ? static_cast<int16_t>(experts + static_cast<int>(rng() % 300))
+                            : static_cast<int16_t>(rng() % static_cast<uint32_t>(experts));
+            }
+            std::vector<int64_t> slots(static_cast<size_t>(count)), rows(static_cast<size_t>(count));
+            for (int64_t j = 0; j < count; ++j) {
+              const uint32_t r = rng() % 40;
+              slots[static_cast<size_t>(j)] = r == 0 ? -1 : r < 3 ? 17 : rng() % host_slots;
+              rows[static_cast<size_t>(j)] = static_cast<int64_t>(rng() % device_rows);
+            }
+            CommitParams p{};
+            p.src_ids = reinterpret_cast<uint8_t*>(src.data());
+            p.src_rows = row_list ? rows.data() : nullptr;
+            p.dst_slots = slots.data();
+            p.src_start = row_list ? 0 : 33;
+            p.count = count;
+            p.device_rows = device_rows;
+            p.host_slots = host_slots;
+            p.dst_no_expert = invalid_id_code(kU8);
+            p.mode = kCommitRows;
+            p.num_layers = layers;
+            p.top_k = top_k;
+            p.num_experts = experts;
+            p.src_id_elem = kI16;
+            p.dst_id_elem = kU8;
+            p.weight_elem = -1;
+            p.src_rows_elem = kI64;
+            p.dst_slots_elem = kI64;
+            std::vector<uint8_t> ids(static_cast<size_t>(host_slots * row), 0x5A), ref_ids(ids);
+            std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0x7), ref_states(states);
+            ErrorWord errors{}, ref_errors{};
+            p.dst_ids = ids.data();
+            p.dst_states = states.data();
+            p.errors = &errors;
+            commit_on_host(p);
+            p.dst_ids = ref_ids.data();
+            p.dst_states = ref_states.data();
+            p.errors = &ref_errors;
+            bool any_bad_row = false;
+            for (int64_t j = 0; j < count; ++j) {
+              int64_t from = 0, slot = 0;
+              commit_source(p, j, &from, &slot);
+              if (!commit_goes_to(p, from, slot)) continue;
+              bool bad = false;
+              for (int64_t e = 0; e < row; ++e) bad |= narrow_element(p, from, e, ref_ids.data() + slot * row, e);
+              ref_states[static_cast<size_t>(slot)] = committed_state(bad);
+              any_bad_row |= bad;
+            }
+            const bool same = ids == ref_ids && states == ref_states && errors.invalid_ids == ref_errors.invalid_ids &&
+                              errors.skipped_rows == ref_errors.skipped_rows;
+            if (!same && wrong++ == 0) {
+              MESSAGE("first mismatch: avx2 ", avx2, " layers ", layers, " experts ", experts, " count ", count,
+                      " row list ", row_list);
+            }
+            if (count >= 86) CHECK(any_bad_row);  // the out-of-range ids were exercised
+            ++cases;
+          }
+        }
+      }
+    }
+    allow_host_commit_avx2(before);
+  }
+  CHECK(cases == 2 * 4 * 2 * 4 * 2);
+  CHECK(wrong == 0);
+}
