@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Reliability checks: the whole ctest suite
 # under ASan+UBSan (halt on the first error, leaks checked), the concurrency
 # test under TSan, and the ABI fuzzer for FUZZ_SECONDS (default 60) from the

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * moecap.h - C ABI of libmoecap.so, the routed-experts capturer for
  * Mixture-of-Experts inference engines.

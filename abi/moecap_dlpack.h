@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * moecap_dlpack.h - the DLPack part of moecap's C ABI.
  *

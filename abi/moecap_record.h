@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /*
  * moecap_record.h - the routing record: one request's routed experts as
  * self-describing bytes, the same from C, C++ and Python (moecap.record).

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // The CUDA Driver API, loaded at run time: dlopen("libcuda.so.1") and every
 // entry point through cuGetProcAddress, so libmoecap.so has no link-time
 // dependency on libcuda or cudart and loads on machines without a GPU. The

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // Move-only owners of driver objects (RMM-style): each frees its object once,
 // in the context it was made in, from its destructor. Frees never throw: they
 // run from destructors, also at process exit after the driver began

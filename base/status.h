@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // Errors inside the plugin are C++ exceptions of one type; the entry points
 // (plugin/entry_points.cpp) turn them into a status code and thread-local text, so
 // nothing ever crosses the C boundary.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // The engine's stream, as the C ABI hands it over: a CUstream (cudaStream_t)
 // on the CUDA backend, ignored by the host backend. moecap enqueues its work
 // on it and creates nothing on it. The ABI's NULL is the legacy default

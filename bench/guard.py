@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CI regression guard: each step-path operation against its own baseline,
 measured in the same short moecap_bench run, fails below a floor ratio.
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // moecap_bench: each moecap operation beside a baseline doing the same work
 // the way engines do it today, so every claim is a ratio from one run.
 // Host backend here; CUDA cases are in moecap_bench_cuda.cpp.

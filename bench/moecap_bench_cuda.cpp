@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA cases of moecap_bench (skipped without a GPU): what moecap adds to a
 // graph replay per MoE layer (a capture node, a side branch, or nothing but
 // a top-k kernel writing moecap's layer view), the host link's bandwidth (a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Each step-path call of the Python binding beside the PyTorch code it
 replaces, in one process, one thread: a markdown table of ratios.
 

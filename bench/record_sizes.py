@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Bytes per token of one request's routing in each wire form, measured on
 the bytes each encoder writes (docs/CONSUMERS.md's record table).
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Turns moecap_bench's JSON (--benchmark_out) into docs/BENCHMARKS.md's tables:
 each moecap case beside its baseline from the same run, as a ratio.
 

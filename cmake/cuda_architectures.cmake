@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # moecap_default_cuda_architectures(<out_var> <nvcc_version>)
 #
 # The default GPU architectures of the kernels' fatbin for an nvcc version

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # moecap_nvcc_fatbin(<output> <source.cu> DEPENDS <headers...>)
 #
 # The fatbin as one nvcc command, for CMake versions without

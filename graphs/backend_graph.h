@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // A recorded, replayable sequence of backend operations: what a moecap_graph
 // handle owns. The host backend records a HostGraph (host_graph.h), the CUDA
 // backend a captured and instantiated CUgraph (cuda_graph.h).

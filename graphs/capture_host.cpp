@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host twins of capture_kernels.cu. The host backend runs these directly and
 // its graph emulation records them with their parameters baked.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA kernels of moecap, compiled by nvcc into a fatbin that is embedded in
 // libmoecap.so and loaded through the Driver API (no cudart). Their host
 // twins are in capture_host.cpp; the shared logic is in kernel_ops.h.

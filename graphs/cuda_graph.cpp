@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "graphs/cuda_graph.h"
 
 #include <utility>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // CUDA graphs through the driver: moecap_graph_begin starts a stream capture,
 // moecap_graph_end instantiates what was captured, and the BackendGraph it
 // returns replays it in the capturer's context. The caller makes the context

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // Element types moecap moves between tensors, and their conversions. Shared
 // by the CUDA kernels and their host twins, so both round and narrow alike.
 #pragma once

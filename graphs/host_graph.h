@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // The host backend's model of a CUDA graph: operations recorded with every
 // parameter baked (pointers, shapes, row offsets, slot-tensor addresses),
 // replayed in order against whatever memory holds at replay time. This is

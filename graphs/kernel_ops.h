@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // The per-element and per-row logic of capture and commit, written once and
 // compiled into both the CUDA kernels and their host twins.
 #pragma once

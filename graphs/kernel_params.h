@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // Parameters of moecap's device operations, as plain structs: the CUDA
 // kernels take them by value and the host twins take the same struct, so a
 // recorded operation is "this struct, baked". Pointers are device-visible

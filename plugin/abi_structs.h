@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // How structs cross the ABI across minor versions (PJRT's struct_size
 // rules): any struct_size from the struct's 1.0 size up is accepted; a
 // caller's struct is copied into a zeroed current one, so fields an older

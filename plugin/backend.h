@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // The small device interface both backends implement (docs/DESIGN.md §5). The
 // capturer validates every argument first; a backend only executes.
 #pragma once

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // One capturer per model per engine process: owns the plan, the backend and
 // every buffer, validates each operation completely before any of it runs.
 #pragma once

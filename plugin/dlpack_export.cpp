@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // DLPack views of the capturer's buffers. The manager context owns a
 // reference to the capturer, so memory outlives moecap_destroy until the
 // consumer calls the deleter.

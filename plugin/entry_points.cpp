@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The C ABI. Every entry point runs its body inside `guarded`, which turns
 // any exception into a status and thread-local text: nothing crosses the C
 // boundary. Calls on one capturer serialize on its lock.

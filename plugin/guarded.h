@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // The one wrapper every C entry point runs its body in (entry_points.cpp,
 // record.cpp): any exception becomes a status and thread-local text naming
 // the function, so nothing crosses the C boundary.

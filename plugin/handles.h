@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // What the opaque C handles are. A magic word lets debug builds detect use
 // after destroy (the shell of a destroyed handle is kept, marked dead).
 #pragma once

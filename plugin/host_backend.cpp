@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The host backend: plain memory, operations run at once (or are recorded
 // into a HostGraph between begin_graph and end_graph). The reference that
 // every test runs against, and the real backend of CPU inference engines.

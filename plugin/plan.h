@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // The layout plan: sizes every buffer from the engine's configuration, once,
 // and places each batch's rows. A pure function of its inputs (docs/DESIGN.md §2).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The routing record (abi/moecap_record.h, docs/RECORD_FORMAT.md): encode and
 // decode in host memory. python/moecap/record.py writes the same bytes; a
 // test compares the two.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // Checks of borrowed DLTensor arguments. Each check names the argument and
 // what was expected, and runs before any operation touches memory.
 #pragma once

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Quick start 1: installs what is missing, builds the library and the engine
 # simulation (C++, no Python needed), and runs it: CUDA where a GPU is
 # present, else the host backend. Extra arguments go to engine_sim

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs what a fresh Debian machine lacks (from Debian's packages; as root,
 # or through sudo) and builds moecap into build/.
 #

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Quick start 2: installs what is missing, makes the Python venv
 # (scripts/venv.sh; the first run downloads torch and its CUDA libraries, a
 # few GB), builds everything and runs every test (GPU tests skip without a

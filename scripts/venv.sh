@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The Python environment moecap builds its extension with and runs its Python
 # tests in: a venv outside the repository, so it survives between runs and
 # checkouts, at ${MOECAP_VENV:-$HOME/.cache/moecap/venv}, with

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* The smallest complete moecap host in C: load the library, check the ABI,
  * create a capturer, capture two layers, commit, read back. Every failure
  * prints moecap's own message. Usage: c_host [path/to/libmoecap.so] */

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // Where the simulated engine keeps its own tensors (the router's top-k
 // output, slot and row lists): plain host memory for the host backend, or
 // device memory through the CUDA driver (loaded at run time, like moecap)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // engine_sim: a simulated MoE serving engine that loads libmoecap.so with
 // dlopen, as a real engine would, and serves thousands of requests on one
 // engine process per attention-DP rank: chunked prefill mixed with decode,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap from Python: capture a router's top-k in two layers, commit the
 tokens to their KV slots, read a finished request back, invalidate a freed
 slot, and look at the host cache zero-copy through NumPy.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Routing replay for RL, end to end, on a transformers MoE model.
 
 Rollout side (the inference engine): serve a few requests with greedy decode

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend: device buffers from cuMemAlloc, the host cache in
 // portable, device-mapped pinned memory that the commit kernel writes
 // directly, kernels from the embedded fatbin, all on the primary context of

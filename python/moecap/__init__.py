@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap from Python: capture the routed experts of MoE models.
 
 A ``Capturer`` takes NumPy arrays, PyTorch tensors (CPU or CUDA), JAX or CuPy

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The exception every failed moecap call raises, and the statuses it carries.
 
 ``Status`` is moecap_status as the extension exports it from abi/moecap.h (an

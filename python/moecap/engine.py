@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Engine-step helpers: what every integration writes around a Capturer.
 
 ``commit_batch`` commits this rank's rows of a gathered (eager or padded)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Attach a Capturer to a Hugging Face transformers MoE model.
 
     handle = moecap.hf.attach(model, capturer)   # every MoE layer captures its routing

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap's step-path calls as torch.library custom ops (torch >= 2.4).
 
 ``torch.ops.moecap.capture``, ``.commit`` and ``.invalidate`` have fake

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """RoutedExperts: one request's routing as a read returns it, its bytes, and
 the shapes RL trainers take.
 

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // Shared pieces of the moecap._moecap extension: borrowing Python tensors as
 // DLTensors, resolving streams, raising MoecapError, and the DLPackView type.
 #pragma once

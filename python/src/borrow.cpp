@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Python tensors in, as borrowed DLTensors; streams; errors out.
 //
 // The step path calls capture once per MoE layer, so describing a tensor must

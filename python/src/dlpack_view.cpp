@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // DLPackView: a moecap buffer going out through the Python DLPack protocol
 // (array API 2023.12): versioned capsules when the consumer asks for them
 // (max_version), legacy ones otherwise, copy=True copies, dl_device is

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // moecap._moecap: the C ABI as a Python extension. Every tensor argument is
 // borrowed in place (see borrow.cpp) and handed to libmoecap.so in the same
 // call; the Python package (moecap/__init__.py) adds keyword configuration,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The routing record (abi/moecap_record.h) from Python: moecap.record's
 // RoutedExperts.to_bytes / from_bytes call these, so the bytes are written
 // and checked by the library's own codec and nowhere else.

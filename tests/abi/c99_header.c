@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* abi/moecap.h and abi/moecap_record.h must compile as strict C99
    (-std=c99 -pedantic -Werror) and link against libmoecap.so. */
 #include <stdio.h>

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A caller compiled against the frozen ABI 1.0 header (tests/abi/v1_0/),
  * driving the current library: create, capture, local_rows, commit, read,
  * get_plan and get_errors, with 1.0-sized structs. A 1.x library must keep

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Checks libmoecap.so: nm -D lists only moecap_* definitions, ldd shows no
 # libcuda or libcudart, and (with kernels) the fatbin is embedded.
 execute_process(COMMAND nm -D --defined-only ${LIBRARY} OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ABI conformance: loads the built libmoecap.so with RTLD_NOW | RTLD_LOCAL
 // and drives it only through abi/moecap.h, as an engine does.
 #include <doctest/doctest.h>

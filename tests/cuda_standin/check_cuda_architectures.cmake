@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # cmake -P: the default fatbin architectures for each nvcc release a GPU
 # fleet may have: nothing a compiler cannot build (sm_100 needs 12.8, sm_90
 # 11.8), never more targets than docs/DESIGN.md names, and PTX of the newest.

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // What the scenario tests need of an engine on the stand-in driver: its own
 // streams, device and pinned buffers, stream captures and graphs, reached
 // through the driver as an engine reaches cudart.

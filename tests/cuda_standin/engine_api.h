@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // What the CUDA backend scenarios (scenarios.cpp) need of an engine, written
 // once over either driver: the stand-in (engine_standin.cpp, label
 // `standin`, every CI run) or the real one through cudart

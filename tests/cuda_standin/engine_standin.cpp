@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // engine_api.h over the stand-in driver: its device memory is host memory,
 // and a stream runs only when the host waits, so a hold needs nothing.
 #include <cstdlib>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend's scenarios, written once and run against either driver
 // (engine_api.h): the stand-in in every CI run (moecap_standin_tests), the
 // real one on a GPU (moecap_gpu_scenarios, also under compute-sanitizer).

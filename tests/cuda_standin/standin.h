@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // A stand-in CUDA driver for CI machines without a GPU: a shared library
 // that MOECAP_LIBCUDA names, implementing the Driver API subset moecap uses
 // with CUDA's asynchronous semantics on the CPU, so orchestration bugs

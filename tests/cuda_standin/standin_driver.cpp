@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The stand-in CUDA driver; standin.h says what it models and what not.
 #include "tests/cuda_standin/standin.h"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend's host waits and teardown on the stand-in driver, where
 // its hooks show them: host waits that never hold the capturer's lock,
 // teardown during an engine's global capture on another thread, and graph

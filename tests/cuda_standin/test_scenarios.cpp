@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend on the stand-in driver only: what needs the stand-in's
 // hooks (a callback at every host wait, spin-wait counts, module-load errors,
 // driver versions). The scenarios both drivers run are in scenarios.cpp.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // MOECAP_FLAG_SIDE_STREAM on the CUDA backend, run by the stand-in driver:
 // capture and commit fork onto moecap's stream (eagerly, and as a branch of
 // the engine's own graph capture) and join back at moecap_join. The stand-in

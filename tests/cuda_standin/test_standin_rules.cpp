@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The stand-in driver keeps the real driver's rules where moecap could break
 // them: each test calls the stand-in directly, as moecap or an engine would,
 // and checks the rule the CUDA Programming Guide and Driver API state.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // On the CUDA backend over the stand-in driver: consumption that holds at
 // dp >= 2 (tests/support/step_rows.h), and the claim path's bookkeeping when
 // the slot tensor changes between the kernels of one commit.

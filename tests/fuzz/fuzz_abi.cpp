@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer target: the input decodes into a fuzzed config (of any struct
 // size a 1.0, 1.1 or newer caller passes, sometimes with an extension
 // pointer) and a sequence of ABI calls on the host backend (capture, commit

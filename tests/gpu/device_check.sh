@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Everything GPU-side in one go, on a machine with a GPU and nvcc and no
 # network: configure with CUDA and the Python package, build, run the GPU
 # tests (ctest -L gpu: the CUDA backend against the host backend, the

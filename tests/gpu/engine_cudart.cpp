@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // engine_api.h over the real driver, through cudart as an engine reaches it:
 // a hold is a host function that spins until released (a long forward).
 #include <cuda_runtime.h>

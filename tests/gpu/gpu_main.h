@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // main() of a doctest GPU suite: exit 77 (ctest's SKIP_RETURN_CODE) where
 // cudart finds no GPU. Included once, by the suite's .cpp/.cu, after
 // DOCTEST_CONFIG_IMPLEMENT and doctest.h.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Puts what the build and the tests need, and a machine without a package
 # registry (the GPU device machine) may lack, into .deps/ (git-ignored):
 #   .deps/usr/     Debian packages, unpacked: doctest, DLPack, Google Benchmark;

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Runs the CUDA-only Python tests (marked `cuda`); exit 77 where torch sees no GPU."""
 import sys
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The core test matrix on the CUDA backend, checked row by row against the
 // host backend doing the same steps. Skips (exit 77) without a GPU.
 #define DOCTEST_CONFIG_IMPLEMENT

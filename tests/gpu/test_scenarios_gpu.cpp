@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend scenarios on a real GPU: tests/cuda_standin/scenarios.cpp
 // (written once, over engine_api.h) runs here against cudart through
 // engine_cudart.cpp, plus what only a GPU shows. Skips (exit 77) without a

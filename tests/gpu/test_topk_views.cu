@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Zero-kernel capture on a GPU: a small top-k kernel (the engine's fused
 // MoE routing) writes int16 or int32 expert ids straight into
 // moecap_export(MOECAP_BUFFER_LAYER_IDS, layer), recorded in a CUDA graph

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `cmake --install` into a temporary prefix, then both ways a C/C++ engine
 # finds moecap there: a C program built with `pkg-config --cflags --libs
 # moecap`, and a CMake project with find_package(moecap). Both must build and

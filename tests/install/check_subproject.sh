@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # A C/C++ engine that builds moecap from source inside its own CMake project
 # (tests/install/subproject): once through add_subdirectory, once through
 # FetchContent from a local path, offline. Both must configure, build and run

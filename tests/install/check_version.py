@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The version is written once, in abi/moecap.h; everything else derives it.
 
 Applies pyproject.toml's metadata provider (scikit-build-core's regex

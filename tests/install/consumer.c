@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* An engine's view of an installed moecap: built only from what `cmake
    --install` put in the prefix (pkg-config or find_package), linked against
    libmoecap.so. Captures one layer, commits it to a slot, reads it back. */

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A small engine over transformers MoE models, for the tests: what an
 inference engine does around moecap, in miniature.
 

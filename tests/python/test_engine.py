@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap.engine: one-call commits of a rank's rows (eager and padded
 batches, -1 padding, idle ranks) and per-request bookkeeping."""
 import numpy as np

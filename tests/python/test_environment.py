@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The suite runs where it means something: torch >= 2.4 (the torch.compile
 test would otherwise skip) and NumPy 2 (versioned DLPack capsules)."""
 import numpy as np

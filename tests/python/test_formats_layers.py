@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The layer map of RoutedExperts: which model layer each MoE entry of ids
 is, and the all-layer view every all-layer payload is built from (dense
 layers filled, MoE layers the ids, -1 throughout a token without routing)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """megatron-core's own router replay, on CPU, fed moecap's Megatron payload.
 
 RouterReplay + topk_routing_with_score_function (pure torch) replay it as

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every trainer format decoded the way its consumer decodes it.
 
 The consumer-side functions here restate, line for line in meaning, what each

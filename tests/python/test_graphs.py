@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap-owned graphs from Python: a replay reads what the recorded tensors
 hold now, and the graph keeps those tensors alive after the caller drops them."""
 import gc

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap.hf on real transformers MoE architectures (random weights, no
 downloads), served by the small engine in hf_serving: every request's routing
 read back from the capturer equals the model's own output_router_logits top-k

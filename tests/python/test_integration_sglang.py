@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap behind SGLang's RoutedExpertsCapturer interface, side by side with
 SGLang 0.5.23's own capturer on the same batches.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap behind vLLM's RoutedExpertsCapturer interface, side by side with
 vLLM 0.33's own capturer on the same batches.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DLPack both ways: moecap's buffers go out to NumPy 2, PyTorch and JAX
 (versioned capsules when asked, copies on copy=True, refused capsules
 released), and every tensor argument takes any DLPack producer in place."""

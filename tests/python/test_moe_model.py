@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A real PyTorch MoE model served for several requests (prefill, then
 batched decode); moecap captures its real top-k ids and weights in every
 layer, and what it returns per request equals what PyTorch computed. On CPU

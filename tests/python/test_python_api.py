@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The typed Python face: keywords checked by name, dtypes given as names or as
 NumPy / torch dtypes, named results, and constants that come from the C header
 through the extension (no copy in Python to drift)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The routing record from Python (moecap.record, which calls the library's
 codec through the extension) and from C (moecap_record_encode, called here
 through ctypes): the same bytes, round trips, sizes, refusals, and the shapes

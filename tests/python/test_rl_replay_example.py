@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """examples/python/rl_replay.py runs as a test: the replayed forward
 reproduces the rollout's outputs and holds its routing after a policy update
 (the example asserts both and fails otherwise)."""

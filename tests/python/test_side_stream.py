@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """MOECAP_FLAG_SIDE_STREAM from Python: capture and commit fork off the
 engine's stream until join(); the binding holds the tensors they read until
 then (the caching allocator would otherwise hand a dropped topk_ids to the

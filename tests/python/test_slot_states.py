@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Capturer.slot_states checks its slots as moecap_read does: no NumPy
 negative indexing, no bare IndexError, and no sticky error from elsewhere."""
 import numpy as np

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ABI 1.1 from Python: slots that fail closed (never committed or
 invalidated slots read -1, strict reads refuse them), the library's config
 defaults, and a top-k "kernel" writing straight into the exported layer views."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap's step-path calls as torch.library custom ops: a real MoE model that
 captures and commits through them compiles with torch.compile(fullgraph=True)
 without graph breaks and stores the same routed experts as eager."""

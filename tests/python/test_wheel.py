@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`pip install <repo>` into a fresh venv, then `import moecap` and the
 quick-start example from another directory with no environment variables.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A tiny MoE language model: real routers (softmax, top-k) and experts, no
 attention, so a token's routing depends on its token and position only."""
 import torch

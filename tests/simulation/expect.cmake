@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Runs COMMAND (a ;-list), requires exit code EXIT and that its output
 # matches every regex in MATCH and none in REJECT.
 execute_process(COMMAND ${COMMAND} OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // A capturer owned by a doctest case: created (or the test stops) and destroyed with it.
 #pragma once
 

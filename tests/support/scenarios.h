@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // The CUDA backend scenarios (graphs, DP ranks, verify rows, fail-closed slots), shared by the stand-in driver's
 // suite (tests/cuda_standin) and the GPU suite (tests/gpu): the capturer,
 // the engine's routing buffer contents, and the moecap calls they make. Each

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // Consumption that holds at dp >= 2, as one scenario every backend runs: each
 // rank's capturer sees the gathered batch but commits only its own rows, so
 // other ranks' rows stay in its device buffer. A later step that places this

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 // Test helpers: owning host tensors that lend a DLTensor, and a config
 // with sane defaults. Shared by the unit, ABI and GPU suites.
 #pragma once

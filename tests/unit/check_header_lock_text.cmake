@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # moecap.h documents the capturer's lock in two places (the conventions at
 # the top, moecap_read's own comment); both must say what the code does: no
 # call holds the lock while it blocks on the host (read, write, synchronize

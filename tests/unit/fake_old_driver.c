@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* A stand-in libcuda for tests: initializes, then reports a driver version
    from FAKE_CUDA_VERSION (default 10.2) and resolves no entry point, so
    moecap must report MOECAP_ERROR_DRIVER_TOO_OLD. */

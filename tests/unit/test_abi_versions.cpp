@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ABI 1.x compatibility, as abi_structs.h implements it: any struct_size from
 // the 1.0 size up; older structs take defaults, newer ones are accepted only
 // with a zero tail; structs the library fills are written up to the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Every entry point's bad input: the right status, a message that names the
 // argument and the limit, and nothing changed (docs/DESIGN.md §4).
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // capture -> commit -> read through the C ABI on the host backend: round
 // trips for every dtype, and every entry point's bad input refused with the
 // right status, a message naming the argument, and no buffer changed.

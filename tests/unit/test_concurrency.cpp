@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Thread safety as the header documents it: one thread reads finished
 // requests while another captures and commits new ones on the same capturer.
 // Run under TSan by .ci/run; here it checks that no row is lost or torn.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The RAII owners of driver objects, against a Driver whose entry points are
 // counters: each object is freed once, in its context, by whoever owns it
 // last; release() gives it up; a context that cannot be made current (the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend's three driver failures, on any machine: no driver
 // library, the toolkit's stub library, and a driver too old. Each is a
 // distinct status with a clear message, and create hands out nothing.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The float conversions the kernels and host twins share, against exact
 // values and against the hardware's float<->half where the compiler has it.
 #include <doctest/doctest.h>

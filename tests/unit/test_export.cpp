@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // DLPack export consumed through the header only: shapes, strides, dtype,
 // device, byte_offset 0, a deleter that keeps the memory alive, and writes
 // through a view seen by moecap (zero copy).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Plugin-owned graphs on the host backend (docs/DESIGN.md §6): operations are
 // recorded with every argument baked and replayed against what memory holds
 // at replay time, which is exactly what a CUDA graph does.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The operations shared by the kernels and their host twins (kernel_ops.h),
 // and the host commit checked against them.
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The layout plan (docs/DESIGN.md §2): exhaustive properties over small ranges of
 // every input, and the two overflows that shipped as named regressions.
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The routing record (abi/moecap_record.h): exact bytes of a small record,
 // round trips packed and plain at every width boundary, validity, weights,
 // and every malformed input refused without writing.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // MOECAP_FLAG_SIDE_STREAM on the host backend: forked work (capture, commit)
 // runs at the join or at a host call, never at the call, as a side stream's
 // work may run on a GPU. So the join contract is checkable on the CPU: an

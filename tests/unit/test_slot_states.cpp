@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Slots fail closed: a slot without committed routing, or with ids that were
 // out of range at capture, reads -1 (never an expert id); moecap_invalidate
 // empties slots (also from a graph replay); MOECAP_READ_STRICT turns a slot

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Consumption that holds at dp >= 2 on the host backend (tests/support/step_rows.h),
 // eagerly and with the side stream's deferred work.
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What each consumer of routed experts takes, byte for byte, from a RoutedExperts.
 
 One module per consumer, each with ``encode`` (and a ``decode`` back to a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the trainer formats share: the T-1 row check, the refusal of tokens
 without routing where a format has no value for them, and the way back from
 an all-layer array to a RoutedExperts."""

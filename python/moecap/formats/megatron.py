@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Megatron-core router replay (megatron.core.transformer.moe.router_replay).
 
 ``RouterReplay.set_replay_data(list)`` takes one tensor per MoE layer, in the

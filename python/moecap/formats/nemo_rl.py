@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """NeMo-RL (vLLM rollout, Megatron training): routed_experts as its envelope.
 
 NeMo-RL's ``pad_and_align_routed_expert_indices`` turns vLLM's T-1 rows into

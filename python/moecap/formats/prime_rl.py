@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """prime-rl (its own vLLM wrapper and trainer): routed_experts as a dict.
 
 prime-rl's inference side sends vLLM's rows as ``{"data": base64 of the raw

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """SGLang 0.5.23: meta_info["routed_experts"] and the OpenAI sglext field.
 
 What a client receives when it asks for ``return_routed_experts``: the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """SkyRL (vLLM rollout, Megatron's RouterReplay): the packed routed_experts.
 
 SkyRL's inference server sends vLLM's T-1 rows as ``{"data": base64, "shape":

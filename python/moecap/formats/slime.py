@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """slime (THUDM/slime, Megatron backend): Sample.rollout_routed_experts.
 
 slime reads SGLang's meta_info["routed_experts"]: base64 of raw int32, which

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """verl (router replay R3, Megatron backend): the batch field routed_experts.
 
 verl's agent loop puts a rollout's routes into ``torch.zeros(1, total_length,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vLLM 0.33: CompletionOutput.routed_experts and the OpenAI choice field.
 
 ``CompletionOutput.routed_experts`` is a NumPy array of shape

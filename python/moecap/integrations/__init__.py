@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap behind the engines' own capturer interfaces.
 
 ``moecap.integrations.sglang``: a class with the interface of SGLang 0.5.23's

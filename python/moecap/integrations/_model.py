@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What an adapter reads from a model's Hugging Face config: the routed
 expert count, and which model layers are MoE layers (the layer map)."""
 

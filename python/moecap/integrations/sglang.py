@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap behind SGLang 0.5.23's RoutedExpertsCapturer interface.
 
 SGLang calls its capturer in four places: ``RoutedExpertsCapturer.create``

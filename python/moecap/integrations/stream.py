@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reading a running request's routing from a position onward.
 
 A streaming response (SGLang's routed_experts_start_len turn by turn, an

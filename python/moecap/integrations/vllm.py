@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """moecap behind vLLM 0.33's RoutedExpertsCapturer interface.
 
 vLLM's aux-output connector (``AuxOutputWorkerConnector``) builds one
