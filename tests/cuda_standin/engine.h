@@ -6,6 +6,10 @@
 
 #include <doctest/doctest.h>
 
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <thread>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -117,6 +121,53 @@ inline Tensor index_tensor(std::vector<int64_t> values, DLDeviceType where) {
   Tensor t({static_cast<int64_t>(values.size())}, moecap_test::i64(), where);
   for (size_t i = 0; i < values.size(); ++i) t.as<int64_t>()[i] = values[i];
   return t;
+}
+
+// While a host call blocks in the driver, another engine thread makes a
+// capture call on the same capturer: it must finish while the call waits.
+struct CallMeanwhile {
+  moecap_capturer* h = nullptr;
+  DLTensor* ids = nullptr;
+  Stream stream = nullptr;
+  std::thread other;
+  std::atomic<bool> done{false};
+  bool started = false;
+  bool in_time = false;
+  // The hook is global: a host wait on another thread (an earlier test's
+  // capturer released late by moecap's thread) is not the call under test.
+  std::thread::id caller = std::this_thread::get_id();
+};
+
+inline void capture_while_waiting(void* arg) {
+  auto* m = static_cast<CallMeanwhile*>(arg);
+  if (std::this_thread::get_id() != m->caller || m->started) return;
+  m->started = true;
+  m->other = std::thread([m] {
+    int64_t shape[2] = {1, moecap_scenarios::cuda_config().top_k};
+    DLTensor view = *m->ids;
+    view.ndim = 2;
+    view.shape = shape;
+    moecap_capture(m->h, 0, &view, nullptr, m->stream);  // no doctest assertion off the test's thread
+    m->done = true;
+  });
+  for (int i = 0; i < 200 && !m->done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  m->in_time = m->done;
+}
+
+// Runs `blocking` (a call that waits on the host at its first driver wait)
+// with another thread's capture call started at that wait; true when the
+// other call did not wait for it.
+inline bool other_calls_proceed(moecap_capturer* h, Tensor& ids, const std::function<void()>& blocking) {
+  CallMeanwhile m;
+  m.h = h;
+  m.ids = ids.get();
+  m.stream = new_stream();
+  standin_set_wait_hook(capture_while_waiting, &m);
+  blocking();
+  standin_set_wait_hook(nullptr, nullptr);
+  if (m.other.joinable()) m.other.join();
+  CHECK(m.started);  // the call did wait
+  return m.in_time;
 }
 
 }  // namespace standin

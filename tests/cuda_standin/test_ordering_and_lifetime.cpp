@@ -24,53 +24,6 @@ std::vector<int64_t> device_row(Tensor& out) {
   return std::vector<int64_t>(out.as<int64_t>(), out.as<int64_t>() + c.num_layers * c.top_k);
 }
 
-// While a host call blocks in the driver, another engine thread makes a
-// capture call on the same capturer: it must finish while the call waits.
-struct CallMeanwhile {
-  moecap_capturer* h = nullptr;
-  DLTensor* ids = nullptr;
-  Stream stream = nullptr;
-  std::thread other;
-  std::atomic<bool> done{false};
-  bool started = false;
-  bool in_time = false;
-  // The hook is global: a host wait on another thread (an earlier test's
-  // capturer released late by moecap's thread) is not the call under test.
-  std::thread::id caller = std::this_thread::get_id();
-};
-
-void capture_while_waiting(void* arg) {
-  auto* m = static_cast<CallMeanwhile*>(arg);
-  if (std::this_thread::get_id() != m->caller || m->started) return;
-  m->started = true;
-  m->other = std::thread([m] {
-    int64_t shape[2] = {1, cuda_config().top_k};
-    DLTensor view = *m->ids;
-    view.ndim = 2;
-    view.shape = shape;
-    moecap_capture(m->h, 0, &view, nullptr, m->stream);  // no doctest assertion off the test's thread
-    m->done = true;
-  });
-  for (int i = 0; i < 200 && !m->done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  m->in_time = m->done;
-}
-
-// Runs `blocking` (a call that waits on the host at its first driver wait)
-// with another thread's capture call started at that wait; true when the
-// other call did not wait for it.
-bool other_calls_proceed(moecap_capturer* h, Tensor& ids, const std::function<void()>& blocking) {
-  CallMeanwhile m;
-  m.h = h;
-  m.ids = ids.get();
-  m.stream = new_stream();
-  standin_set_wait_hook(capture_while_waiting, &m);
-  blocking();
-  standin_set_wait_hook(nullptr, nullptr);
-  if (m.other.joinable()) m.other.join();
-  CHECK(m.started);  // the call did wait
-  return m.in_time;
-}
-
 // Waits until the capturer's memory (its device and pinned blocks, claims,
 // snapshot ring: four allocations) is freed, by whichever thread releases it.
 void wait_until_freed(int64_t held) {
