@@ -124,27 +124,43 @@ inline __attribute__((always_inline)) uint32_t narrow_body(const S* __restrict i
   return bad;
 }
 
-// One entry point per dtype pair, compiled twice on x86-64 (AVX2 and the
-// baseline) and picked at load time by the CPU (an ifunc): the narrowing is
-// most of a commit's arithmetic, and AVX2 doubles its lanes.
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define MOECAP_NARROW_CLONES __attribute__((target_clones("avx2", "default")))
-#endif
-#endif
-#ifndef MOECAP_NARROW_CLONES
-#define MOECAP_NARROW_CLONES
+// Whether this CPU runs AVX2, decided once; use_avx2 is what the commit
+// paths follow (allow_host_commit_avx2 turns it off for tests). Chosen by a
+// flag, not an ifunc (target_clones): an ifunc resolver runs during
+// relocation, before a sanitizer's runtime is up, and crashes under TSan.
+// Initialized explicitly: this may run among a library's constructors,
+// before libgcc's own has filled in the CPU model.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MOECAP_X86_DISPATCH 1
+const bool kCpuHasAvx2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}();
+bool use_avx2 = kCpuHasAvx2;
+#define MOECAP_AVX2 __attribute__((target("avx2")))
 #endif
 
+// One entry point per dtype pair, compiled twice on x86-64 (AVX2 and the
+// baseline, narrow_body inlined into each) and picked by use_avx2: the
+// narrowing is most of a commit's arithmetic, and AVX2 doubles its lanes.
+#if defined(MOECAP_X86_DISPATCH)
 #define MOECAP_NARROW(S, D)                                                                                  \
-  MOECAP_NARROW_CLONES uint32_t narrow_##S##_##D(const S* __restrict in,          \
-                                                                          D* __restrict out, int64_t n,      \
-                                                                          uint32_t experts) {                \
+  uint32_t narrow_##S##_##D(const S* __restrict in, D* __restrict out, int64_t n, uint32_t experts) {        \
+    return narrow_body(in, out, n, experts);                                                                 \
+  }                                                                                                          \
+  MOECAP_AVX2 uint32_t narrow_##S##_##D##_avx2(const S* __restrict in, D* __restrict out, int64_t n,         \
+                                               uint32_t experts) {                                           \
     return narrow_body(in, out, n, experts);                                                                 \
   }                                                                                                          \
   inline uint32_t narrow_ids(const S* in, D* out, int64_t n, uint32_t experts) {                            \
-    return narrow_##S##_##D(in, out, n, experts);                                                            \
+    return use_avx2 ? narrow_##S##_##D##_avx2(in, out, n, experts) : narrow_##S##_##D(in, out, n, experts);  \
   }
+#else
+#define MOECAP_NARROW(S, D)                                                                                  \
+  inline uint32_t narrow_ids(const S* in, D* out, int64_t n, uint32_t experts) {                            \
+    return narrow_body(in, out, n, experts);                                                                 \
+  }
+#endif
 #define MOECAP_NARROW_FROM(S) \
   MOECAP_NARROW(S, uint8_t)   \
   MOECAP_NARROW(S, uint16_t)  \
@@ -198,7 +214,7 @@ inline bool narrow_rows_i16_u8_k8_sse2(const int16_t* in, uint8_t* out, int64_t 
 // The same with AVX2, four rows per pass: the per-row arithmetic halves, and
 // what is left is one 8-byte store per row and layer. Packing works per
 // 128-bit half, so the packed register holds rows 0, 2, 1, 3.
-__attribute__((target("avx2"))) bool narrow_rows_i16_u8_k8_avx2(const int16_t* in, uint8_t* out,
+MOECAP_AVX2 bool narrow_rows_i16_u8_k8_avx2(const int16_t* in, uint8_t* out,
                                                                  int64_t out_stride, int64_t n, uint32_t experts) {
   const __m256i top = _mm256_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(experts - 1)));
   const __m256i zero = _mm256_setzero_si256();
@@ -228,7 +244,7 @@ __attribute__((target("avx2"))) bool narrow_rows_i16_u8_k8_avx2(const int16_t* i
 // elements further): their chunks sit side by side in each staged row, so
 // every row gets one 16-byte store for both instead of two 8-byte ones,
 // halving the stores that bound the single-layer loop.
-__attribute__((target("avx2"))) bool narrow_layer_pair_i16_u8_k8_avx2(const int16_t* in, int64_t layer_stride,
+MOECAP_AVX2 bool narrow_layer_pair_i16_u8_k8_avx2(const int16_t* in, int64_t layer_stride,
                                                                        uint8_t* out, int64_t out_stride, int64_t n,
                                                                        uint32_t experts) {
   const __m256i top = _mm256_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(experts - 1)));
@@ -268,13 +284,6 @@ __attribute__((target("avx2"))) bool narrow_layer_pair_i16_u8_k8_avx2(const int1
   return tail_bad || !_mm256_testz_si256(bad, bad);
 }
 
-// Initialized explicitly: this may run among a library's constructors,
-// before libgcc's own has filled in the CPU model.
-const bool kCpuHasAvx2 = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") != 0;
-}();
-bool use_avx2 = kCpuHasAvx2;
 #endif
 
 inline bool narrow_rows_i16_u8_k8(const int16_t* in, uint8_t* out, int64_t out_stride, int64_t n,
@@ -485,7 +494,7 @@ void commit_dispatch(const CommitParams& p, bool consume) {
 void commit_on_host(const CommitParams& p) { commit_dispatch(p, false); }
 
 bool allow_host_commit_avx2(bool allowed) {
-#if defined(MOECAP_HAVE_FUSED_NARROW) && defined(__x86_64__) && defined(__GNUC__)
+#if defined(MOECAP_X86_DISPATCH)
   const bool before = use_avx2;
   use_avx2 = allowed && kCpuHasAvx2;
   return before;
