@@ -345,3 +345,55 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
   CHECK(unwritten_rows_seen > 0);
   CHECK(wrong == 0);
 }
+
+// Claims are never cleared, so each commit's must outrank every earlier one
+// for as long as a capturer lives: past 2^32 claim-using commits too (a
+// decode step a millisecond is 50 days), where a serial in the high 32 bits
+// wrapped to 0 and every slot claimed before the wrap refused its entries.
+TEST_CASE("claims outrank every earlier commit's, also past 2^32 commits") {
+  for (const unsigned long long serial : {0ull, 5ull, 0xffffffffull, 0x1ffffffffull}) {
+    CAPTURE(serial);
+    const int64_t device_rows = 4, host_slots = 4;
+    std::vector<int32_t> src(static_cast<size_t>(device_rows), 0);
+    std::vector<int32_t> ids(static_cast<size_t>(host_slots), 0);
+    std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0);
+    std::vector<unsigned long long> claims(static_cast<size_t>(host_slots), 0);
+    std::vector<int64_t> slots = {2, 2};
+    ErrorWord errors{};
+    StepWord step{};
+    step.claim_serial = serial;
+    LayerStamp stamp{};  // never captured: every row counts as written
+    CommitParams p{};
+    p.src_ids = reinterpret_cast<uint8_t*>(src.data());
+    p.dst_ids = reinterpret_cast<uint8_t*>(ids.data());
+    p.dst_states = states.data();
+    p.dst_slots = slots.data();
+    p.errors = &errors;
+    p.step = &step;
+    p.stamps = &stamp;
+    p.claims = claims.data();
+    p.count = 2;
+    p.device_rows = device_rows;
+    p.host_slots = host_slots;
+    p.dst_no_expert = -1;
+    p.mode = kCommitRows;
+    p.num_layers = 1;
+    p.top_k = 1;
+    p.num_experts = 100;
+    p.src_id_elem = kI32;
+    p.dst_id_elem = kI32;
+    p.weight_elem = -1;
+    p.src_rows_elem = kI64;
+    p.dst_slots_elem = kI64;
+    for (int32_t commit = 0; commit < 3; ++commit) {
+      CAPTURE(commit);
+      src[0] = 10 + commit;
+      src[1] = 20 + commit;  // the last entry for slot 2
+      claim_on_host(p);
+      commit_on_host(p);
+      release_on_host(p);
+      CHECK(ids[2] == 20 + commit);
+      CHECK(states[2] == kSlotValid);
+    }
+  }
+}
