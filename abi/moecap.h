@@ -319,7 +319,8 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
  * adds each kept id to histogram[layer][id]. Enqueued on `stream`.
  * Steps: the first moecap_capture after a commit of rows starts a step; the
  * commits that follow before the next capture (any number: a prefill part,
- * a decode part, accepted verify rows) end it. A commit reads layer L of a
+ * a decode part, accepted verify rows) end it. An empty commit ends it too:
+ * a DP rank without tokens in a step commits an empty dst_slots. A commit reads layer L of a
  * row as routing only if moecap_capture wrote that row of L in the current
  * step (rows [0, n) of any capture of L since the step began); any other row
  * of L (another DP rank's row of an earlier step, a layer skipped this step,

@@ -93,10 +93,14 @@ MOECAP_HD int64_t layer_written_rows(const CommitParams& p, int64_t layer) {
   return s.step == p.step->step ? s.rows : 0;
 }
 
-// This commit's claim for entry j (see CommitParams::claims).
+// This commit's claim for entry j (see CommitParams::claims). Entries are
+// 1..count <= device_rows, so claims order by (serial, entry) until the
+// product passes 2^64 (some 10^13 commits at a million device rows); a
+// serial shifted into the high 32 bits wrapped after 2^32 commits, below
+// every claim taken before.
 MOECAP_HD unsigned long long claim_value(const CommitParams& p, int64_t j) {
   const unsigned long long serial = p.step != nullptr ? p.step->claim_serial : 0ull;
-  return (serial << 32) | static_cast<unsigned long long>(j + 1);
+  return serial * static_cast<unsigned long long>(p.device_rows + 1) + static_cast<unsigned long long>(j + 1);
 }
 
 // Entry j of a commit claims its slot: the largest entry wins (see CommitParams::claims).

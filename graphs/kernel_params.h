@@ -35,7 +35,7 @@ enum SlotState : uint8_t {
 // to the same step (prefill part, decode part, accepted verify rows). Lives in
 // the device block beside the error word; zero at create.
 struct StepWord {
-  unsigned long long claim_serial;  // CUDA claims: bumped by every release, the high half of each claim
+  unsigned long long claim_serial;  // CUDA claims: bumped by every release, the major key of each claim
   uint32_t step;                    // 0 until the first capture; then 1, 2, ... (0 skipped on wrap)
   uint32_t committed;               // 1 from a commit of rows until the next capture
 };
@@ -89,8 +89,9 @@ struct CommitParams {
   StepWord* step;           // the capturer's step word, or nullptr (every row counts as written)
   const LayerStamp* stamps; // [num_layers], beside it
   // Duplicate slots: the last entry wins. On CUDA, where rows run in any
-  // order, the claim kernel raises claims[slot] to claim_serial << 32 | (1 +
-  // entry) for every entry before the commit kernel; an entry writes its
+  // order, the claim kernel raises claims[slot] to claim_serial *
+  // (device_rows + 1) + 1 + entry (claim_value) for every entry before the
+  // commit kernel; an entry writes its
   // slot only if the claim there is its own. Nothing is cleared: the release
   // kernel bumps claim_serial, so every claim of the next commit is above
   // every claim of this one, whatever slots the tensor held when each kernel

@@ -273,7 +273,10 @@ void Capturer::commit(const moecap_commit_args* caller_args, EngineStream stream
     check_host_slots(slots, "args->dst_slots", true, plan_.config.host_slots);
   }
   if (!graph) check_guards(on_host());
-  if (count == 0) return;
+  // An empty commit (a DP rank without tokens this step) moves no row but
+  // still ends the step, as the header promises of every commit: enqueued
+  // like any other, so the next capture starts a new step and the rows this
+  // step wrote stop counting.
 
   CommitParams p = commit_params(kCommitRows);
   p.src_rows = rows != nullptr ? tensor_data(rows) : nullptr;

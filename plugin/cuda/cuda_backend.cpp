@@ -535,12 +535,18 @@ class CudaBackend final : public Backend {
   // unless they target the same slots, which is a race in any case).
   // Invalidations take no claims: emptying a slot twice is emptying it once.
   // The release kernel consumes a commit's rows, one thread per element.
+  // An empty commit of rows runs the release kernel alone, one block: it
+  // only ends the step (finish_commit).
   void launch_commit(const CommitParams& given, CUstream s) {
     CommitParams p = given;
     if (p.mode == kInvalidate) p.claims = nullptr;
-    if (p.claims != nullptr) launch(claim_, p, p.count, s);
-    launch(commit_, p, p.count, s);
-    if (p.mode == kCommitRows) launch(release_, p, static_cast<int64_t>(p.num_layers) * p.count * p.top_k, s);
+    if (p.count > 0) {
+      if (p.claims != nullptr) launch(claim_, p, p.count, s);
+      launch(commit_, p, p.count, s);
+    }
+    if (p.mode == kCommitRows) {
+      launch(release_, p, std::max<int64_t>(1, static_cast<int64_t>(p.num_layers) * p.count * p.top_k), s);
+    }
   }
 
   // Needs the context current.

@@ -89,8 +89,11 @@ def abi_version() -> tuple[int, int]:
 def _dtype_name(value: Any) -> Any:
     """The keyword name ('u8', 'bf16', ...) of a dtype given as a name, an enum, or a
     NumPy / torch dtype; anything else comes back as it is (and is refused by the caller)."""
-    if isinstance(value, (IdDtype, WeightDtype)):
-        return None if value == WeightDtype.NONE else value.name.lower()
+    # By type, not value: IdDtype.AUTO and WeightDtype.NONE are both 0, and IntEnums compare as ints.
+    if isinstance(value, WeightDtype):
+        return None if value is WeightDtype.NONE else value.name.lower()
+    if isinstance(value, IdDtype):
+        return value.name.lower()
     if isinstance(value, str):
         return _DTYPE_NAMES.get(value, value)
     text = str(value)

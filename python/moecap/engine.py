@@ -45,7 +45,8 @@ def commit_batch(capturer: Capturer, slots: Slots, dp_rank: int = 0, tokens_per_
     their routing is dropped). tokens_per_rank: every attention-DP rank's row
     count (default: this rank alone). padded_tokens_per_rank: the graph's
     per-rank row count for a padded (CUDA-graph) batch; None for eager batches
-    packed back to back. A rank with no rows commits nothing. Returns
+    packed back to back. A rank with no rows commits an empty list, which
+    moves nothing but ends the step (see moecap_capture, "Steps"). Returns
     (start, count, total) of this rank's rows.
     """
     n = _length(slots)
@@ -58,8 +59,7 @@ def commit_batch(capturer: Capturer, slots: Slots, dp_rank: int = 0, tokens_per_
         raise ValueError(f"slots has {n} entries; tokens_per_rank[{dp_rank}] says this rank has "
                          f"{tokens_per_rank[dp_rank]} rows")
     start, count, total = capturer.local_rows(dp_rank, tokens_per_rank, padded_tokens_per_rank)
-    if count:
-        capturer.commit(_index_array(slots), src_start=start, stream=stream)
+    capturer.commit(_index_array(slots), src_start=start, stream=stream)
     return start, count, total
 
 

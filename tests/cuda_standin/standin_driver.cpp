@@ -507,10 +507,12 @@ CUresult cuModuleGetFunction(const void** fn, void*, const char* name) {
   return kNotFound;
 }
 
-CUresult cuLaunchKernel(const void* fn, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                        void* stream, void** params, void** extra) {
+CUresult cuLaunchKernel(const void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned, void* stream, void** params, void** extra) {
   ENTER();
   if (fn == nullptr || params == nullptr || extra != nullptr) return kInvalidValue;
+  // CUDA refuses an empty grid or block (a launch sized by a count of 0).
+  if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0) return kInvalidValue;
   const Kernel* k = static_cast<const Kernel*>(fn);
   // Kernel parameters are copied at the launch, as CUDA does.
   auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<const uint8_t*>(params[0]),

@@ -266,7 +266,7 @@ struct Model {
       }
       states[static_cast<size_t>(slot)] = static_cast<uint8_t>(MOECAP_SLOT_VALID | (bad ? MOECAP_SLOT_INVALID_IDS : 0));
     }
-    if (count > 0) committed = true;  // the next capture starts a step
+    committed = true;  // the next capture starts a step (an empty commit too)
     // Once every entry was read, each source row named (slot -1 and skipped
     // slots too) is consumed: it holds no routing until written again.
     for (int64_t j = 0; j < count; ++j) {

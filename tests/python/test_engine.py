@@ -51,6 +51,18 @@ def test_idle_rank_commits_nothing():
     assert np.array_equal(cap.read(np.arange(64)), before)
 
 
+def test_an_idle_ranks_empty_commit_ends_the_step():
+    cap = capturer(dp_size=2)
+    capture_rows(cap, 4)  # step 1: rank 1's four rows; rank 0 has none
+    commit_batch(cap, np.empty(0, dtype=np.int64), dp_rank=0, tokens_per_rank=[0, 4])
+    # step 2: rank 0's two rows at 0-1, layer 1 not captured: -1 there, not rank 1's rows of step 1
+    cap.capture(0, ((np.arange(2)[:, None] + 5 + np.arange(TOP_K)[None, :]) % EXPERTS).astype(np.int32))
+    commit_batch(cap, [40, 41], dp_rank=0, tokens_per_rank=[2, 0])
+    ids = cap.read(np.array([40, 41]))
+    assert (ids[:, 1] == -1).all()
+    assert np.array_equal(ids[:, 0], (np.arange(2)[:, None] + 5 + np.arange(TOP_K)[None, :]) % EXPERTS)
+
+
 def test_slot_count_must_match_the_ranks_rows():
     cap = capturer(dp_size=2)
     with pytest.raises(ValueError, match=r"slots has 3 entries; tokens_per_rank\[0\] says this rank has 2 rows"):

@@ -155,3 +155,18 @@ def test_every_buffer_the_library_exports_is_a_buffer_member():
             except moecap.MoecapError as e:
                 assert e.status == moecap.Status.INVALID_ARGUMENT
         assert exported == sorted(int(b) for b in moecap.Buffer)
+
+
+def test_every_dtype_enum_member_names_its_own_dtype_and_never_the_other_kinds():
+    # IdDtype.AUTO and WeightDtype.NONE are both 0: as IntEnums they compare equal, which
+    # must neither refuse id_dtype=IdDtype.AUTO nor take weight_dtype=IdDtype.AUTO as "no weights".
+    for member in moecap.IdDtype:
+        config = moecap.Config(**CONFIG, id_dtype=member, device_id_dtype=member)
+        assert config.id_dtype == member.name.lower() and config.device_id_dtype == member.name.lower()
+        with pytest.raises(ValueError, match="weight_dtype must be one of"):
+            moecap.Config(**CONFIG, weight_dtype=member)
+    for member in moecap.WeightDtype:
+        assert moecap.Config(**CONFIG, weight_dtype=member).weight_dtype == (
+            None if member == moecap.WeightDtype.NONE else member.name.lower())
+        with pytest.raises(ValueError, match="id_dtype must be one of"):
+            moecap.Config(**CONFIG, id_dtype=member)

@@ -5,7 +5,8 @@
 // rank's rows there and skips a layer (or captures fewer rows in one) must
 // read -1 for what it did not write, never another request's routing; and
 // several commits in one step (prefill part, decode part, accepted verify
-// rows) must still commit what the step captured.
+// rows) must still commit what the step captured; a rank without tokens ends
+// its step with an empty commit.
 #pragma once
 
 #include <doctest/doctest.h>
@@ -132,6 +133,18 @@ inline void run(moecap_capturer* h, const moecap_config& c, Memory& m) {
   capture(h, c, m, 2, 5, 1);
   commit(h, m, 1, {9});
   CHECK(read(h, c, 9, MOECAP_ERROR_NO_ROUTING) == row(c, 5, 1, {0, 1, 2}));
+
+  // Step 6: this rank has no tokens (the other ranks' fill every row of
+  // every layer) and commits an empty list, which still ends the step.
+  // Step 7: this rank's two tokens at rows 0-1, layer 1 skipped: it reads -1
+  // there, not the other ranks' rows of step 6.
+  for (int32_t l = 0; l < c.num_layers; ++l) capture(h, c, m, l, 6, total);
+  commit(h, m, 0, {});
+  capture(h, c, m, 0, 7, 2);
+  capture(h, c, m, 2, 7, 2);
+  commit(h, m, 0, {10, 11});
+  CHECK(read(h, c, 10, MOECAP_ERROR_NO_ROUTING) == row(c, 7, 0, {1}));
+  CHECK(read(h, c, 11, MOECAP_ERROR_NO_ROUTING) == row(c, 7, 1, {1}));
 
   moecap_error_counts e{};
   e.struct_size = sizeof e;

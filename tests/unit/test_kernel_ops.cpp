@@ -218,3 +218,182 @@ TEST_CASE("commit_on_host: the fused int16 -> u8 top-8 narrowing writes what the
   CHECK(cases == 2 * 4 * 2 * 4 * 2);
   CHECK(wrong == 0);
 }
+
+// The host backend's commit (commit_and_release_on_host: the consumption of
+// a row range folded into the commit's pass, the fused int16 -> u8 top-8
+// narrowing, layers taken in pairs) against the per-element operations in
+// kernel order (commit, then consume every named row, then finish), with the
+// step stamps in play: layers captured this step with fewer rows than the
+// commit reads, layers stamped in an earlier step, layers never captured.
+// Compares the host cache, the states, the counters and the consumed device
+// buffer.
+TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what the per-element operations do") {
+  std::mt19937 rng(23);
+  int cases = 0, wrong = 0, unwritten_rows_seen = 0;
+  struct Pair {
+    int32_t s, d;
+  };
+  for (const bool avx2 : {true, false}) {
+    const bool before = allow_host_commit_avx2(avx2);
+    for (const Pair pair : {Pair{kI16, kU8}, Pair{kI32, kI16}, Pair{kU16, kU8}, Pair{kU8, kU8}}) {
+      for (int32_t top_k : {8, 3}) {
+        for (int32_t layers : {1, 4, 7}) {
+          for (const bool row_list : {false, true}) {
+            for (const bool weights : {false, true}) {
+              const int32_t experts = pair.s == kU8 ? 200 : 256;
+              const int64_t device_rows = 300, host_slots = 400, row = int64_t{layers} * top_k;
+              const int64_t count = 1 + static_cast<int64_t>(rng() % 250);
+              const int64_t elems = layers * device_rows * top_k;
+              std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(pair.s)));
+              for (int64_t e = 0; e < elems; ++e) {
+                const uint32_t r = rng() % 80;
+                const int64_t id = r == 0 ? -1 : r == 1 ? experts + 5 : static_cast<int64_t>(rng() % experts);
+                store_int(src.data(), pair.s, e, r == 0 ? invalid_id_code(pair.s) : id);
+              }
+              std::vector<uint8_t> src_w(static_cast<size_t>(elems * 4));
+              for (uint8_t& b : src_w) b = static_cast<uint8_t>(rng() | 1);
+              StepWord step{};
+              step.step = 5;
+              step.claim_serial = 9;
+              std::vector<LayerStamp> stamps(static_cast<size_t>(layers));
+              for (LayerStamp& s : stamps) {
+                const uint32_t r = rng() % 4;
+                s.step = r == 0 ? 0u : r == 1 ? 4u : 5u;
+                s.rows = r == 3 ? static_cast<int64_t>(rng() % device_rows) : device_rows;
+              }
+              std::vector<int64_t> slots(static_cast<size_t>(count)), rows(static_cast<size_t>(count));
+              for (int64_t j = 0; j < count; ++j) {
+                const uint32_t r = rng() % 30;
+                slots[static_cast<size_t>(j)] = r == 0 ? -1 : r < 3 ? 17 : rng() % host_slots;
+                rows[static_cast<size_t>(j)] = r == 4 ? rows[0] : static_cast<int64_t>(rng() % device_rows);
+              }
+              CommitParams p{};
+              p.src_rows = row_list ? rows.data() : nullptr;
+              p.dst_slots = slots.data();
+              p.src_start = row_list ? 0 : static_cast<int64_t>(rng() % (device_rows - count + 1));
+              p.count = count;
+              p.device_rows = device_rows;
+              p.host_slots = host_slots;
+              p.dst_no_expert = invalid_id_code(pair.d);
+              p.mode = kCommitRows;
+              p.num_layers = layers;
+              p.top_k = top_k;
+              p.num_experts = experts;
+              p.src_id_elem = pair.s;
+              p.dst_id_elem = pair.d;
+              p.weight_elem = weights ? kF32 : -1;
+              p.src_rows_elem = kI64;
+              p.dst_slots_elem = kI64;
+              p.stamps = stamps.data();
+              const size_t id_bytes = static_cast<size_t>(host_slots * row * elem_bytes(pair.d));
+              std::vector<uint8_t> ids(id_bytes, 0x5A), ref_ids(id_bytes, 0x5A);
+              std::vector<uint8_t> w(static_cast<size_t>(host_slots * row * 4), 0x5A), ref_w(w);
+              std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0x7), ref_states(states);
+              std::vector<uint8_t> dev(src), ref_dev(src), dev_w(src_w), ref_dev_w(src_w);
+              ErrorWord errors{}, ref_errors{};
+              StepWord ref_step = step;
+              p.src_ids = dev.data();
+              p.src_weights = weights ? dev_w.data() : nullptr;
+              p.dst_ids = ids.data();
+              p.dst_weights = weights ? w.data() : nullptr;
+              p.dst_states = states.data();
+              p.errors = &errors;
+              p.step = &step;
+              commit_and_release_on_host(p);
+              p.src_ids = ref_dev.data();
+              p.src_weights = weights ? ref_dev_w.data() : nullptr;
+              p.dst_ids = ref_ids.data();
+              p.dst_weights = weights ? ref_w.data() : nullptr;
+              p.dst_states = ref_states.data();
+              p.errors = &ref_errors;
+              p.step = &ref_step;
+              for (int64_t j = 0; j < count; ++j) {
+                int64_t from = 0, slot = 0;
+                commit_source(p, j, &from, &slot);
+                if (!commit_goes_to(p, from, slot)) continue;
+                bool bad = false;
+                for (int64_t e = 0; e < row; ++e) {
+                  bad |= narrow_element(p, from, e, ref_ids.data() + slot * row * elem_bytes(pair.d), e);
+                  if (weights) commit_weight(p, from, slot, e);
+                  if (from >= layer_written_rows(p, e / top_k)) ++unwritten_rows_seen;
+                }
+                ref_states[static_cast<size_t>(slot)] = committed_state(bad);
+              }
+              for (int64_t e = 0; e < int64_t{layers} * count * top_k; ++e) consume_element(p, e);
+              finish_commit(p);
+              const bool same = ids == ref_ids && w == ref_w && states == ref_states && dev == ref_dev &&
+                                dev_w == ref_dev_w && errors.skipped_rows == ref_errors.skipped_rows &&
+                                errors.invalid_ids == ref_errors.invalid_ids && step.step == ref_step.step &&
+                                step.committed == ref_step.committed && step.claim_serial == ref_step.claim_serial;
+              if (!same && wrong++ == 0) {
+                MESSAGE("first mismatch: avx2 ", avx2, " device ", pair.s, " host ", pair.d, " top_k ", top_k,
+                        " layers ", layers, " row list ", row_list, " weights ", weights, " count ", count,
+                        " ids ", ids == ref_ids, " w ", w == ref_w, " states ", states == ref_states, " dev ",
+                        dev == ref_dev, " dev_w ", dev_w == ref_dev_w, " invalid ", errors.invalid_ids, "/",
+                        ref_errors.invalid_ids, " skipped ", errors.skipped_rows, "/", ref_errors.skipped_rows);
+              }
+              CHECK(step.committed == 1);
+              ++cases;
+            }
+          }
+        }
+      }
+    }
+    allow_host_commit_avx2(before);
+  }
+  CHECK(cases == 2 * 4 * 2 * 3 * 2 * 2);
+  CHECK(unwritten_rows_seen > 0);
+  CHECK(wrong == 0);
+}
+
+// Claims are never cleared, so each commit's must outrank every earlier one
+// for as long as a capturer lives: past 2^32 claim-using commits too (a
+// decode step a millisecond is 50 days), where a serial in the high 32 bits
+// wrapped to 0 and every slot claimed before the wrap refused its entries.
+TEST_CASE("claims outrank every earlier commit's, also past 2^32 commits") {
+  for (const unsigned long long serial : {0ull, 5ull, 0xffffffffull, 0x1ffffffffull}) {
+    CAPTURE(serial);
+    const int64_t device_rows = 4, host_slots = 4;
+    std::vector<int32_t> src(static_cast<size_t>(device_rows), 0);
+    std::vector<int32_t> ids(static_cast<size_t>(host_slots), 0);
+    std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0);
+    std::vector<unsigned long long> claims(static_cast<size_t>(host_slots), 0);
+    std::vector<int64_t> slots = {2, 2};
+    ErrorWord errors{};
+    StepWord step{};
+    step.claim_serial = serial;
+    LayerStamp stamp{};  // never captured: every row counts as written
+    CommitParams p{};
+    p.src_ids = reinterpret_cast<uint8_t*>(src.data());
+    p.dst_ids = reinterpret_cast<uint8_t*>(ids.data());
+    p.dst_states = states.data();
+    p.dst_slots = slots.data();
+    p.errors = &errors;
+    p.step = &step;
+    p.stamps = &stamp;
+    p.claims = claims.data();
+    p.count = 2;
+    p.device_rows = device_rows;
+    p.host_slots = host_slots;
+    p.dst_no_expert = -1;
+    p.mode = kCommitRows;
+    p.num_layers = 1;
+    p.top_k = 1;
+    p.num_experts = 100;
+    p.src_id_elem = kI32;
+    p.dst_id_elem = kI32;
+    p.weight_elem = -1;
+    p.src_rows_elem = kI64;
+    p.dst_slots_elem = kI64;
+    for (int32_t commit = 0; commit < 3; ++commit) {
+      CAPTURE(commit);
+      src[0] = 10 + commit;
+      src[1] = 20 + commit;  // the last entry for slot 2
+      claim_on_host(p);
+      commit_on_host(p);
+      release_on_host(p);
+      CHECK(ids[2] == 20 + commit);
+      CHECK(states[2] == kSlotValid);
+    }
+  }
+}

@@ -70,3 +70,33 @@ TEST_CASE("steps hold in recorded graphs: a replay that skips a layer reads -1 t
   }
   REQUIRE(moecap_graph_destroy(g) == MOECAP_OK);
 }
+
+// A rank with no rows in a step (DP attention: its MoE layers saw only other
+// ranks' tokens) commits an empty list, which ends the step like any commit:
+// the next step's captures start a new one, so a layer it skips reads -1
+// there, never the other ranks' rows of the step before.
+TEST_CASE("an empty commit ends the step: a layer the next step skips reads -1, not an earlier step's rows (host)") {
+  namespace sr = moecap_step_rows;
+  for (const uint32_t flags : {0u, static_cast<uint32_t>(MOECAP_FLAG_SIDE_STREAM)}) {
+    CAPTURE(flags);
+    moecap_config c = sr::config(2, MOECAP_DEVICE_HOST);
+    c.flags |= flags;
+    moecap_test::Handle cap(c);
+    std::deque<std::unique_ptr<moecap_test::HostTensor>> held;
+    sr::Memory m;
+    m.ids = [&held](const std::vector<int32_t>& v, int64_t n, int32_t top_k) {
+      held.push_back(std::make_unique<moecap_test::HostTensor>(std::initializer_list<int64_t>{n, top_k}, moecap_test::i32()));
+      for (size_t i = 0; i < v.size(); ++i) held.back()->set(static_cast<int64_t>(i), v[i]);
+      return held.back()->get();
+    };
+    // Step 1: the other rank's four tokens at rows 0-3; this rank has none.
+    for (int32_t l = 0; l < c.num_layers; ++l) sr::capture(cap.h, c, m, l, 1, 4);
+    sr::commit(cap.h, m, 0, {});
+    // Step 2: this rank's two tokens at rows 0-1; layer 1 skipped.
+    sr::capture(cap.h, c, m, 0, 2, 2);
+    sr::capture(cap.h, c, m, 2, 2, 2);
+    sr::commit(cap.h, m, 0, {0, 1});
+    CHECK(sr::read(cap.h, c, 0, MOECAP_ERROR_NO_ROUTING) == sr::row(c, 2, 0, {1}));
+    CHECK(sr::read(cap.h, c, 1, MOECAP_ERROR_NO_ROUTING) == sr::row(c, 2, 1, {1}));
+  }
+}

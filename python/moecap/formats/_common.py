@@ -25,10 +25,18 @@ def sequence_length(routed, num_tokens, consumer, whole=True):
     return implied
 
 
+def routed_tokens(routed):
+    """bool [tokens]: tokens with an expert id in every MoE layer. A valid slot
+    can still hold -1 in some layer (a layer not captured in the row's step, an
+    id out of range at capture: VALID | INVALID_IDS); no format has a value for
+    one missing expert inside a routed token, so such a token has no routing."""
+    return routed.valid & ~(routed.ids < 0).any(axis=(1, 2))
+
+
 def require_routing(routed, consumer, instead=""):
     """Refuses tokens without routing for a format that has no value meaning
     'none' (any value it could carry would be replayed as real experts)."""
-    missing = np.flatnonzero(~routed.valid)
+    missing = np.flatnonzero(~routed_tokens(routed))
     if missing.size:
         raise ValueError(f"{consumer} has no value for 'no routing', and {missing.size} token(s) have none (the first "
                          f"at position {routed.start + int(missing[0])}); {instead or 'nothing was encoded'}")
@@ -37,11 +45,14 @@ def require_routing(routed, consumer, instead=""):
 def moe_rows(routed, layout):
     """[tokens, layers, top_k] ids in the routing's signed dtype: every model
     layer with dense ones 0 ("full", what engines send), or the MoE layers only
-    ("moe"); -1 throughout a token without routing."""
+    ("moe"); -1 throughout a token without routing (routed_tokens)."""
+    routed_rows = routed_tokens(routed)[:, None, None]
     if layout == "full":
-        return routed.all_layers(dense=0)
+        full = routed.all_layers(dense=0)
+        full[:, list(routed.layers), :] = np.where(routed_rows, routed.ids, -1)
+        return full
     if layout == "moe":
-        return np.where(routed.valid[:, None, None], routed.ids, -1).astype(routed.ids.dtype)
+        return np.where(routed_rows, routed.ids, -1).astype(routed.ids.dtype)
     raise ValueError(f"layout must be 'full' or 'moe', not {layout!r}")
 
 

@@ -21,7 +21,7 @@ loss (``missing(routed)`` says which they are).
 """
 import numpy as np
 
-from ._common import from_layer_axis, sequence_length
+from ._common import from_layer_axis, routed_tokens, sequence_length
 
 CONSUMER = "Megatron's RouterReplay"
 _DTYPES = ("int32", "int64")
@@ -36,8 +36,8 @@ def _torch():
 
 
 def missing(routed):
-    """bool [tokens]: the tokens invalid="arange" fills (no routing at capture)."""
-    return ~routed.valid
+    """bool [tokens]: the tokens invalid="arange" fills (no routing at capture, in some MoE layer or all)."""
+    return ~routed_tokens(routed)
 
 
 def encode(routed, dtype="int64", num_tokens=None, invalid="raise"):

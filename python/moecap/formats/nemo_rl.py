@@ -23,7 +23,7 @@ import base64
 import numpy as np
 
 from ..record import signed_dtype
-from ._common import from_layer_axis, moe_rows, sequence_length
+from ._common import from_layer_axis, moe_rows, routed_tokens, sequence_length
 
 CONSUMER = "NeMo-RL"
 MAGIC = "nrlre1"
@@ -42,7 +42,7 @@ def array(routed, num_tokens=None, padded_length=None, layout="full"):
     out = np.empty((padded_length, rows.shape[1], rows.shape[2]), dtype=dtype)
     out[...] = np.arange(rows.shape[2], dtype=dtype)
     out[:rows.shape[0]] = rows
-    out[:rows.shape[0]][~routed.valid] = -1  # the whole row, dense layers too, as NeMo-RL marks a missing route
+    out[:rows.shape[0]][~routed_tokens(routed)] = -1  # the whole row, dense layers too, as NeMo-RL marks a missing route
     return out
 
 

@@ -27,7 +27,7 @@ import base64
 
 import numpy as np
 
-from ._common import fits, from_layer_axis, moe_rows, require_routing, sequence_length
+from ._common import fits, from_layer_axis, moe_rows, require_routing, routed_tokens, sequence_length
 
 CONSUMER = "SGLang"
 DTYPE = np.dtype("<i4")
@@ -49,7 +49,7 @@ def encode(routed, num_tokens=None, invalid="raise"):
     sequence_length(routed, num_tokens, CONSUMER, whole=False)
     rows = moe_rows(routed, "full")
     if invalid == "zero":
-        rows = np.where(routed.valid[:, None, None], rows, 0)
+        rows = np.where(routed_tokens(routed)[:, None, None], rows, 0)
     return fits(rows, DTYPE, CONSUMER)
 
 

@@ -27,7 +27,7 @@ import io
 
 import numpy as np
 
-from ._common import from_layer_axis, moe_rows, require_routing, sequence_length
+from ._common import from_layer_axis, moe_rows, require_routing, routed_tokens, sequence_length
 
 CONSUMER = "vLLM"
 INVALID = ("raise", "zero")
@@ -52,7 +52,7 @@ def encode(routed, num_tokens=None, invalid="raise"):
     sequence_length(routed, num_tokens, CONSUMER, whole=False)
     dtype = output_dtype(routed.num_experts)
     rows = moe_rows(routed, "full")
-    rows = np.where(routed.valid[:, None, None], rows, 0)
+    rows = np.where(routed_tokens(routed)[:, None, None], rows, 0)
     return np.ascontiguousarray(rows.astype(dtype))
 
 

@@ -160,8 +160,8 @@ class MoecapRoutedExpertsCapturer:
             start, count = 0, int(forward_batch.out_cache_loc.shape[0])
         if n > count:
             raise ValueError(f"out_cache_loc_virtual has {n} slots; this rank's batch has {count} rows")
-        if n:
-            self.capturer.commit(slots, src_start=start)
+        # Also with no rows (an idle DP rank): an empty commit ends the step.
+        self.capturer.commit(slots, src_start=start)
         return None
 
     def get_topk(self, req_pool_idx, seqlen, req_to_token_pool, start_len=0):
