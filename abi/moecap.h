@@ -320,13 +320,16 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
  * Steps: the first moecap_capture after a commit of rows starts a step; the
  * commits that follow before the next capture (any number: a prefill part,
  * a decode part, accepted verify rows) end it. An empty commit ends it too:
- * a DP rank without tokens in a step commits an empty dst_slots. A commit reads layer L of a
- * row as routing only if moecap_capture wrote that row of L in the current
+ * a DP rank without tokens in a step commits an empty dst_slots. A commit
+ * reads layer L of a row as routing only if moecap_capture wrote that row of L in the current
  * step (rows [0, n) of any capture of L since the step began); any other row
  * of L (another DP rank's row of an earlier step, a layer skipped this step,
  * rows past a smaller batch) commits as "no routing" (see moecap_commit).
  * Enqueued on `stream`; the bookkeeping is device memory, so captures and
- * commits recorded in graphs keep it at every replay.
+ * commits recorded in graphs keep it at every replay. It is one record per
+ * capturer: a step's captures and commits must be ordered with each other
+ * (one stream, or streams the engine joins, as a forward pass is); commits of
+ * rows running concurrently on unjoined streams may drop each other's rows.
  * A top-k kernel may instead write a layer's ids (and weights) straight into
  * the MOECAP_BUFFER_LAYER_IDS (_WEIGHTS) view: commit checks every id. A
  * layer never passed to moecap_capture is such a layer: moecap cannot see

@@ -531,8 +531,10 @@ class CudaBackend final : public Backend {
   }
 
   // With claims: claim, commit, release, in stream order (8 bytes of device
-  // memory per host slot; commits on other streams touch other claims
-  // unless they target the same slots, which is a race in any case).
+  // memory per host slot). The claims' serial is one per capturer, bumped by
+  // every release: commits must be ordered with each other, as steps require
+  // (moecap_capture, "Steps"); a release on an unjoined stream between this
+  // commit's claim and commit kernels would make its entries lose their claims.
   // Invalidations take no claims: emptying a slot twice is emptying it once.
   // The release kernel consumes a commit's rows, one thread per element.
   // An empty commit of rows runs the release kernel alone, one block: it
