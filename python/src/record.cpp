@@ -5,6 +5,7 @@
 #include <nanobind/stl/optional.h>
 
 #include <optional>
+#include <cstring>
 #include <vector>
 
 #include "binding.h"
@@ -61,7 +62,14 @@ const DLTensor* stored_weights(const Borrowed& weights, moecap_weight_dtype dtyp
   const int32_t to = weight_elem(dtype);
   if (from == to) return &w;
   if (from < 0) throw nb::type_error("moecap: argument 'weights' must be float32, bfloat16 or float16");
-  if (w.device.device_type != kDLCPU) throw nb::value_error("moecap: argument 'weights' must be in host memory");
+  // Read as the integer it is (a DLPack 1.0 type past the compiled enum must
+  // not be loaded as DLDeviceType); pinned host memory is host memory.
+  int32_t device_type = 0;
+  static_assert(sizeof device_type == sizeof w.device.device_type, "DLDeviceType is 32 bits");
+  std::memcpy(&device_type, &w.device.device_type, sizeof device_type);
+  if (device_type != kDLCPU && device_type != kDLCUDAHost) {
+    throw nb::value_error("moecap: argument 'weights' must be in host memory (CPU or pinned) to be converted");
+  }
   int64_t count = 1, expected_stride = 1;
   for (int32_t d = w.ndim - 1; d >= 0; --d) {
     if (w.strides != nullptr && w.shape[d] > 1 && w.strides[d] != expected_stride) {

@@ -152,8 +152,8 @@ class MoecapRoutedExpertsCapturer:
         if n > self._device_ids.shape[1]:
             raise ValueError(f"num_tokens is {n}; the capturer holds {self._device_ids.shape[1]} rows")
         moe = self._device_ids[:, :n, :].permute(1, 0, 2).to(torch.int32)  # a copy, taken before the consume
-        if n:
-            self.capturer.commit(self._drop[:n], src_start=0)
+        # Even with no rows: an empty commit ends the step (an idle DP rank's too).
+        self.capturer.commit(self._drop[:n], src_start=0)
         bad = (moe < 0).any(dim=2).any(dim=1)
         if self.invalid == "raise" and bool(bad.any()):
             first = int(torch.nonzero(bad)[0, 0])
