@@ -221,8 +221,8 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
                                             static_cast<int64_t>(layer) * c.num_experts
                                       : nullptr;
   p.errors = reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset);
-  p.step = reinterpret_cast<StepWord*>(device_block_ + step_word_.offset);
-  p.stamp = reinterpret_cast<LayerStamp*>(device_block_ + step_word_.offset + sizeof(StepWord)) + layer;
+  p.step = step_word();
+  p.stamp = layer_stamps() + layer;
   p.n = n;
   p.in_cols = static_cast<int32_t>(cols);
   p.top_k = c.top_k;
@@ -298,8 +298,8 @@ CommitParams Capturer::commit_params(int32_t mode) const {
   p.dst_weights = plan_.has_weights() ? host_block_on_device_ + host_weights_.offset : nullptr;
   p.dst_states = host_block_on_device_ + host_states_.offset;
   p.errors = reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset);
-  p.step = reinterpret_cast<StepWord*>(device_block_ + step_word_.offset);
-  p.stamps = reinterpret_cast<const LayerStamp*>(device_block_ + step_word_.offset + sizeof(StepWord));
+  p.step = step_word();
+  p.stamps = layer_stamps();
   p.device_rows = plan_.device_rows;
   p.host_slots = c.host_slots;
   p.dst_no_expert = plan_.no_expert;

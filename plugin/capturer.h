@@ -112,6 +112,9 @@ class Capturer {
   void check_guards(bool device_regions);
   HostView host_view(const DLTensor* t, const char* name, EngineStream stream);
   bool on_host() const { return plan_.config.device_type == MOECAP_DEVICE_HOST; }
+  // The step record in the device block: the word, then one stamp per layer.
+  StepWord* step_word() const { return reinterpret_cast<StepWord*>(device_block_ + step_word_.offset); }
+  LayerStamp* layer_stamps() const { return reinterpret_cast<LayerStamp*>(step_word() + 1); }
 
   Plan plan_;
   std::unique_ptr<Backend> backend_;

@@ -31,6 +31,11 @@ inline int32_t device_kind(const DLDevice& device) {
   std::memcpy(&raw, &device.device_type, sizeof raw);
   return raw;
 }
+// Stores a device type as the integer it is: the writing twin of device_kind.
+inline void set_device_kind(DLDevice& device, int32_t kind) {
+  static_assert(sizeof kind == sizeof device.device_type, "DLDeviceType is 32 bits");
+  std::memcpy(&device.device_type, &kind, sizeof kind);
+}
 // The largest device type the checks accept as one (kDLMAIA in DLPack 1.0);
 // an accepted type moecap cannot read still fails, as on the wrong device.
 constexpr int32_t kMaxDeviceType = 17;

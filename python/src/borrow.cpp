@@ -14,6 +14,7 @@
 #include <string>
 
 #include "binding.h"
+#include "plugin/tensor_args.h"
 
 namespace moecap_python {
 namespace {
@@ -224,12 +225,9 @@ void borrow_ndarray(const Array& a, Borrowed& out, const char* name, nb::handle 
   out.dl.ndim = static_cast<int32_t>(a.ndim());
   auto dt = a.dtype();
   out.dl.dtype = DLDataType{dt.code, dt.bits, dt.lanes};
-  // The caller's device type stored as the integer it is, never converted to
-  // DLDeviceType: DLPack 1.0 types past the end of the enum we compile against
-  // (16, 17 with Debian's DLPack 0.6) would make that conversion undefined.
-  const auto device_type = static_cast<int32_t>(a.device_type());
-  static_assert(sizeof device_type == sizeof out.dl.device.device_type, "DLDeviceType is 32 bits");
-  std::memcpy(&out.dl.device.device_type, &device_type, sizeof device_type);
+  // Never converted to DLDeviceType: DLPack 1.0 types past the end of the enum
+  // we compile against would make that conversion undefined.
+  moecap::set_device_kind(out.dl.device, static_cast<int32_t>(a.device_type()));
   out.dl.device.device_id = static_cast<int32_t>(a.device_id());
   copy_dims(a.shape_ptr(), a.stride_ptr(), out, name, obj);
 }

@@ -11,6 +11,7 @@
 #include "binding.h"
 #include "graphs/element.h"
 #include "moecap_record.h"
+#include "plugin/tensor_args.h"
 
 namespace moecap_python {
 namespace {
@@ -62,11 +63,8 @@ const DLTensor* stored_weights(const Borrowed& weights, moecap_weight_dtype dtyp
   const int32_t to = weight_elem(dtype);
   if (from == to) return &w;
   if (from < 0) throw nb::type_error("moecap: argument 'weights' must be float32, bfloat16 or float16");
-  // Read as the integer it is (a DLPack 1.0 type past the compiled enum must
-  // not be loaded as DLDeviceType); pinned host memory is host memory.
-  int32_t device_type = 0;
-  static_assert(sizeof device_type == sizeof w.device.device_type, "DLDeviceType is 32 bits");
-  std::memcpy(&device_type, &w.device.device_type, sizeof device_type);
+  // Pinned host memory is host memory.
+  const int32_t device_type = moecap::device_kind(w.device);
   if (device_type != kDLCPU && device_type != kDLCUDAHost) {
     throw nb::value_error("moecap: argument 'weights' must be in host memory (CPU or pinned) to be converted");
   }
