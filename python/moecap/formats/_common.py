@@ -2,6 +2,8 @@
 """What the trainer formats share: the T-1 row check, the refusal of tokens
 without routing where a format has no value for them, and the way back from
 an all-layer array to a RoutedExperts."""
+import base64
+
 import numpy as np
 
 from ..record import RoutedExperts
@@ -61,6 +63,17 @@ def fits(ids, dtype, consumer):
     if ids.size and (int(ids.max()) > info.max or int(ids.min()) < info.min):
         raise ValueError(f"{consumer}'s {np.dtype(dtype).name} cannot hold expert {int(ids.max())}")
     return ids.astype(np.dtype(dtype).newbyteorder("<"))
+
+
+def array_from_base64(data, dtype, shape, holds):
+    """The [S, L, K] array a payload's base64 field holds, its size checked
+    against the shape it names; `holds` begins the error ("data has")."""
+    dtype = np.dtype(dtype)
+    raw = base64.b64decode(data, validate=True)
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(raw) != expected:
+        raise ValueError(f"{holds} {len(raw)} bytes; {dtype.name} {list(shape)} takes {expected}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start=0, valid=None):

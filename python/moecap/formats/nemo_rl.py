@@ -23,7 +23,7 @@ import base64
 import numpy as np
 
 from ..record import signed_dtype
-from ._common import from_layer_axis, moe_rows, routed_tokens, sequence_length
+from ._common import array_from_base64, from_layer_axis, moe_rows, routed_tokens, sequence_length
 
 CONSUMER = "NeMo-RL"
 MAGIC = "nrlre1"
@@ -69,11 +69,7 @@ def decode(payload, num_experts, num_tokens=None, layers=None, num_hidden_layers
         shape = ()
     if len(shape) != 3 or min(shape) < 0:
         raise ValueError(f"envelope shape {shape_text!r} is not SxLxK")
-    raw = base64.b64decode(data, validate=True)
-    if len(raw) != shape[0] * shape[1] * shape[2] * _DTYPES[name].itemsize:
-        raise ValueError(f"envelope holds {len(raw)} bytes; {name} {shape_text} takes "
-                         f"{shape[0] * shape[1] * shape[2] * _DTYPES[name].itemsize}")
-    a = np.frombuffer(raw, dtype=_DTYPES[name]).reshape(shape)
+    a = array_from_base64(data, _DTYPES[name], shape, "envelope holds")
     tokens = shape[0] if num_tokens is None else int(num_tokens)
     if not 1 <= tokens <= shape[0]:
         raise ValueError(f"num_tokens is {tokens}; the envelope has {shape[0]} rows")

@@ -19,7 +19,7 @@ import base64
 
 import numpy as np
 
-from ._common import from_layer_axis, moe_rows, require_routing, sequence_length
+from ._common import array_from_base64, from_layer_axis, moe_rows, require_routing, sequence_length
 
 CONSUMER = "prime-rl"
 _DTYPES = {"uint8": np.dtype("u1"), "uint16": np.dtype("<u2")}
@@ -59,9 +59,5 @@ def decode(payload, num_experts, layers=None, num_hidden_layers=None):
         raise ValueError(f"dtype {name!r}; prime-rl's are {sorted(_DTYPES)}")
     if len(shape) != 3 or start < 0:
         raise ValueError(f"shape {list(shape)} / start {start}: expected 3 dimensions and start >= 0")
-    raw = base64.b64decode(data, validate=True)
-    if len(raw) != shape[0] * shape[1] * shape[2] * _DTYPES[name].itemsize:
-        raise ValueError(f"data has {len(raw)} bytes; {name}{list(shape)} takes "
-                         f"{shape[0] * shape[1] * shape[2] * _DTYPES[name].itemsize}")
-    ids = np.frombuffer(raw, dtype=_DTYPES[name]).reshape(shape)
+    ids = array_from_base64(data, _DTYPES[name], shape, "data has")
     return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=start)

@@ -18,7 +18,7 @@ import base64
 
 import numpy as np
 
-from ._common import from_layer_axis, moe_rows, require_routing, sequence_length
+from ._common import array_from_base64, from_layer_axis, moe_rows, require_routing, sequence_length
 
 CONSUMER = "SkyRL"
 _DTYPES = {"uint8": np.dtype("u1"), "int16": np.dtype("<i2"), "int32": np.dtype("<i4")}
@@ -52,11 +52,7 @@ def decode(payload, num_experts, layers=None, num_hidden_layers=None):
         raise ValueError(f"dtype {name!r}; SkyRL's are {sorted(_DTYPES)}")
     if len(shape) != 3 or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
         raise ValueError(f"shape {list(shape)} is not 3 non-negative dimensions")
-    raw = base64.b64decode(data, validate=True)
-    if len(raw) != shape[0] * shape[1] * shape[2] * _DTYPES[name].itemsize:
-        raise ValueError(f"data has {len(raw)} bytes; {name}{list(shape)} takes "
-                         f"{shape[0] * shape[1] * shape[2] * _DTYPES[name].itemsize}")
-    ids = np.frombuffer(raw, dtype=_DTYPES[name]).reshape(shape)
+    ids = array_from_base64(data, _DTYPES[name], shape, "data has")
     if ids.size and int(ids.min()) < 0:
         raise ValueError("SkyRL's routed experts are non-negative; this payload holds a negative id")
     if canonical_dtype(ids) != _DTYPES[name]:
