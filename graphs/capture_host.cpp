@@ -284,6 +284,120 @@ MOECAP_AVX2 bool narrow_layer_pair_i16_u8_k8_avx2(const int16_t* in, int64_t lay
   return tail_bad || !_mm256_testz_si256(bad, bad);
 }
 
+// The rare part of a range commit, element by element: which of rows
+// [first, first + rows) of layers [layer, layer + layers) hold an id outside
+// [0, experts), counting those that are not the no-routing code (as
+// committed_id_bad does) in rows that go to a slot (to[r] is not
+// `nowhere`). Runs before the rows are consumed.
+void mark_bad_rows_i16(const CommitParams& p, int64_t layer, int64_t layers, int64_t first, int64_t rows,
+                       uint8_t* const* to, const uint8_t* nowhere, uint8_t* row_bad) {
+  const int16_t* src = reinterpret_cast<const int16_t*>(p.src_ids);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (to[r] == nowhere) continue;
+    for (int64_t l = layer; l < layer + layers; ++l) {
+      const int16_t* in = src + (l * p.device_rows + first + r) * 8;
+      for (int k = 0; k < 8; ++k) {
+        if (committed_id_bad(p, in[k])) row_bad[r] = 1;
+      }
+    }
+  }
+}
+
+// A range commit's whole tile in one pass over the device rows: rows
+// [first, first + n) of every layer, int16 ids narrowed to u8 (an id outside
+// [0, experts) becomes 0xff) straight into each row's host-cache row
+// (to[r], or `nowhere`, a scratch row, for a row that goes to no slot), and consumed (all
+// ones written back) right after they are read. Four layers at a time, so
+// each host row gets one 32-byte store per four layers, and layer by layer
+// through the rows (a layer's rows are contiguous; the layers are the device
+// buffer's rows apart, a power-of-two stride that would make every layer's
+// line compete for one cache set if a pass went across them). Rows in order
+// within each pass, so a slot listed twice keeps its later row. The range
+// check is a clamp: min(id, experts) as unsigned (negative ids wrap above),
+// packed to bytes, and every byte equal to experts becomes 0xff (experts <=
+// 255); with 256 experts (kEveryByteAnId) min(id, 255), and an id outside
+// is one with a high byte. row_bad[r] is set for rows with an id outside;
+// every layer must hold routing written this step for all n rows.
+template <bool kEveryByteAnId>
+MOECAP_AVX2 void narrow_consume_range_i16_u8_k8_avx2(const CommitParams& p, int64_t first, int64_t n,
+                                                     uint8_t* const* to, uint8_t* nowhere, uint8_t* row_bad) {
+  int16_t* src = reinterpret_cast<int16_t*>(p.src_ids) + first * 8;
+  const int64_t layer_stride = p.device_rows * 8;
+  const int64_t layers = p.num_layers;
+  const __m256i limit = _mm256_set1_epi16(static_cast<int16_t>(kEveryByteAnId ? 255 : p.num_experts));
+  const __m256i limit_bytes = _mm256_set1_epi8(static_cast<char>(p.num_experts));
+  const __m256i high_bytes = _mm256_set1_epi16(static_cast<int16_t>(0xff00));
+  const __m256i ones = _mm256_set1_epi8(-1);
+  const int64_t blocks = n / 4 * 4;
+  int64_t l = 0;
+  for (; l + 4 <= layers; l += 4) {
+    int16_t* const in = src + l * layer_stride;
+    for (int64_t i = 0; i < blocks; i += 4) {
+      __m256i r[4], any = _mm256_setzero_si256();
+      for (int q = 0; q < 4; ++q) {  // layer l + q, rows i..i+3 -> bytes of rows i, i+2 | i+1, i+3
+        const __m256i* at = reinterpret_cast<const __m256i*>(in + q * layer_stride + i * 8);
+        const __m256i x = _mm256_loadu_si256(at), y = _mm256_loadu_si256(at + 1);
+        const __m256i packed = _mm256_packus_epi16(_mm256_min_epu16(x, limit), _mm256_min_epu16(y, limit));
+        if constexpr (kEveryByteAnId) {  // 0xff is both id 255 and "no expert": outside is any high byte
+          any = _mm256_or_si256(any, _mm256_or_si256(x, y));
+          r[q] = packed;
+        } else {
+          const __m256i outside = _mm256_cmpeq_epi8(packed, limit_bytes);
+          any = _mm256_or_si256(any, outside);
+          r[q] = _mm256_or_si256(packed, outside);
+        }
+      }
+      if (!_mm256_testz_si256(any, kEveryByteAnId ? high_bytes : any)) mark_bad_rows_i16(p, l, 4, first + i, 4, to + i, nowhere, row_bad + i);
+      for (int q = 0; q < 4; ++q) {
+        __m256i* at = reinterpret_cast<__m256i*>(in + q * layer_stride + i * 8);
+        _mm256_storeu_si256(at, ones);
+        _mm256_storeu_si256(at + 1, ones);
+      }
+      const __m256i lo01 = _mm256_unpacklo_epi64(r[0], r[1]);  // row i | row i+1, layers l, l+1
+      const __m256i hi01 = _mm256_unpackhi_epi64(r[0], r[1]);  // row i+2 | row i+3
+      const __m256i lo23 = _mm256_unpacklo_epi64(r[2], r[3]);
+      const __m256i hi23 = _mm256_unpackhi_epi64(r[2], r[3]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i] + l * 8), _mm256_permute2x128_si256(lo01, lo23, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 1] + l * 8), _mm256_permute2x128_si256(lo01, lo23, 0x31));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 2] + l * 8), _mm256_permute2x128_si256(hi01, hi23, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 3] + l * 8), _mm256_permute2x128_si256(hi01, hi23, 0x31));
+    }
+  }
+  for (; l < layers; ++l) {  // the last layers short of four: 8 bytes per row
+    int16_t* const in = src + l * layer_stride;
+    for (int64_t i = 0; i < blocks; i += 4) {
+      __m256i* at = reinterpret_cast<__m256i*>(in + i * 8);
+      const __m256i x = _mm256_loadu_si256(at), y = _mm256_loadu_si256(at + 1);
+      const __m256i packed = _mm256_packus_epi16(_mm256_min_epu16(x, limit), _mm256_min_epu16(y, limit));
+      const __m256i outside = kEveryByteAnId ? _mm256_setzero_si256() : _mm256_cmpeq_epi8(packed, limit_bytes);
+      const bool block_bad = kEveryByteAnId ? !_mm256_testz_si256(_mm256_or_si256(x, y), high_bytes)
+                                            : !_mm256_testz_si256(outside, outside);
+      if (block_bad) mark_bad_rows_i16(p, l, 1, first + i, 4, to + i, nowhere, row_bad + i);
+      _mm256_storeu_si256(at, ones);
+      _mm256_storeu_si256(at + 1, ones);
+      const __m256i rows = _mm256_or_si256(packed, outside);
+      const __m128i low = _mm256_castsi256_si128(rows), high = _mm256_extracti128_si256(rows, 1);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(to[i] + l * 8), low);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(to[i + 1] + l * 8), high);
+      _mm_storeh_pd(reinterpret_cast<double*>(to[i + 2] + l * 8), _mm_castsi128_pd(low));
+      _mm_storeh_pd(reinterpret_cast<double*>(to[i + 3] + l * 8), _mm_castsi128_pd(high));
+    }
+  }
+  for (int64_t i = blocks; i < n; ++i) {  // the last rows short of four, element by element
+    for (l = 0; l < layers; ++l) {
+      int16_t* in = src + l * layer_stride + i * 8;
+      uint8_t* out = to[i] + l * 8;
+      for (int k = 0; k < 8; ++k) {
+        const bool bad = to[i] == nowhere ? !(in[k] >= 0 && in[k] < p.num_experts) : committed_id_bad(p, in[k]);
+        row_bad[i] = static_cast<uint8_t>(row_bad[i] | (bad ? 1 : 0));
+        out[k] = bad ? uint8_t{0xff} : static_cast<uint8_t>(in[k]);
+        in[k] = -1;
+      }
+    }
+  }
+}
+#define MOECAP_HAVE_RANGE_NARROW_CONSUME 1
+
 #endif
 
 inline bool narrow_rows_i16_u8_k8(const int16_t* in, uint8_t* out, int64_t out_stride, int64_t n,
@@ -305,6 +419,14 @@ inline bool narrow_layer_pair_i16_u8_k8(const int16_t* in, int64_t layer_stride,
 }
 #endif
 
+// Whether every layer holds routing written this step in rows [0, end).
+bool rows_written_in_every_layer(const CommitParams& p, int64_t end) {
+  for (int64_t l = 0; l < p.num_layers; ++l) {
+    if (layer_written_rows(p, l) < end) return false;
+  }
+  return true;
+}
+
 // The device buffer's "no routing" is all ones in every dtype, its no weight
 // zero: consuming is a fill of bytes.
 void consume_run(const CommitParams& p, int64_t layer, int64_t first_row, int64_t rows) {
@@ -318,7 +440,7 @@ void consume_run(const CommitParams& p, int64_t layer, int64_t first_row, int64_
 }
 
 struct CommitScratch {
-  std::vector<uint64_t> srcs, slots, bad, gathered, narrowed, staged, staged_w;
+  std::vector<uint64_t> srcs, slots, bad, gathered, narrowed, staged, staged_w, to;
   // `n` elements of T, 8-byte aligned, contents unspecified.
   template <class T>
   T* get(std::vector<uint64_t>& v, int64_t n) {
@@ -349,7 +471,9 @@ void commit_rows(const CommitParams& p, bool consume) {
   const int64_t w_row = row * w_bytes;
   // A tile of about 32 KiB of staged ids (the narrowed rows and the gathered
   // source rows of one layer stay in L1), at least 16 rows, at most 512.
-  const int64_t tile = std::min<int64_t>(512, std::max<int64_t>(16, 32768 / std::max<int64_t>(1, row * static_cast<int64_t>(sizeof(D)))));
+  // A multiple of 4, the row blocks of the vectorized passes.
+  const int64_t tile =
+      std::min<int64_t>(512, std::max<int64_t>(16, 32768 / std::max<int64_t>(1, row * static_cast<int64_t>(sizeof(D))))) / 4 * 4;
   const size_t id_chunk = static_cast<size_t>(top_k) * sizeof(D);
   const size_t in_chunk = static_cast<size_t>(top_k) * sizeof(S);
   const D no_expert = static_cast<D>(p.dst_no_expert);
@@ -363,6 +487,13 @@ void commit_rows(const CommitParams& p, bool consume) {
   D* narrowed = scratch.get<D>(scratch.narrowed, tile * top_k);
   D* staged = scratch.get<D>(scratch.staged, tile * row);
   uint8_t* staged_w = scratch.get<uint8_t>(scratch.staged_w, tile * w_row);
+  uint8_t** to = scratch.get<uint8_t*>(scratch.to, tile);
+#ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
+  // A range commit of int16 ids into u8 without weights: the common decode
+  // and prefill commit, with its own one-pass kernel.
+  const bool range_in_one_pass = use_avx2 && consume && p.mode == kCommitRows && p.src_rows == nullptr &&
+                                 w_bytes == 0 && experts >= 1 && experts <= 256;
+#endif
   for (int64_t first = 0; first < p.count; first += tile) {
     const int64_t last = std::min(p.count, first + tile);
     int64_t n = 0;
@@ -382,6 +513,26 @@ void commit_rows(const CommitParams& p, bool consume) {
     // The tile's part of a row range, clipped to the device rows: consumed whatever its slots.
     const int64_t run_first = std::max<int64_t>(0, p.src_start + first);
     const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;
+#ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
+    if constexpr (TopK == 8 && std::is_same_v<S, int16_t> && std::is_same_v<D, uint8_t>) {
+      if (range_in_one_pass && n > 0 && run_rows > 0 && rows_written_in_every_layer(p, run_first + run_rows)) {
+        // The tile's rows are one run: narrowed and consumed in one pass
+        // straight into their slots' rows (a row that goes nowhere into a
+        // scratch row); then the slots' states, in list order.
+        uint8_t* scratch_row = reinterpret_cast<uint8_t*>(staged);
+        for (int64_t r = 0; r < run_rows; ++r) to[r] = scratch_row;
+        for (int64_t i = 0; i < n; ++i) to[srcs[i] - run_first] = reinterpret_cast<uint8_t*>(p.dst_ids) + slots[i] * row;
+        std::memset(bad, 0, static_cast<size_t>(run_rows));
+        if (experts == 256) {
+          narrow_consume_range_i16_u8_k8_avx2<true>(p, run_first, run_rows, to, scratch_row, bad);
+        } else {
+          narrow_consume_range_i16_u8_k8_avx2<false>(p, run_first, run_rows, to, scratch_row, bad);
+        }
+        for (int64_t i = 0; i < n; ++i) p.dst_states[slots[i]] = committed_state(bad[srcs[i] - run_first] != 0);
+        continue;
+      }
+    }
+#endif
     bool consecutive = true;
     int64_t last_src = -1;  // the tile's highest source row: most layers wrote every row of a tile
     for (int64_t i = 1; i < n; ++i) consecutive = consecutive && srcs[i] == srcs[0] + i;

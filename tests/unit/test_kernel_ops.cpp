@@ -221,33 +221,40 @@ TEST_CASE("commit_on_host: the fused int16 -> u8 top-8 narrowing writes what the
 
 // The host backend's commit (commit_and_release_on_host: the consumption of
 // a row range folded into the commit's pass, the fused int16 -> u8 top-8
-// narrowing, layers taken in pairs) against the per-element operations in
-// kernel order (commit, then consume every named row, then finish), with the
-// step stamps in play: layers captured this step with fewer rows than the
-// commit reads, layers stamped in an earlier step, layers never captured.
-// Compares the host cache, the states, the counters and the consumed device
-// buffer.
+// narrowing, layers taken in pairs, and the one-pass range kernel that
+// narrows, consumes and writes each slot's row in place for up to 255
+// experts when every layer holds this step's rows) against the per-element
+// operations in kernel order (commit, then consume every named row, then
+// finish), with the step stamps in play: layers captured this step with
+// fewer rows than the commit reads, layers stamped in an earlier step,
+// layers never captured, or every layer written. Row ranges running past
+// the device rows, slots listed twice and -1. Compares the host cache, the
+// states, the counters and the consumed device buffer.
 TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what the per-element operations do") {
   std::mt19937 rng(23);
   int cases = 0, wrong = 0, unwritten_rows_seen = 0;
   struct Pair {
-    int32_t s, d;
+    int32_t s, d, experts;
   };
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_commit_avx2(avx2);
-    for (const Pair pair : {Pair{kI16, kU8}, Pair{kI32, kI16}, Pair{kU16, kU8}, Pair{kU8, kU8}}) {
+    for (const Pair pair : {Pair{kI16, kU8, 256}, Pair{kI16, kU8, 255}, Pair{kI16, kU8, 9}, Pair{kI32, kI16, 256},
+                            Pair{kU16, kU8, 256}, Pair{kU8, kU8, 200}}) {
       for (int32_t top_k : {8, 3}) {
-        for (int32_t layers : {1, 4, 7}) {
+        for (int32_t layers : {1, 4, 7, 61}) {
           for (const bool row_list : {false, true}) {
             for (const bool weights : {false, true}) {
-              const int32_t experts = pair.s == kU8 ? 200 : 256;
+             for (const bool every_layer_written : {false, true}) {
+              const int32_t experts = pair.experts;
               const int64_t device_rows = 300, host_slots = 400, row = int64_t{layers} * top_k;
               const int64_t count = 1 + static_cast<int64_t>(rng() % 250);
               const int64_t elems = layers * device_rows * top_k;
               std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(pair.s)));
               for (int64_t e = 0; e < elems; ++e) {
                 const uint32_t r = rng() % 80;
-                const int64_t id = r == 0 ? -1 : r == 1 ? experts + 5 : static_cast<int64_t>(rng() % experts);
+                const int64_t id = r == 0 ? -1
+                                   : r == 1 ? (rng() % 2 == 0 ? experts + 5 : -2)
+                                            : static_cast<int64_t>(rng() % experts);
                 store_int(src.data(), pair.s, e, r == 0 ? invalid_id_code(pair.s) : id);
               }
               std::vector<uint8_t> src_w(static_cast<size_t>(elems * 4));
@@ -257,7 +264,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
               step.claim_serial = 9;
               std::vector<LayerStamp> stamps(static_cast<size_t>(layers));
               for (LayerStamp& s : stamps) {
-                const uint32_t r = rng() % 4;
+                const uint32_t r = every_layer_written ? 2 + rng() % 2 * 2 : rng() % 4;
                 s.step = r == 0 ? 0u : r == 1 ? 4u : 5u;
                 s.rows = r == 3 ? static_cast<int64_t>(rng() % device_rows) : device_rows;
               }
@@ -270,7 +277,10 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
               CommitParams p{};
               p.src_rows = row_list ? rows.data() : nullptr;
               p.dst_slots = slots.data();
-              p.src_start = row_list ? 0 : static_cast<int64_t>(rng() % (device_rows - count + 1));
+              // A range sometimes runs past the last device row (those entries are skipped and counted).
+              p.src_start = row_list ? 0
+                            : rng() % 4 == 0 ? device_rows - count / 2 - 1
+                                             : static_cast<int64_t>(rng() % (device_rows - count + 1));
               p.count = count;
               p.device_rows = device_rows;
               p.host_slots = host_slots;
@@ -334,6 +344,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
               }
               CHECK(step.committed == 1);
               ++cases;
+             }
             }
           }
         }
@@ -341,7 +352,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     }
     allow_host_commit_avx2(before);
   }
-  CHECK(cases == 2 * 4 * 2 * 3 * 2 * 2);
+  CHECK(cases == 2 * 6 * 2 * 4 * 2 * 2 * 2);
   CHECK(unwritten_rows_seen > 0);
   CHECK(wrong == 0);
 }
