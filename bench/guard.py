@@ -7,7 +7,8 @@ measured in the same short moecap_bench run, fails below a floor ratio.
 Runs moecap_bench (build it first: cmake --build BUILD_DIR --target
 moecap_bench) over a few cases for about ten seconds and compares the median
 CPU time per call: commit against copying the rows out and scattering them
-(BM_Commit_Baseline), read against an element-wise gather, capture against a
+(BM_Commit_Baseline) and against its floor, a memcpy of each finished row to
+a fresh slot (BM_Commit_MemcpyRows), read against an element-wise gather, capture against a
 strided slice copy, each at a size where moecap is normally 2-3x its baseline
 on a loaded 2-core machine. The floor is wide (noisy shared machines pass) and
 narrow enough to catch a loss of several times, like a second slow pass over
@@ -20,14 +21,25 @@ import subprocess
 import sys
 import tempfile
 
-# (what, moecap case, baseline case); a commit case's rewrite of its rows
-# (BM_Commit_Rewrite, same args) is taken out of its time.
+# (what, moecap case, baseline case); the rewrite of the rows before each
+# commit (BM_Commit_Rewrite, same args) is taken out of the time of every
+# case that does it (moecap's commit and the memcpy floor).
 PAIRS = [
     ("commit 4096 rows, random slots of 262,144, vs copy-out-and-scatter", "BM_Commit_Moecap/4096/1/262144",
      "BM_Commit_Baseline/4096/1/262144"),
+    ("commit 4096 rows, fresh random slots of 262,144, vs a memcpy per row", "BM_Commit_Moecap/4096/2/262144",
+     "BM_Commit_MemcpyRows/4096/2/262144"),
     ("read 4096 tokens, vs an element-wise gather", "BM_Read_Moecap/4096", "BM_Read_Baseline/4096"),
     ("capture 16384 rows, vs a strided slice copy", "BM_Capture_Moecap/16384/32/4", "BM_Capture_Baseline/16384"),
 ]
+
+
+def rewrite_of(case):
+    """The rewrite a commit case (moecap's or the memcpy floor) does before each commit, or None."""
+    for kind in ("BM_Commit_Moecap/", "BM_Commit_MemcpyRows/"):
+        if case.startswith(kind):
+            return "BM_Commit_Rewrite/" + case[len(kind):]
+    return None
 
 
 def main():
@@ -37,7 +49,7 @@ def main():
     args = parser.parse_args()
     exe = os.path.join(args.build, "bench", "moecap_bench")
     names = [n for _, ours, theirs in PAIRS for n in (ours, theirs)]
-    names += [ours.replace("BM_Commit_Moecap", "BM_Commit_Rewrite") for _, ours, _ in PAIRS if "Commit_Moecap" in ours]
+    names += sorted({rewrite_of(ours) for _, ours, _ in PAIRS if rewrite_of(ours)})
     pattern = "^(" + "|".join(names) + ")$"
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "guard.json")
@@ -58,10 +70,14 @@ def main():
             print(f"  {what}: case missing from the run ({ours} / {theirs})")
             failed = True
             continue
-        mine = median[ours]
-        if "Commit_Moecap" in ours:
-            mine -= median.get(ours.replace("BM_Commit_Moecap", "BM_Commit_Rewrite"), 0.0)
-        ratio = median[theirs] / max(mine, 1e-9)
+        mine, their = median[ours], median[theirs]
+        for name in (ours, theirs):
+            if rewrite_of(name) and rewrite_of(name) not in median:
+                print(f"  {what}: case missing from the run ({rewrite_of(name)})")
+                failed = True
+        mine -= median.get(rewrite_of(ours), 0.0) if rewrite_of(ours) else 0.0
+        their -= median.get(rewrite_of(theirs), 0.0) if rewrite_of(theirs) else 0.0
+        ratio = their / max(mine, 1e-9)
         verdict = "ok" if ratio >= args.floor else "TOO SLOW"
         failed = failed or ratio < args.floor
         print(f"  {what}: {ratio:.2f}x ({verdict})")

@@ -127,7 +127,27 @@ void BM_Capture_Baseline(benchmark::State& state) {
 
 // --- commit ---------------------------------------------------------------------
 
-// Args: rows, random (1) or sequential (0) slots, host slots. Commit
+// The slots each commit of n rows goes to. Order 0: the same n consecutive
+// slots every time; 1: the same n random slots every time (they stay in the
+// caches between commits); 2: n random slots not used by the commits just
+// before (a walk through one permutation of every slot), as an engine's
+// decode steps write new tokens' slots: the host rows are cold, so memory
+// decides.
+struct SlotWalk {
+  SlotWalk(int64_t n, int64_t order, int64_t host_slots)
+      : n(n), slots(order == 0 ? sequential_slots(n) : random_slots(order == 2 ? host_slots : n, 1, host_slots)) {}
+  const int64_t* next() {
+    const int64_t* at = slots.data() + offset;
+    offset += n;
+    if (offset + n > static_cast<int64_t>(slots.size())) offset = 0;
+    return at;
+  }
+  int64_t n;
+  std::vector<int64_t> slots;
+  int64_t offset = 0;
+};
+
+// Args: rows, slot order (SlotWalk), host slots. Commit
 // consumes its rows, so every iteration first writes the rows again into
 // the device buffer (every layer, as a top-k kernel writing moecap's layer
 // views would; captured once before, so they count as this step's): each
@@ -140,7 +160,7 @@ void BM_Capture_Baseline(benchmark::State& state) {
 struct CommitCase {
   explicit CommitCase(const benchmark::State& state)
       : n(state.range(0)), cap(MOECAP_IDS_AUTO, MOECAP_IDS_AUTO, state.range(2)),
-        slots(state.range(1) ? random_slots(n, 1, state.range(2)) : sequential_slots(n)) {
+        slots(n, state.range(1), state.range(2)) {
     std::vector<int32_t> ids(static_cast<size_t>(n * kTopK));
     int64_t ids_shape[2] = {n, kTopK};
     DLTensor it = tensor(ids.data(), 2, ids_shape, kI32);
@@ -159,8 +179,18 @@ struct CommitCase {
                   static_cast<size_t>(n * kTopK) * sizeof(int16_t));
     }
     shape[0] = n;
-    st = tensor(slots.data(), 1, shape, kI64);
+    st = tensor(nullptr, 1, shape, kI64);
     args = moecap_commit_args{sizeof args, 0, nullptr, &st};
+  }
+  // Commits the rows to the walk's next slots.
+  void commit() {
+    last = slots.next();
+    st.data = const_cast<int64_t*>(last);
+    moecap_commit(cap.h, &args, nullptr);
+  }
+  bool committed_routing() {
+    std::vector<int64_t> s(last, last + n);
+    return holds_routing(cap.h, s);
   }
   void rewrite() {
     for (int32_t layer = 0; layer < kLayers; ++layer) {
@@ -171,7 +201,8 @@ struct CommitCase {
   }
   int64_t n;
   Handle cap;
-  std::vector<int64_t> slots;
+  SlotWalk slots;
+  const int64_t* last = nullptr;  // the slots of the last commit
   std::vector<int16_t> routing;  // [layers, n, top_k]: what the rows hold before each commit
   int16_t* device = nullptr;     // the int16 device buffer (MOECAP_IDS_AUTO for 128 experts)
   int64_t device_rows = 0;
@@ -184,9 +215,9 @@ void BM_Commit_Moecap(benchmark::State& state) {
   CommitCase c(state);
   for (auto _ : state) {
     c.rewrite();
-    moecap_commit(c.cap.h, &c.args, nullptr);
+    c.commit();
   }
-  if (!holds_routing(c.cap.h, c.slots)) state.SkipWithError("commit stored no routing");
+  if (!c.committed_routing()) state.SkipWithError("commit stored no routing");
   state.SetItemsProcessed(state.iterations() * c.n);  // tokens
 }
 
@@ -203,12 +234,12 @@ void BM_Commit_Baseline(benchmark::State& state) {
   std::vector<int32_t> device(static_cast<size_t>(kDeviceRows * kRowElems), 3);
   std::vector<int32_t> host(static_cast<size_t>(host_slots * kRowElems));
   std::vector<int32_t> staged(static_cast<size_t>(n * kRowElems));
-  std::vector<int64_t> slots = state.range(1) ? random_slots(n, 1, host_slots) : sequential_slots(n);
+  SlotWalk walk(n, state.range(1), host_slots);
   for (auto _ : state) {
     std::memcpy(staged.data(), device.data(), staged.size() * 4);
+    const int64_t* slots = walk.next();
     for (int64_t i = 0; i < n; ++i)
-      std::memcpy(host.data() + slots[static_cast<size_t>(i)] * kRowElems, staged.data() + i * kRowElems,
-                  kRowElems * 4);
+      std::memcpy(host.data() + slots[i] * kRowElems, staged.data() + i * kRowElems, kRowElems * 4);
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * n);
@@ -217,21 +248,23 @@ void BM_Commit_Baseline(benchmark::State& state) {
 
 // The floor of a commit: a bare memcpy of each finished u8 row (the bytes
 // moecap stores) from a contiguous source to its slot, no narrowing, no
-// checks, no consuming. Same args as BM_Commit_Moecap.
+// checks, no consuming. Same args as BM_Commit_Moecap, and the same rewrite
+// of the device rows before each scatter (BM_Commit_Rewrite is taken out of
+// both): the floor then runs in the caches a commit meets after a step wrote
+// its routing, not in caches holding nothing but its own rows.
 void BM_Commit_MemcpyRows(benchmark::State& state) {
-  const int64_t n = state.range(0);
+  CommitCase c(state);
+  const int64_t n = c.n;
   const int64_t host_slots = state.range(2);
   std::vector<uint8_t> src(static_cast<size_t>(n * kRowElems), 1);
   std::vector<uint8_t> dst(static_cast<size_t>(host_slots * kRowElems));
-  std::vector<int64_t> slots = state.range(1) ? random_slots(n, 1, host_slots) : sequential_slots(n);
   for (auto _ : state) {
-    for (int64_t i = 0; i < n; ++i) {
-      std::memcpy(dst.data() + slots[static_cast<size_t>(i)] * kRowElems, src.data() + i * kRowElems, kRowElems);
-    }
+    c.rewrite();
+    const int64_t* slots = c.slots.next();
+    for (int64_t i = 0; i < n; ++i) std::memcpy(dst.data() + slots[i] * kRowElems, src.data() + i * kRowElems, kRowElems);
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * n);
-  state.SetBytesProcessed(state.iterations() * n * kRowElems);
 }
 
 // The physical ceiling: one memcpy of the bytes moecap's commit moves (u8 rows).
@@ -364,6 +397,7 @@ void commit_args(benchmark::internal::Benchmark* b) {
     b->Args({rows, 0, kHostSlots});
     b->Args({rows, 1, kHostSlots});
     b->Args({rows, 1, kLargeHostSlots});
+    b->Args({rows, 2, kLargeHostSlots});
   }
 }
 BENCHMARK(BM_Commit_Moecap)->Apply(commit_args);
