@@ -556,6 +556,26 @@ void widen_row_plain(const uint8_t* src, void* dst, int64_t n, int64_t invalid_c
   convert_ids(reinterpret_cast<const S*>(src), static_cast<D*>(dst), n, invalid_code);
 }
 
+// Every stored value read as itself: INT64_MIN, or a signed code of -1,
+// which sign extension already reads as -1.
+template <class S, class D>
+void widen_row_as_is(const uint8_t* src, void* dst, int64_t n, int64_t) {
+  convert_ids(reinterpret_cast<const S*>(src), static_cast<D*>(dst), n, INT64_MIN);
+}
+
+// An unsigned stored dtype whose code is all ones, into a wider one: adding
+// one wraps the code to 0, so zero-extending that and taking one off reads
+// the code as -1 and every other id as itself, with no compare or select.
+// Plain arithmetic that vectorizes on any target (on x86-64's SSE2 an add,
+// the unpacks and a subtract; the compare-and-select form took three times
+// the instructions).
+template <class S, class D>
+void widen_row_past_code(const uint8_t* src_bytes, void* dst_void, int64_t n, int64_t) {
+  const S* __restrict src = reinterpret_cast<const S*>(src_bytes);
+  D* __restrict dst = static_cast<D*>(dst_void);
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<D>(static_cast<D>(static_cast<S>(src[i] + 1u)) - 1);
+}
+
 // Same width: "no expert" as -1 truncates back to the stored all-ones value.
 template <int Bytes>
 void copy_row_as_stored(const uint8_t* src, void* dst, int64_t n, int64_t) {
@@ -690,6 +710,27 @@ RowWidening plain_widening_from(int32_t dst) {
   }
 }
 
+// The wider dtypes D a stored S is read into (the caller checked it is wider).
+template <class S>
+RowWidening plain_as_is_from(int32_t dst) {
+  switch (dst) {
+    case kU16: return widen_row_as_is<S, uint16_t>;
+    case kI16: return widen_row_as_is<S, int16_t>;
+    case kI32: return widen_row_as_is<S, int32_t>;
+    default: return widen_row_as_is<S, int64_t>;
+  }
+}
+
+template <class S>
+RowWidening plain_past_code_from(int32_t dst) {
+  switch (dst) {
+    case kU16: return widen_row_past_code<S, uint16_t>;
+    case kI16: return widen_row_past_code<S, int16_t>;
+    case kI32: return widen_row_past_code<S, int32_t>;
+    default: return widen_row_past_code<S, int64_t>;
+  }
+}
+
 RowWidening pick_row_widening(int32_t stored, int32_t dst, int64_t invalid_code) {
   if (stored == dst) {
     switch (elem_bytes(stored)) {
@@ -703,9 +744,27 @@ RowWidening pick_row_widening(int32_t stored, int32_t dst, int64_t invalid_code)
   if (use_avx2) {
     if (const RowWidening w = pick_avx2_widening(stored, dst, invalid_code)) return w;
   }
-#else
-  (void)invalid_code;
 #endif
+  if (elem_bytes(dst) > elem_bytes(stored)) {
+    switch (stored) {
+      case kU8:
+        if (invalid_code == INT64_MIN) return plain_as_is_from<uint8_t>(dst);
+        if (invalid_code == 0xff) return plain_past_code_from<uint8_t>(dst);
+        break;
+      case kU16:
+        if (invalid_code == INT64_MIN) return plain_as_is_from<uint16_t>(dst);
+        if (invalid_code == 0xffff) return plain_past_code_from<uint16_t>(dst);
+        break;
+      case kI16:
+        if (invalid_code == INT64_MIN || invalid_code == -1) return plain_as_is_from<int16_t>(dst);
+        break;
+      case kI32:
+        if (invalid_code == INT64_MIN || invalid_code == -1) return plain_as_is_from<int32_t>(dst);
+        break;
+      default:
+        break;
+    }
+  }
   switch (stored) {
     case kU8: return plain_widening_from<uint8_t>(dst);
     case kU16: return plain_widening_from<uint16_t>(dst);
