@@ -773,6 +773,40 @@ RowWidening pick_row_widening(int32_t stored, int32_t dst, int64_t invalid_code)
   }
 }
 
+// One cache row of weights into the caller's weight dtype, picked once per
+// read like the ids: with both dtypes fixed at compile time the per-element
+// switches of load_float/store_float fold away and the conversion
+// vectorizes, where the switch per element cost more than the memory did.
+using RowWeights = void (*)(const uint8_t* src, uint8_t* dst, int64_t n);
+
+template <int Bytes>
+void copy_weights_as_stored(const uint8_t* src, uint8_t* dst, int64_t n) {
+  std::memcpy(dst, src, static_cast<size_t>(n * Bytes));
+}
+
+template <int32_t Stored, int32_t Dst>
+void convert_weights(const uint8_t* src, uint8_t* dst, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) store_float(dst, Dst, e, load_float(src, Stored, e));
+}
+
+template <int32_t Stored>
+RowWeights weights_from(int32_t dst) {
+  switch (dst) {
+    case kBF16: return convert_weights<Stored, kBF16>;
+    case kF16: return convert_weights<Stored, kF16>;
+    default: return convert_weights<Stored, kF32>;
+  }
+}
+
+RowWeights pick_row_weights(int32_t stored, int32_t dst) {
+  if (stored == dst) return elem_bytes(stored) == 2 ? copy_weights_as_stored<2> : copy_weights_as_stored<4>;
+  switch (stored) {
+    case kBF16: return weights_from<kBF16>(dst);
+    case kF16: return weights_from<kF16>(dst);
+    default: return weights_from<kF32>(dst);
+  }
+}
+
 // Starts loading a cache row (every line it touches) so that it is on its
 // way while the rows before it are widened: a read's slots are scattered
 // over a cache larger than the CPU's, and waiting for each row in turn made
@@ -789,7 +823,7 @@ inline void prefetch_bytes(const uint8_t* at, int64_t bytes) {
 constexpr int64_t kReadAhead = 8;
 
 template <class Slot>
-void gather_slots(const GatherParams& p, RowWidening widen) {
+void gather_slots(const GatherParams& p, RowWidening widen, RowWeights weights_row) {
   const Slot* slots = static_cast<const Slot*>(p.slots);
   const int64_t row = p.row_elements;
   const int64_t id_row_bytes = row * elem_bytes(p.stored_id_elem);
@@ -817,12 +851,7 @@ void gather_slots(const GatherParams& p, RowWidening widen) {
     const uint8_t* src = p.src_ids + slot * id_row_bytes;
     widen(src, dst, row, p.invalid_code);
     if (!weights) continue;
-    const uint8_t* wsrc = p.src_weights + slot * w_row_bytes;
-    if (p.dst_weight_elem == p.stored_weight_elem) {
-      std::memcpy(wdst, wsrc, static_cast<size_t>(w_row_bytes));
-    } else {
-      for (int64_t e = 0; e < row; ++e) store_float(wdst, p.dst_weight_elem, e, load_float(wsrc, p.stored_weight_elem, e));
-    }
+    weights_row(p.src_weights + slot * w_row_bytes, wdst, row);
     if ((state & kSlotInvalidIds) == 0) continue;
     for (int64_t e = 0; e < row; ++e) {  // an id read as -1 carries no weight
       if (load_int(src, p.stored_id_elem, e) == p.invalid_code) store_float(wdst, p.dst_weight_elem, e, 0.0f);
@@ -834,10 +863,11 @@ void gather_slots(const GatherParams& p, RowWidening widen) {
 
 void gather_on_host(const GatherParams& p) {
   const RowWidening widen = pick_row_widening(p.stored_id_elem, p.dst_id_elem, p.invalid_code);
+  const RowWeights weights = p.dst_weights != nullptr ? pick_row_weights(p.stored_weight_elem, p.dst_weight_elem) : nullptr;
   if (p.slots_elem == kI32) {
-    gather_slots<int32_t>(p, widen);
+    gather_slots<int32_t>(p, widen, weights);
   } else {
-    gather_slots<int64_t>(p, widen);
+    gather_slots<int64_t>(p, widen, weights);
   }
 }
 

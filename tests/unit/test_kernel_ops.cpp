@@ -3,6 +3,7 @@
 // and the host commit checked against them.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -406,7 +407,8 @@ TEST_CASE("claims outrank every earlier commit's, also past 2^32 commits") {
 // u8 ids 128..254 and u16 ids above 32767 (zero-extended); negative int16 and
 // int32 values; the u8 code that is also a real id (invalid_code INT64_MIN);
 // empty slots and slots whose ids cannot be told from "no expert" (-1 fill,
-// weight 0); weights copied or converted, zero where the id reads -1; int32
+// weight 0); weights copied or converted between every pair of weight
+// dtypes (special values included), zero where the id reads -1; int32
 // and int64 slot lists; and nothing written past the output.
 TEST_CASE("gather_on_host reads what the per-element gather operation reads, with and without AVX2") {
   std::mt19937 rng(31);
@@ -425,7 +427,9 @@ TEST_CASE("gather_on_host reads what the per-element gather operation reads, wit
             const int64_t host_slots = row + 40, count = cases % 5 == 4 ? 3 : row + 60;
             const int id_bytes = elem_bytes(stored), out_bytes = elem_bytes(dst);
             const bool weights = cases % 2 == 0;
-            const int32_t stored_w = cases % 4 == 0 ? kBF16 : kF32, dst_w = cases % 3 == 0 ? kBF16 : kF32;
+            // Over the cases with weights, every pair of stored and output weight dtypes.
+            const int32_t weight_elems[] = {kF32, kBF16, kF16};
+            const int32_t stored_w = weight_elems[cases % 3], dst_w = weight_elems[(cases / 3) % 3];
             std::vector<uint8_t> cache(static_cast<size_t>(host_slots * row * id_bytes));
             std::vector<uint8_t> cache_w(static_cast<size_t>(host_slots * row * 4));
             std::vector<uint8_t> states(static_cast<size_t>(host_slots));
@@ -453,7 +457,12 @@ TEST_CASE("gather_on_host reads what the per-element gather operation reads, wit
                   v = pick == 1 ? -2 - static_cast<int64_t>(rng() % 100) : static_cast<int64_t>(rng() % 30000);
                 }
                 store_int(cache.data(), stored, at, v);
-                store_float(cache_w.data(), stored_w, at, 0.25f + static_cast<float>(rng() % 1000) / 64.0f);
+                // Now and then a value each conversion treats apart: zeros, half and
+                // float subnormals, past the half range, infinity, NaN, negative.
+                const float specials[] = {0.0f, -0.0f, 3e-6f, 1e-30f, 70000.0f, INFINITY, NAN, -3.5f};
+                const uint32_t w = rng();
+                store_float(cache_w.data(), stored_w, at,
+                            w % 16 == 0 ? specials[(w >> 4) % 8] : 0.25f + static_cast<float>(w % 1000) / 64.0f);
               }
             }
             std::vector<int64_t> slots64(static_cast<size_t>(count));
