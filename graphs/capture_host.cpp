@@ -556,8 +556,9 @@ void widen_row_plain(const uint8_t* src, void* dst, int64_t n, int64_t invalid_c
   convert_ids(reinterpret_cast<const S*>(src), static_cast<D*>(dst), n, invalid_code);
 }
 
-// Every stored value read as itself: INT64_MIN, or a signed code of -1,
-// which sign extension already reads as -1.
+// Every stored value read as itself, widened or truncated: right for
+// INT64_MIN, for a signed code of -1 (sign extension keeps -1), and for an
+// all-ones code into a narrower dtype (truncation keeps all ones).
 template <class S, class D>
 void widen_row_as_is(const uint8_t* src, void* dst, int64_t n, int64_t) {
   convert_ids(reinterpret_cast<const S*>(src), static_cast<D*>(dst), n, INT64_MIN);
@@ -710,10 +711,11 @@ RowWidening plain_widening_from(int32_t dst) {
   }
 }
 
-// The wider dtypes D a stored S is read into (the caller checked it is wider).
 template <class S>
 RowWidening plain_as_is_from(int32_t dst) {
   switch (dst) {
+    case kU8: return widen_row_as_is<S, uint8_t>;
+    case kI8: return widen_row_as_is<S, int8_t>;
     case kU16: return widen_row_as_is<S, uint16_t>;
     case kI16: return widen_row_as_is<S, int16_t>;
     case kI32: return widen_row_as_is<S, int32_t>;
@@ -721,6 +723,7 @@ RowWidening plain_as_is_from(int32_t dst) {
   }
 }
 
+// Only for a D wider than S (the caller's check).
 template <class S>
 RowWidening plain_past_code_from(int32_t dst) {
   switch (dst) {
@@ -732,7 +735,13 @@ RowWidening plain_past_code_from(int32_t dst) {
 }
 
 RowWidening pick_row_widening(int32_t stored, int32_t dst, int64_t invalid_code) {
-  if (stored == dst) {
+  // The plan's code is all ones in the stored dtype, or there is none
+  // (INT64_MIN); either way no output width needs a compare: all ones
+  // truncates to all ones, which is -1, and a wider dtype takes the
+  // add-one trick (unsigned) or sign extension (signed).
+  const bool code_all_ones = invalid_code == invalid_id_code(stored);
+  const bool no_compare = code_all_ones || invalid_code == INT64_MIN;
+  if (stored == dst || (no_compare && elem_bytes(stored) == elem_bytes(dst))) {
     switch (elem_bytes(stored)) {
       case 1: return copy_row_as_stored<1>;
       case 2: return copy_row_as_stored<2>;
@@ -745,24 +754,14 @@ RowWidening pick_row_widening(int32_t stored, int32_t dst, int64_t invalid_code)
     if (const RowWidening w = pick_avx2_widening(stored, dst, invalid_code)) return w;
   }
 #endif
-  if (elem_bytes(dst) > elem_bytes(stored)) {
+  if (no_compare) {
+    const bool past_code = code_all_ones && elem_bytes(dst) > elem_bytes(stored);
     switch (stored) {
-      case kU8:
-        if (invalid_code == INT64_MIN) return plain_as_is_from<uint8_t>(dst);
-        if (invalid_code == 0xff) return plain_past_code_from<uint8_t>(dst);
-        break;
-      case kU16:
-        if (invalid_code == INT64_MIN) return plain_as_is_from<uint16_t>(dst);
-        if (invalid_code == 0xffff) return plain_past_code_from<uint16_t>(dst);
-        break;
-      case kI16:
-        if (invalid_code == INT64_MIN || invalid_code == -1) return plain_as_is_from<int16_t>(dst);
-        break;
-      case kI32:
-        if (invalid_code == INT64_MIN || invalid_code == -1) return plain_as_is_from<int32_t>(dst);
-        break;
-      default:
-        break;
+      case kU8: return past_code ? plain_past_code_from<uint8_t>(dst) : plain_as_is_from<uint8_t>(dst);
+      case kU16: return past_code ? plain_past_code_from<uint16_t>(dst) : plain_as_is_from<uint16_t>(dst);
+      case kI16: return plain_as_is_from<int16_t>(dst);
+      case kI32: return plain_as_is_from<int32_t>(dst);
+      default: break;
     }
   }
   switch (stored) {
