@@ -695,45 +695,329 @@ void take_errors_on_host(const TakeErrorsParams& p) {
   take_error(&p.errors->invalid_ids, &p.out->invalid_ids);
 }
 
-void gather_on_host(const GatherParams& p) {
+namespace {
+
+// One cache row of ids into the caller's dtype: the stored "no expert" code
+// reads as -1, every other value as itself. Picked once per read, so the
+// per-row loop makes one predictable indirect call and no dtype switch.
+using RowWidening = void (*)(const uint8_t* src, void* dst, int64_t n, int64_t invalid_code);
+
+template <class S, class D>
+void widen_row_plain(const uint8_t* src, void* dst, int64_t n, int64_t invalid_code) {
+  convert_ids(reinterpret_cast<const S*>(src), static_cast<D*>(dst), n, invalid_code);
+}
+
+// Every stored value read as itself, widened or truncated: right for
+// INT64_MIN, for a signed code of -1 (sign extension keeps -1), and for an
+// all-ones code into a narrower dtype (truncation keeps all ones).
+template <class S, class D>
+void widen_row_as_is(const uint8_t* src, void* dst, int64_t n, int64_t) {
+  convert_ids(reinterpret_cast<const S*>(src), static_cast<D*>(dst), n, INT64_MIN);
+}
+
+// An unsigned stored dtype whose code is all ones, into a wider one: adding
+// one wraps the code to 0, so zero-extending that and taking one off reads
+// the code as -1 and every other id as itself, with no compare or select.
+// Plain arithmetic that vectorizes on any target (on x86-64's SSE2 an add,
+// the unpacks and a subtract; the compare-and-select form took three times
+// the instructions).
+template <class S, class D>
+void widen_row_past_code(const uint8_t* src_bytes, void* dst_void, int64_t n, int64_t) {
+  const S* __restrict src = reinterpret_cast<const S*>(src_bytes);
+  D* __restrict dst = static_cast<D*>(dst_void);
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<D>(static_cast<D>(static_cast<S>(src[i] + 1u)) - 1);
+}
+
+// Same width: "no expert" as -1 truncates back to the stored all-ones value.
+template <int Bytes>
+void copy_row_as_stored(const uint8_t* src, void* dst, int64_t n, int64_t) {
+  std::memcpy(dst, src, static_cast<size_t>(n * Bytes));
+}
+
+#if defined(MOECAP_X86_DISPATCH)
+// 32 bytes of D lanes from the ids at s: zero-extended from an unsigned
+// stored dtype (u8 ids 128..254 are real experts), sign-extended from a
+// signed one. Reads exactly the bytes of those ids, so a row's last vector
+// never reads past the row.
+template <class S, class D>
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i load_widened(const S* s) {
+  constexpr bool sign = std::is_signed_v<S>;
+  if constexpr (sizeof(S) == 1 && sizeof(D) == 2) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    return sign ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v);
+  } else if constexpr (sizeof(S) == 1 && sizeof(D) == 4) {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+    return sign ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+  } else if constexpr (sizeof(S) == 1 && sizeof(D) == 8) {
+    int32_t w;
+    std::memcpy(&w, s, sizeof w);
+    const __m128i v = _mm_cvtsi32_si128(w);
+    return sign ? _mm256_cvtepi8_epi64(v) : _mm256_cvtepu8_epi64(v);
+  } else if constexpr (sizeof(S) == 2 && sizeof(D) == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    return sign ? _mm256_cvtepi16_epi32(v) : _mm256_cvtepu16_epi32(v);
+  } else if constexpr (sizeof(S) == 2 && sizeof(D) == 8) {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+    return sign ? _mm256_cvtepi16_epi64(v) : _mm256_cvtepu16_epi64(v);
+  } else {
+    static_assert(sizeof(S) == 4 && sizeof(D) == 8, "a widening pair");
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    return sign ? _mm256_cvtepi32_epi64(v) : _mm256_cvtepu32_epi64(v);
+  }
+}
+
+template <class D>
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i lanes_equal(__m256i a, __m256i b) {
+  if constexpr (sizeof(D) == 2) return _mm256_cmpeq_epi16(a, b);
+  else if constexpr (sizeof(D) == 4) return _mm256_cmpeq_epi32(a, b);
+  else return _mm256_cmpeq_epi64(a, b);
+}
+
+// One vector of ids; with MapCode the lanes equal to the (zero-extended)
+// code become all ones, -1. Without it the widening alone is the answer: a
+// signed stored code of -1 sign-extends to -1, and INT64_MIN means every
+// stored value is a real id.
+template <class S, class D, bool MapCode>
+MOECAP_AVX2 inline __attribute__((always_inline)) void widen_lanes(const S* src, D* dst, __m256i code) {
+  __m256i v = load_widened<S, D>(src);
+  if constexpr (MapCode) v = _mm256_or_si256(v, lanes_equal<D>(v, code));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v);
+}
+
+// A row of n ids, four vectors an iteration; a tail shorter than a vector
+// is the row's last full vector again (overlapping lanes get the same
+// values), so only rows shorter than one vector take the scalar loop.
+template <class S, class D, bool MapCode>
+MOECAP_AVX2 void widen_row_avx2(const uint8_t* src_bytes, void* dst_void, int64_t n, int64_t invalid_code) {
+  const S* src = reinterpret_cast<const S*>(src_bytes);
+  D* dst = static_cast<D*>(dst_void);
+  constexpr int64_t lanes = 32 / sizeof(D);
+  if (n < lanes) {
+    convert_ids(src, dst, n, MapCode ? invalid_code : INT64_MIN);
+    return;
+  }
+  using UD = std::make_unsigned_t<D>;
+  const UD code_lane = static_cast<UD>(static_cast<std::make_unsigned_t<S>>(invalid_code));
+  __m256i code;
+  if constexpr (sizeof(D) == 2) code = _mm256_set1_epi16(static_cast<short>(code_lane));
+  else if constexpr (sizeof(D) == 4) code = _mm256_set1_epi32(static_cast<int>(code_lane));
+  else code = _mm256_set1_epi64x(static_cast<long long>(code_lane));
+  int64_t i = 0;
+  for (; i + 4 * lanes <= n; i += 4 * lanes) {
+    widen_lanes<S, D, MapCode>(src + i, dst + i, code);
+    widen_lanes<S, D, MapCode>(src + i + lanes, dst + i + lanes, code);
+    widen_lanes<S, D, MapCode>(src + i + 2 * lanes, dst + i + 2 * lanes, code);
+    widen_lanes<S, D, MapCode>(src + i + 3 * lanes, dst + i + 3 * lanes, code);
+  }
+  for (; i + lanes <= n; i += lanes) widen_lanes<S, D, MapCode>(src + i, dst + i, code);
+  if (i < n) widen_lanes<S, D, MapCode>(src + n - lanes, dst + n - lanes, code);
+}
+
+// The AVX2 widening of a stored dtype S into a wider D, or nullptr where the
+// plain code should run (a signed stored code other than -1 is not one the
+// plan makes, and sign extension alone would not map it).
+template <class S, class D>
+RowWidening avx2_widening(int64_t invalid_code) {
+  if (invalid_code == INT64_MIN) return widen_row_avx2<S, D, false>;
+  if constexpr (std::is_signed_v<S>) {
+    return invalid_code == -1 ? widen_row_avx2<S, D, false> : nullptr;
+  } else {
+    return widen_row_avx2<S, D, true>;
+  }
+}
+
+RowWidening pick_avx2_widening(int32_t stored, int32_t dst, int64_t invalid_code) {
+  const int dst_bytes = elem_bytes(dst);
+  switch (stored) {
+    case kU8:
+      return dst_bytes == 2   ? avx2_widening<uint8_t, uint16_t>(invalid_code)
+             : dst_bytes == 4 ? avx2_widening<uint8_t, int32_t>(invalid_code)
+             : dst_bytes == 8 ? avx2_widening<uint8_t, int64_t>(invalid_code)
+                              : nullptr;
+    case kU16:
+      return dst_bytes == 4   ? avx2_widening<uint16_t, int32_t>(invalid_code)
+             : dst_bytes == 8 ? avx2_widening<uint16_t, int64_t>(invalid_code)
+                              : nullptr;
+    case kI16:
+      return dst_bytes == 4   ? avx2_widening<int16_t, int32_t>(invalid_code)
+             : dst_bytes == 8 ? avx2_widening<int16_t, int64_t>(invalid_code)
+                              : nullptr;
+    case kI32:
+      return dst_bytes == 8 ? avx2_widening<int32_t, int64_t>(invalid_code) : nullptr;
+    default:
+      return nullptr;
+  }
+}
+#endif
+
+template <class S>
+RowWidening plain_widening_from(int32_t dst) {
+  switch (dst) {
+    case kU8: return widen_row_plain<S, uint8_t>;
+    case kI8: return widen_row_plain<S, int8_t>;
+    case kU16: return widen_row_plain<S, uint16_t>;
+    case kI16: return widen_row_plain<S, int16_t>;
+    case kI32: return widen_row_plain<S, int32_t>;
+    default: return widen_row_plain<S, int64_t>;
+  }
+}
+
+template <class S>
+RowWidening plain_as_is_from(int32_t dst) {
+  switch (dst) {
+    case kU8: return widen_row_as_is<S, uint8_t>;
+    case kI8: return widen_row_as_is<S, int8_t>;
+    case kU16: return widen_row_as_is<S, uint16_t>;
+    case kI16: return widen_row_as_is<S, int16_t>;
+    case kI32: return widen_row_as_is<S, int32_t>;
+    default: return widen_row_as_is<S, int64_t>;
+  }
+}
+
+// Only for a D wider than S (the caller's check).
+template <class S>
+RowWidening plain_past_code_from(int32_t dst) {
+  switch (dst) {
+    case kU16: return widen_row_past_code<S, uint16_t>;
+    case kI16: return widen_row_past_code<S, int16_t>;
+    case kI32: return widen_row_past_code<S, int32_t>;
+    default: return widen_row_past_code<S, int64_t>;
+  }
+}
+
+RowWidening pick_row_widening(int32_t stored, int32_t dst, int64_t invalid_code) {
+  // The plan's code is all ones in the stored dtype, or there is none
+  // (INT64_MIN); either way no output width needs a compare: all ones
+  // truncates to all ones, which is -1, and a wider dtype takes the
+  // add-one trick (unsigned) or sign extension (signed).
+  const bool code_all_ones = invalid_code == invalid_id_code(stored);
+  const bool no_compare = code_all_ones || invalid_code == INT64_MIN;
+  if (stored == dst || (no_compare && elem_bytes(stored) == elem_bytes(dst))) {
+    switch (elem_bytes(stored)) {
+      case 1: return copy_row_as_stored<1>;
+      case 2: return copy_row_as_stored<2>;
+      case 4: return copy_row_as_stored<4>;
+      default: return copy_row_as_stored<8>;
+    }
+  }
+#if defined(MOECAP_X86_DISPATCH)
+  if (use_avx2) {
+    if (const RowWidening w = pick_avx2_widening(stored, dst, invalid_code)) return w;
+  }
+#endif
+  if (no_compare) {
+    const bool past_code = code_all_ones && elem_bytes(dst) > elem_bytes(stored);
+    switch (stored) {
+      case kU8: return past_code ? plain_past_code_from<uint8_t>(dst) : plain_as_is_from<uint8_t>(dst);
+      case kU16: return past_code ? plain_past_code_from<uint16_t>(dst) : plain_as_is_from<uint16_t>(dst);
+      case kI16: return plain_as_is_from<int16_t>(dst);
+      case kI32: return plain_as_is_from<int32_t>(dst);
+      default: break;
+    }
+  }
+  switch (stored) {
+    case kU8: return plain_widening_from<uint8_t>(dst);
+    case kU16: return plain_widening_from<uint16_t>(dst);
+    case kI16: return plain_widening_from<int16_t>(dst);
+    default: return plain_widening_from<int32_t>(dst);
+  }
+}
+
+// One cache row of weights into the caller's weight dtype, picked once per
+// read like the ids: with both dtypes fixed at compile time the per-element
+// switches of load_float/store_float fold away and the conversion
+// vectorizes, where the switch per element cost more than the memory did.
+using RowWeights = void (*)(const uint8_t* src, uint8_t* dst, int64_t n);
+
+template <int Bytes>
+void copy_weights_as_stored(const uint8_t* src, uint8_t* dst, int64_t n) {
+  std::memcpy(dst, src, static_cast<size_t>(n * Bytes));
+}
+
+template <int32_t Stored, int32_t Dst>
+void convert_weights(const uint8_t* src, uint8_t* dst, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) store_float(dst, Dst, e, load_float(src, Stored, e));
+}
+
+template <int32_t Stored>
+RowWeights weights_from(int32_t dst) {
+  switch (dst) {
+    case kBF16: return convert_weights<Stored, kBF16>;
+    case kF16: return convert_weights<Stored, kF16>;
+    default: return convert_weights<Stored, kF32>;
+  }
+}
+
+RowWeights pick_row_weights(int32_t stored, int32_t dst) {
+  if (stored == dst) return elem_bytes(stored) == 2 ? copy_weights_as_stored<2> : copy_weights_as_stored<4>;
+  switch (stored) {
+    case kBF16: return weights_from<kBF16>(dst);
+    case kF16: return weights_from<kF16>(dst);
+    default: return weights_from<kF32>(dst);
+  }
+}
+
+// Starts loading a cache row (every line it touches) so that it is on its
+// way while the rows before it are widened: a read's slots are scattered
+// over a cache larger than the CPU's, and waiting for each row in turn made
+// the read a chain of memory latencies.
+inline void prefetch_bytes(const uint8_t* at, int64_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(at) & ~uintptr_t{63};
+  const uintptr_t end = reinterpret_cast<uintptr_t>(at) + static_cast<uintptr_t>(bytes);
+  for (uintptr_t line = first; line < end; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
+}
+
+// How many slots ahead the rows are requested: enough to cover a miss to
+// memory with a few hundred bytes of rows in flight, few enough that the
+// prefetched lines are still in L1/L2 when their turn comes.
+constexpr int64_t kReadAhead = 8;
+
+template <class Slot>
+void gather_slots(const GatherParams& p, RowWidening widen, RowWeights weights_row) {
+  const Slot* slots = static_cast<const Slot*>(p.slots);
   const int64_t row = p.row_elements;
-  const int64_t id_bytes = elem_bytes(p.stored_id_elem);
-  const int64_t out_bytes = elem_bytes(p.dst_id_elem);
+  const int64_t id_row_bytes = row * elem_bytes(p.stored_id_elem);
+  const int64_t out_row_bytes = row * elem_bytes(p.dst_id_elem);
+  const bool weights = p.dst_weights != nullptr;
+  const int64_t w_bytes = weights ? elem_bytes(p.stored_weight_elem) : 0;
+  const int64_t w_row_bytes = row * w_bytes;
+  const int64_t dst_w_row_bytes = weights ? row * elem_bytes(p.dst_weight_elem) : 0;
   for (int64_t t = 0; t < p.count; ++t) {
-    const int64_t slot = load_int(p.slots, p.slots_elem, t);
-    void* dst = static_cast<uint8_t*>(p.dst_ids) + t * row * out_bytes;
-    uint8_t* wdst =
-        p.dst_weights != nullptr ? static_cast<uint8_t*>(p.dst_weights) + t * row * elem_bytes(p.dst_weight_elem) : nullptr;
-    if (!slot_readable(p.states[slot], p.invalid_code)) {
-      std::memset(dst, 0xff, static_cast<size_t>(row * out_bytes));  // -1 in every integer width
-      if (wdst != nullptr) std::memset(wdst, 0, static_cast<size_t>(row * elem_bytes(p.dst_weight_elem)));
+    if (t + kReadAhead < p.count) {
+      const int64_t ahead = static_cast<int64_t>(slots[t + kReadAhead]);
+      __builtin_prefetch(p.states + ahead, 0, 3);
+      prefetch_bytes(p.src_ids + ahead * id_row_bytes, id_row_bytes);
+      if (weights) prefetch_bytes(p.src_weights + ahead * w_row_bytes, w_row_bytes);
+    }
+    const int64_t slot = static_cast<int64_t>(slots[t]);
+    const uint8_t state = p.states[slot];
+    void* dst = static_cast<uint8_t*>(p.dst_ids) + t * out_row_bytes;
+    uint8_t* wdst = weights ? static_cast<uint8_t*>(p.dst_weights) + t * dst_w_row_bytes : nullptr;
+    if (!slot_readable(state, p.invalid_code)) {
+      std::memset(dst, 0xff, static_cast<size_t>(out_row_bytes));  // -1 in every integer width
+      if (weights) std::memset(wdst, 0, static_cast<size_t>(dst_w_row_bytes));
       continue;
     }
-    const uint8_t* src = p.src_ids + slot * row * id_bytes;
-    if (p.dst_id_elem == p.stored_id_elem) {
-      // Same width: "no expert" as -1 truncates back to the stored all-ones value.
-      std::memcpy(dst, src, static_cast<size_t>(row * out_bytes));
-    } else if (p.stored_id_elem == kU8) {
-      ids_from_stored(src, dst, p.dst_id_elem, row, p.invalid_code);
-    } else if (p.stored_id_elem == kU16) {
-      ids_from_stored(reinterpret_cast<const uint16_t*>(src), dst, p.dst_id_elem, row, p.invalid_code);
-    } else if (p.stored_id_elem == kI16) {
-      ids_from_stored(reinterpret_cast<const int16_t*>(src), dst, p.dst_id_elem, row, p.invalid_code);
-    } else {
-      ids_from_stored(reinterpret_cast<const int32_t*>(src), dst, p.dst_id_elem, row, p.invalid_code);
-    }
-    if (wdst == nullptr) continue;
-    const int64_t w_bytes = elem_bytes(p.stored_weight_elem);
-    const uint8_t* wsrc = p.src_weights + slot * row * w_bytes;
-    if (p.dst_weight_elem == p.stored_weight_elem) {
-      std::memcpy(wdst, wsrc, static_cast<size_t>(row * w_bytes));
-    } else {
-      for (int64_t e = 0; e < row; ++e) store_float(wdst, p.dst_weight_elem, e, load_float(wsrc, p.stored_weight_elem, e));
-    }
-    if ((p.states[slot] & kSlotInvalidIds) == 0) continue;
+    const uint8_t* src = p.src_ids + slot * id_row_bytes;
+    widen(src, dst, row, p.invalid_code);
+    if (!weights) continue;
+    weights_row(p.src_weights + slot * w_row_bytes, wdst, row);
+    if ((state & kSlotInvalidIds) == 0) continue;
     for (int64_t e = 0; e < row; ++e) {  // an id read as -1 carries no weight
       if (load_int(src, p.stored_id_elem, e) == p.invalid_code) store_float(wdst, p.dst_weight_elem, e, 0.0f);
     }
+  }
+}
+
+}  // namespace
+
+void gather_on_host(const GatherParams& p) {
+  const RowWidening widen = pick_row_widening(p.stored_id_elem, p.dst_id_elem, p.invalid_code);
+  const RowWeights weights = p.dst_weights != nullptr ? pick_row_weights(p.stored_weight_elem, p.dst_weight_elem) : nullptr;
+  if (p.slots_elem == kI32) {
+    gather_slots<int32_t>(p, widen, weights);
+  } else {
+    gather_slots<int64_t>(p, widen, weights);
   }
 }
 

@@ -3,6 +3,7 @@
 // and the host commit checked against them.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -406,5 +407,187 @@ TEST_CASE("claims outrank every earlier commit's, also past 2^32 commits") {
       CHECK(ids[2] == 20 + commit);
       CHECK(states[2] == kSlotValid);
     }
+  }
+}
+
+// The host read (gather_on_host: a widening picked once per read, AVX2 where
+// the CPU has it and allow_host_commit_avx2 lets it, plain code otherwise)
+// against the per-element operation the gather kernel runs, for every stored
+// id dtype into every output dtype: rows shorter than a vector, with a tail,
+// and 488 long; the stored "no expert" code at every position of a row;
+// u8 ids 128..254 and u16 ids above 32767 (zero-extended); negative int16 and
+// int32 values; the u8 code that is also a real id (invalid_code INT64_MIN);
+// empty slots and slots whose ids cannot be told from "no expert" (-1 fill,
+// weight 0); weights copied or converted between every pair of weight
+// dtypes (special values included), zero where the id reads -1; int32
+// and int64 slot lists; and nothing written past the output.
+TEST_CASE("gather_on_host reads what the per-element gather operation reads, with and without AVX2") {
+  std::mt19937 rng(31);
+  const int32_t stored_elems[] = {kU8, kU16, kI16, kI32};
+  const int32_t dst_elems[] = {kU8, kI8, kU16, kI16, kI32, kI64};
+  int cases = 0, wrong = 0, codes_read = 0, unreadable_read = 0;
+  for (const bool avx2 : {true, false}) {
+    const bool before = allow_host_commit_avx2(avx2);
+    for (int32_t stored : stored_elems) {
+      for (int32_t dst : dst_elems) {
+        for (int64_t row : {1, 7, 16, 33, 488}) {
+          const bool unsigned_stored = stored == kU8 || stored == kU16;
+          for (const bool code_is_id : {false, true}) {
+            if (code_is_id && !unsigned_stored) continue;  // the plan has a spare code in signed dtypes
+            const int64_t invalid_code = code_is_id ? INT64_MIN : invalid_id_code(stored);
+            const int64_t host_slots = row + 40, count = cases % 5 == 4 ? 3 : row + 60;
+            const int id_bytes = elem_bytes(stored), out_bytes = elem_bytes(dst);
+            const bool weights = cases % 2 == 0;
+            // Over the cases with weights, every pair of stored and output weight dtypes.
+            const int32_t weight_elems[] = {kF32, kBF16, kF16};
+            const int32_t stored_w = weight_elems[cases % 3], dst_w = weight_elems[(cases / 3) % 3];
+            std::vector<uint8_t> cache(static_cast<size_t>(host_slots * row * id_bytes));
+            std::vector<uint8_t> cache_w(static_cast<size_t>(host_slots * row * 4));
+            std::vector<uint8_t> states(static_cast<size_t>(host_slots));
+            for (int64_t s = 0; s < host_slots; ++s) {
+              const uint32_t r = rng() % 10;
+              const uint8_t state = r == 0 ? uint8_t{kSlotEmpty}
+                                    : r < 4 ? static_cast<uint8_t>(kSlotValid | kSlotInvalidIds)
+                                            : uint8_t{kSlotValid};
+              states[static_cast<size_t>(s)] = state;
+              // A slot flagged INVALID_IDS holds the code at position s % row
+              // (every position over the slots) and now and then elsewhere; an
+              // unflagged one never, unless the code is also a real id.
+              const bool codes = (state & kSlotInvalidIds) != 0 || code_is_id;
+              for (int64_t e = 0; e < row; ++e) {
+                const int64_t at = s * row + e;
+                int64_t v;
+                const uint32_t pick = rng() % 8;
+                if (codes && (e == s % row || pick == 0)) {
+                  v = invalid_code == INT64_MIN ? (stored == kU8 ? 0xff : 0xffff) : invalid_code;
+                } else if (stored == kU8) {
+                  v = pick < 4 ? 128 + rng() % 127 : rng() % 128;  // 128..254 are real ids
+                } else if (stored == kU16) {
+                  v = pick < 4 ? 32768 + rng() % 32767 : rng() % 32768;
+                } else {
+                  v = pick == 1 ? -2 - static_cast<int64_t>(rng() % 100) : static_cast<int64_t>(rng() % 30000);
+                }
+                store_int(cache.data(), stored, at, v);
+                // Now and then a value each conversion treats apart: zeros, half and
+                // float subnormals, past the half range, infinity, NaN, negative.
+                const float specials[] = {0.0f, -0.0f, 3e-6f, 1e-30f, 70000.0f, INFINITY, NAN, -3.5f};
+                const uint32_t w = rng();
+                store_float(cache_w.data(), stored_w, at,
+                            w % 16 == 0 ? specials[(w >> 4) % 8] : 0.25f + static_cast<float>(w % 1000) / 64.0f);
+              }
+            }
+            std::vector<int64_t> slots64(static_cast<size_t>(count));
+            std::vector<int32_t> slots32(static_cast<size_t>(count));
+            for (int64_t t = 0; t < count; ++t) {
+              // Slot t % host_slots first, so every slot's row (every code position) is read.
+              const int64_t s = t < host_slots ? t : static_cast<int64_t>(rng() % host_slots);
+              slots64[static_cast<size_t>(t)] = s;
+              slots32[static_cast<size_t>(t)] = static_cast<int32_t>(s);
+            }
+            std::swap(slots64.front(), slots64.back());
+            std::swap(slots32.front(), slots32.back());
+            const int64_t guard = 64;  // bytes past the output that must stay as they were
+            const int dst_w_bytes = elem_bytes(dst_w);
+            std::vector<uint8_t> out(static_cast<size_t>(count * row * out_bytes + guard), 0xA5), ref_out(out);
+            std::vector<uint8_t> out_w(static_cast<size_t>(count * row * dst_w_bytes + guard), 0xA5), ref_w(out_w);
+            GatherParams p{};
+            p.src_ids = cache.data();
+            p.src_weights = weights ? cache_w.data() : nullptr;
+            p.states = states.data();
+            const bool slots_i32 = cases % 3 == 1;
+            p.slots = slots_i32 ? static_cast<const void*>(slots32.data()) : static_cast<const void*>(slots64.data());
+            p.slots_elem = slots_i32 ? kI32 : kI64;
+            p.count = count;
+            p.row_elements = row;
+            p.invalid_code = invalid_code;
+            p.stored_id_elem = stored;
+            p.dst_id_elem = dst;
+            p.stored_weight_elem = weights ? stored_w : -1;
+            p.dst_weight_elem = weights ? dst_w : -1;
+            p.dst_ids = out.data();
+            p.dst_weights = weights ? out_w.data() : nullptr;
+            gather_on_host(p);
+            p.dst_ids = ref_out.data();
+            p.dst_weights = weights ? ref_w.data() : nullptr;
+            for (int64_t i = 0; i < count * row; ++i) {
+              gather_element(p, i);
+              const int64_t slot = slots64[static_cast<size_t>(i / row)];
+              if (!slot_readable(states[static_cast<size_t>(slot)], invalid_code)) {
+                ++unreadable_read;
+              } else if (load_int(cache.data(), stored, slot * row + i % row) == invalid_code) {
+                ++codes_read;
+              }
+            }
+            if ((out != ref_out || out_w != ref_w) && wrong++ == 0) {
+              MESSAGE("first mismatch: avx2 ", avx2, " stored ", stored, " dst ", dst, " row ", row, " code is id ",
+                      code_is_id, " weights ", weights, " count ", count);
+            }
+            ++cases;
+          }
+        }
+      }
+    }
+    allow_host_commit_avx2(before);
+  }
+  CHECK(cases == 2 * (2 * 6 * 5 * 2 + 2 * 6 * 5));
+  CHECK(codes_read > 1000);
+  CHECK(unreadable_read > 1000);
+  CHECK(wrong == 0);
+}
+
+// The common pair by value rather than against another implementation: a u8
+// cache read into int32 and int64, 0xff at each position of a 33-id row (a
+// vector's worth, and a tail), ids 128..254 kept as they are.
+TEST_CASE("gather_on_host: u8 ids read as themselves into int32 and int64, 0xff as -1 at every position") {
+  const int64_t row = 33, slots_n = row;
+  std::vector<uint8_t> cache(static_cast<size_t>(slots_n * row));
+  std::vector<uint8_t> states(static_cast<size_t>(slots_n), kSlotValid | kSlotInvalidIds);
+  std::vector<int64_t> slots(static_cast<size_t>(slots_n));
+  for (int64_t s = 0; s < slots_n; ++s) {
+    slots[static_cast<size_t>(s)] = slots_n - 1 - s;
+    for (int64_t e = 0; e < row; ++e) {
+      cache[static_cast<size_t>(s * row + e)] = e == s ? 0xff : static_cast<uint8_t>(100 + (s + e) % 155);
+    }
+  }
+  for (const bool avx2 : {true, false}) {
+    const bool before = allow_host_commit_avx2(avx2);
+    for (const int32_t dst : {kI32, kI64}) {
+      CAPTURE(avx2);
+      CAPTURE(dst);
+      std::vector<int64_t> out64(static_cast<size_t>(slots_n * row), 7);
+      std::vector<int32_t> out32(static_cast<size_t>(slots_n * row), 7);
+      GatherParams p{};
+      p.src_ids = cache.data();
+      p.states = states.data();
+      p.slots = slots.data();
+      p.slots_elem = kI64;
+      p.dst_ids = dst == kI32 ? static_cast<void*>(out32.data()) : static_cast<void*>(out64.data());
+      p.count = slots_n;
+      p.row_elements = row;
+      p.invalid_code = 0xff;
+      p.stored_id_elem = kU8;
+      p.dst_id_elem = dst;
+      p.stored_weight_elem = -1;
+      p.dst_weight_elem = -1;
+      gather_on_host(p);
+      int wrong = 0;
+      for (int64_t t = 0; t < slots_n; ++t) {
+        const int64_t s = slots_n - 1 - t;
+        for (int64_t e = 0; e < row; ++e) {
+          const int64_t want = e == s ? -1 : 100 + (s + e) % 155;
+          const int64_t got = dst == kI32 ? out32[static_cast<size_t>(t * row + e)] : out64[static_cast<size_t>(t * row + e)];
+          wrong += got != want ? 1 : 0;
+        }
+      }
+      CHECK(wrong == 0);
+      // The same cache with 256 experts: 0xff is expert 255 and reads as such.
+      p.invalid_code = INT64_MIN;
+      states.assign(states.size(), kSlotValid);
+      gather_on_host(p);
+      const int64_t got = dst == kI32 ? out32[static_cast<size_t>(row - 1)] : out64[static_cast<size_t>(row - 1)];
+      CHECK(got == 255);  // slot 32's id at position 32
+      states.assign(states.size(), kSlotValid | kSlotInvalidIds);
+    }
+    allow_host_commit_avx2(before);
   }
 }
