@@ -29,19 +29,6 @@ void convert_ids(const S* src, D* dst, int64_t n, int64_t invalid_code) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] == code ? static_cast<D>(-1) : static_cast<D>(src[i]);
 }
 
-// One row of stored ids into the caller's dtype, typed so it vectorizes.
-template <class S>
-void ids_from_stored(const S* src, void* dst, int32_t dst_elem, int64_t n, int64_t invalid_code) {
-  switch (dst_elem) {
-    case kU8: convert_ids(src, static_cast<uint8_t*>(dst), n, invalid_code); break;
-    case kI8: convert_ids(src, static_cast<int8_t*>(dst), n, invalid_code); break;
-    case kU16: convert_ids(src, static_cast<uint16_t*>(dst), n, invalid_code); break;
-    case kI16: convert_ids(src, static_cast<int16_t*>(dst), n, invalid_code); break;
-    case kI32: convert_ids(src, static_cast<int32_t*>(dst), n, invalid_code); break;
-    default: convert_ids(src, static_cast<int64_t*>(dst), n, invalid_code); break;
-  }
-}
-
 // The common case without weights or histogram, typed so the compiler can
 // vectorize the narrowing; anything else takes the shared per-element path.
 // TopK > 0 fixes the row width at compile time (the common top-k values),
@@ -124,8 +111,8 @@ inline __attribute__((always_inline)) uint32_t narrow_body(const S* __restrict i
   return bad;
 }
 
-// Whether this CPU runs AVX2, decided once; use_avx2 is what the commit
-// paths follow (allow_host_commit_avx2 turns it off for tests). Chosen by a
+// Whether this CPU runs AVX2, decided once; use_avx2 is what the commit and
+// read paths follow (allow_host_avx2 turns it off for tests). Chosen by a
 // flag, not an ifunc (target_clones): an ifunc resolver runs during
 // relocation, before a sanitizer's runtime is up, and crashes under TSan.
 // Initialized explicitly: this may run among a library's constructors,
@@ -644,7 +631,7 @@ void commit_dispatch(const CommitParams& p, bool consume) {
 
 void commit_on_host(const CommitParams& p) { commit_dispatch(p, false); }
 
-bool allow_host_commit_avx2(bool allowed) {
+bool allow_host_avx2(bool allowed) {
 #if defined(MOECAP_X86_DISPATCH)
   const bool before = use_avx2;
   use_avx2 = allowed && kCpuHasAvx2;

@@ -277,10 +277,10 @@ MOECAP_HD void gather_element(const GatherParams& p, int64_t i) {
   }
 }
 
-// Host commit only: whether its fused int16 -> u8 narrowing may use AVX2 where
-// the CPU has it (the default); false runs the SSE2 baseline, so tests cover
-// the path a CPU without AVX2 takes. Returns the previous setting; not for use
-// while a commit runs.
-bool allow_host_commit_avx2(bool allowed);
+// Host twins only: whether the commit's narrowing and the read's widening may
+// use AVX2 where the CPU has it (the default); false runs the baseline code,
+// so tests cover the path a CPU without AVX2 takes. Returns the previous
+// setting; not for use while a commit or read runs.
+bool allow_host_avx2(bool allowed);
 
 }  // namespace moecap

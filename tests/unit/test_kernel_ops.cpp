@@ -144,7 +144,7 @@ TEST_CASE("commit_on_host: the fused int16 -> u8 top-8 narrowing writes what the
   std::mt19937 rng(11);
   int cases = 0, wrong = 0;
   for (const bool avx2 : {true, false}) {
-    const bool before = allow_host_commit_avx2(avx2);
+    const bool before = allow_host_avx2(avx2);
     for (int32_t layers : {1, 2, 5, 61}) {
       for (int32_t experts : {7, 256}) {
         for (int64_t count : {1, 3, 86, 301}) {
@@ -214,7 +214,7 @@ TEST_CASE("commit_on_host: the fused int16 -> u8 top-8 narrowing writes what the
         }
       }
     }
-    allow_host_commit_avx2(before);
+    allow_host_avx2(before);
   }
   CHECK(cases == 2 * 4 * 2 * 4 * 2);
   CHECK(wrong == 0);
@@ -238,7 +238,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     int32_t s, d, experts;
   };
   for (const bool avx2 : {true, false}) {
-    const bool before = allow_host_commit_avx2(avx2);
+    const bool before = allow_host_avx2(avx2);
     for (const Pair pair : {Pair{kI16, kU8, 256}, Pair{kI16, kU8, 255}, Pair{kI16, kU8, 9}, Pair{kI32, kI16, 256},
                             Pair{kU16, kU8, 256}, Pair{kU8, kU8, 200}}) {
       for (int32_t top_k : {8, 3}) {
@@ -351,7 +351,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
         }
       }
     }
-    allow_host_commit_avx2(before);
+    allow_host_avx2(before);
   }
   CHECK(cases == 2 * 6 * 2 * 4 * 2 * 2 * 2);
   CHECK(unwritten_rows_seen > 0);
@@ -411,7 +411,7 @@ TEST_CASE("claims outrank every earlier commit's, also past 2^32 commits") {
 }
 
 // The host read (gather_on_host: a widening picked once per read, AVX2 where
-// the CPU has it and allow_host_commit_avx2 lets it, plain code otherwise)
+// the CPU has it and allow_host_avx2 lets it, plain code otherwise)
 // against the per-element operation the gather kernel runs, for every stored
 // id dtype into every output dtype: rows shorter than a vector, with a tail,
 // and 488 long; the stored "no expert" code at every position of a row;
@@ -427,7 +427,7 @@ TEST_CASE("gather_on_host reads what the per-element gather operation reads, wit
   const int32_t dst_elems[] = {kU8, kI8, kU16, kI16, kI32, kI64};
   int cases = 0, wrong = 0, codes_read = 0, unreadable_read = 0;
   for (const bool avx2 : {true, false}) {
-    const bool before = allow_host_commit_avx2(avx2);
+    const bool before = allow_host_avx2(avx2);
     for (int32_t stored : stored_elems) {
       for (int32_t dst : dst_elems) {
         for (int64_t row : {1, 7, 16, 33, 488}) {
@@ -527,7 +527,7 @@ TEST_CASE("gather_on_host reads what the per-element gather operation reads, wit
         }
       }
     }
-    allow_host_commit_avx2(before);
+    allow_host_avx2(before);
   }
   CHECK(cases == 2 * (2 * 6 * 5 * 2 + 2 * 6 * 5));
   CHECK(codes_read > 1000);
@@ -550,7 +550,7 @@ TEST_CASE("gather_on_host: u8 ids read as themselves into int32 and int64, 0xff 
     }
   }
   for (const bool avx2 : {true, false}) {
-    const bool before = allow_host_commit_avx2(avx2);
+    const bool before = allow_host_avx2(avx2);
     for (const int32_t dst : {kI32, kI64}) {
       CAPTURE(avx2);
       CAPTURE(dst);
@@ -588,6 +588,6 @@ TEST_CASE("gather_on_host: u8 ids read as themselves into int32 and int64, 0xff 
       CHECK(got == 255);  // slot 32's id at position 32
       states.assign(states.size(), kSlotValid | kSlotInvalidIds);
     }
-    allow_host_commit_avx2(before);
+    allow_host_avx2(before);
   }
 }
