@@ -290,20 +290,46 @@ void mark_bad_rows_i16(const CommitParams& p, int64_t layer, int64_t layers, int
   }
 }
 
+// Rows i..i+3 of one layer (`at`, 32 int16 ids) narrowed to u8 by a clamp:
+// min(id, experts) as unsigned (negative ids wrap above), packed to bytes,
+// and every byte equal to experts becomes 0xff (experts <= 255); with 256
+// experts (kEveryByteAnId) min(id, 255), 0xff being both id 255 and "no
+// expert". Bytes hold rows i, i+2 | i+1, i+3 (packing is per 128-bit half).
+// `outside` accumulates what has_outside tests for an id outside [0, experts).
+template <bool kEveryByteAnId>
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_four_rows(const int16_t* at, __m256i limit,
+                                                                          __m256i limit_bytes, __m256i* outside) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at) + 1);
+  const __m256i packed = _mm256_packus_epi16(_mm256_min_epu16(x, limit), _mm256_min_epu16(y, limit));
+  if constexpr (kEveryByteAnId) {  // outside: any id with a high byte
+    *outside = _mm256_or_si256(*outside, _mm256_or_si256(x, y));
+    return packed;
+  } else {
+    const __m256i beyond = _mm256_cmpeq_epi8(packed, limit_bytes);
+    *outside = _mm256_or_si256(*outside, beyond);
+    return _mm256_or_si256(packed, beyond);
+  }
+}
+
+template <bool kEveryByteAnId>
+MOECAP_AVX2 inline __attribute__((always_inline)) bool has_outside(__m256i outside) {
+  const __m256i high_bytes = _mm256_set1_epi16(static_cast<int16_t>(0xff00));
+  return !_mm256_testz_si256(outside, kEveryByteAnId ? high_bytes : outside);
+}
+
 // A range commit's whole tile in one pass over the device rows: rows
-// [first, first + n) of every layer, int16 ids narrowed to u8 (an id outside
-// [0, experts) becomes 0xff) straight into each row's host-cache row
-// (to[r], or `nowhere`, a scratch row, for a row that goes to no slot), and consumed (all
-// ones written back) right after they are read. Four layers at a time, so
-// each host row gets one 32-byte store per four layers, and layer by layer
-// through the rows (a layer's rows are contiguous; the layers are the device
-// buffer's rows apart, a power-of-two stride that would make every layer's
-// line compete for one cache set if a pass went across them). Rows in order
-// within each pass, so a slot listed twice keeps its later row. The range
-// check is a clamp: min(id, experts) as unsigned (negative ids wrap above),
-// packed to bytes, and every byte equal to experts becomes 0xff (experts <=
-// 255); with 256 experts (kEveryByteAnId) min(id, 255), and an id outside
-// is one with a high byte. row_bad[r] is set for rows with an id outside;
+// [first, first + n) of every layer, int16 ids narrowed to u8
+// (clamp_four_rows) straight into each row's host-cache row (to[r], or
+// `nowhere`, a scratch row, for a row that goes to no slot), and consumed
+// (all ones written back) right after they are read. Four layers at a time,
+// so each host row gets one 32-byte store per four layers, and layer by
+// layer through the rows (a layer's rows are contiguous; the layers are the
+// device buffer's rows apart, a power-of-two stride that would make every
+// layer's line compete for one cache set if a pass went across them). Rows
+// in order within each pass, so a slot listed twice keeps its later row.
+// row_bad[r] is set for rows with an id outside [0, experts) (the block is
+// looked at element by element before it is consumed, mark_bad_rows_i16);
 // every layer must hold routing written this step for all n rows.
 template <bool kEveryByteAnId>
 MOECAP_AVX2 void narrow_consume_range_i16_u8_k8_avx2(const CommitParams& p, int64_t first, int64_t n,
@@ -313,28 +339,17 @@ MOECAP_AVX2 void narrow_consume_range_i16_u8_k8_avx2(const CommitParams& p, int6
   const int64_t layers = p.num_layers;
   const __m256i limit = _mm256_set1_epi16(static_cast<int16_t>(kEveryByteAnId ? 255 : p.num_experts));
   const __m256i limit_bytes = _mm256_set1_epi8(static_cast<char>(p.num_experts));
-  const __m256i high_bytes = _mm256_set1_epi16(static_cast<int16_t>(0xff00));
   const __m256i ones = _mm256_set1_epi8(-1);
   const int64_t blocks = n / 4 * 4;
   int64_t l = 0;
   for (; l + 4 <= layers; l += 4) {
     int16_t* const in = src + l * layer_stride;
     for (int64_t i = 0; i < blocks; i += 4) {
-      __m256i r[4], any = _mm256_setzero_si256();
-      for (int q = 0; q < 4; ++q) {  // layer l + q, rows i..i+3 -> bytes of rows i, i+2 | i+1, i+3
-        const __m256i* at = reinterpret_cast<const __m256i*>(in + q * layer_stride + i * 8);
-        const __m256i x = _mm256_loadu_si256(at), y = _mm256_loadu_si256(at + 1);
-        const __m256i packed = _mm256_packus_epi16(_mm256_min_epu16(x, limit), _mm256_min_epu16(y, limit));
-        if constexpr (kEveryByteAnId) {  // 0xff is both id 255 and "no expert": outside is any high byte
-          any = _mm256_or_si256(any, _mm256_or_si256(x, y));
-          r[q] = packed;
-        } else {
-          const __m256i outside = _mm256_cmpeq_epi8(packed, limit_bytes);
-          any = _mm256_or_si256(any, outside);
-          r[q] = _mm256_or_si256(packed, outside);
-        }
+      __m256i r[4], outside = _mm256_setzero_si256();
+      for (int q = 0; q < 4; ++q) {
+        r[q] = clamp_four_rows<kEveryByteAnId>(in + q * layer_stride + i * 8, limit, limit_bytes, &outside);
       }
-      if (!_mm256_testz_si256(any, kEveryByteAnId ? high_bytes : any)) mark_bad_rows_i16(p, l, 4, first + i, 4, to + i, nowhere, row_bad + i);
+      if (has_outside<kEveryByteAnId>(outside)) mark_bad_rows_i16(p, l, 4, first + i, 4, to + i, nowhere, row_bad + i);
       for (int q = 0; q < 4; ++q) {
         __m256i* at = reinterpret_cast<__m256i*>(in + q * layer_stride + i * 8);
         _mm256_storeu_si256(at, ones);
@@ -353,16 +368,12 @@ MOECAP_AVX2 void narrow_consume_range_i16_u8_k8_avx2(const CommitParams& p, int6
   for (; l < layers; ++l) {  // the last layers short of four: 8 bytes per row
     int16_t* const in = src + l * layer_stride;
     for (int64_t i = 0; i < blocks; i += 4) {
+      __m256i outside = _mm256_setzero_si256();
+      const __m256i rows = clamp_four_rows<kEveryByteAnId>(in + i * 8, limit, limit_bytes, &outside);
+      if (has_outside<kEveryByteAnId>(outside)) mark_bad_rows_i16(p, l, 1, first + i, 4, to + i, nowhere, row_bad + i);
       __m256i* at = reinterpret_cast<__m256i*>(in + i * 8);
-      const __m256i x = _mm256_loadu_si256(at), y = _mm256_loadu_si256(at + 1);
-      const __m256i packed = _mm256_packus_epi16(_mm256_min_epu16(x, limit), _mm256_min_epu16(y, limit));
-      const __m256i outside = kEveryByteAnId ? _mm256_setzero_si256() : _mm256_cmpeq_epi8(packed, limit_bytes);
-      const bool block_bad = kEveryByteAnId ? !_mm256_testz_si256(_mm256_or_si256(x, y), high_bytes)
-                                            : !_mm256_testz_si256(outside, outside);
-      if (block_bad) mark_bad_rows_i16(p, l, 1, first + i, 4, to + i, nowhere, row_bad + i);
       _mm256_storeu_si256(at, ones);
       _mm256_storeu_si256(at + 1, ones);
-      const __m256i rows = _mm256_or_si256(packed, outside);
       const __m128i low = _mm256_castsi256_si128(rows), high = _mm256_extracti128_si256(rows, 1);
       _mm_storel_epi64(reinterpret_cast<__m128i*>(to[i] + l * 8), low);
       _mm_storel_epi64(reinterpret_cast<__m128i*>(to[i + 1] + l * 8), high);
@@ -370,20 +381,30 @@ MOECAP_AVX2 void narrow_consume_range_i16_u8_k8_avx2(const CommitParams& p, int6
       _mm_storeh_pd(reinterpret_cast<double*>(to[i + 3] + l * 8), _mm_castsi128_pd(high));
     }
   }
-  for (int64_t i = blocks; i < n; ++i) {  // the last rows short of four, element by element
+  // The last rows short of four (once per commit: tiles are multiples of
+  // four), element by element: checked as a block is, then narrowed.
+  for (int64_t i = blocks; i < n; ++i) {
+    mark_bad_rows_i16(p, 0, layers, first + i, 1, to + i, nowhere, row_bad + i);
     for (l = 0; l < layers; ++l) {
       int16_t* in = src + l * layer_stride + i * 8;
       uint8_t* out = to[i] + l * 8;
       for (int k = 0; k < 8; ++k) {
-        const bool bad = to[i] == nowhere ? !(in[k] >= 0 && in[k] < p.num_experts) : committed_id_bad(p, in[k]);
-        row_bad[i] = static_cast<uint8_t>(row_bad[i] | (bad ? 1 : 0));
-        out[k] = bad ? uint8_t{0xff} : static_cast<uint8_t>(in[k]);
+        const uint16_t id = static_cast<uint16_t>(in[k]);
+        out[k] = id < static_cast<uint32_t>(p.num_experts) ? static_cast<uint8_t>(id) : uint8_t{0xff};
         in[k] = -1;
       }
     }
   }
 }
 #define MOECAP_HAVE_RANGE_NARROW_CONSUME 1
+
+// Whether every layer holds routing written this step in rows [0, end).
+bool rows_written_in_every_layer(const CommitParams& p, int64_t end) {
+  for (int64_t l = 0; l < p.num_layers; ++l) {
+    if (layer_written_rows(p, l) < end) return false;
+  }
+  return true;
+}
 
 #endif
 
@@ -405,14 +426,6 @@ inline bool narrow_layer_pair_i16_u8_k8(const int16_t* in, int64_t layer_stride,
   return narrow_rows_i16_u8_k8_sse2(in + layer_stride, out + 8, out_stride, n, experts) || first;
 }
 #endif
-
-// Whether every layer holds routing written this step in rows [0, end).
-bool rows_written_in_every_layer(const CommitParams& p, int64_t end) {
-  for (int64_t l = 0; l < p.num_layers; ++l) {
-    if (layer_written_rows(p, l) < end) return false;
-  }
-  return true;
-}
 
 // The device buffer's "no routing" is all ones in every dtype, its no weight
 // zero: consuming is a fill of bytes.
@@ -474,8 +487,8 @@ void commit_rows(const CommitParams& p, bool consume) {
   D* narrowed = scratch.get<D>(scratch.narrowed, tile * top_k);
   D* staged = scratch.get<D>(scratch.staged, tile * row);
   uint8_t* staged_w = scratch.get<uint8_t>(scratch.staged_w, tile * w_row);
-  uint8_t** to = scratch.get<uint8_t*>(scratch.to, tile);
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
+  uint8_t** to = scratch.get<uint8_t*>(scratch.to, tile);
   // A range commit of int16 ids into u8 without weights: the common decode
   // and prefill commit, with its own one-pass kernel.
   const bool range_in_one_pass = use_avx2 && consume && p.mode == kCommitRows && p.src_rows == nullptr &&

@@ -223,7 +223,7 @@ TEST_CASE("commit_on_host: the fused int16 -> u8 top-8 narrowing writes what the
 // The host backend's commit (commit_and_release_on_host: the consumption of
 // a row range folded into the commit's pass, the fused int16 -> u8 top-8
 // narrowing, layers taken in pairs, and the one-pass range kernel that
-// narrows, consumes and writes each slot's row in place for up to 255
+// narrows, consumes and writes each slot's row in place for up to 256
 // experts when every layer holds this step's rows) against the per-element
 // operations in kernel order (commit, then consume every named row, then
 // finish), with the step stamps in play: layers captured this step with
@@ -245,107 +245,108 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
         for (int32_t layers : {1, 4, 7, 61}) {
           for (const bool row_list : {false, true}) {
             for (const bool weights : {false, true}) {
-             for (const bool every_layer_written : {false, true}) {
-              const int32_t experts = pair.experts;
-              const int64_t device_rows = 300, host_slots = 400, row = int64_t{layers} * top_k;
-              const int64_t count = 1 + static_cast<int64_t>(rng() % 250);
-              const int64_t elems = layers * device_rows * top_k;
-              std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(pair.s)));
-              for (int64_t e = 0; e < elems; ++e) {
-                const uint32_t r = rng() % 80;
-                const int64_t id = r == 0 ? -1
-                                   : r == 1 ? (rng() % 2 == 0 ? experts + 5 : -2)
-                                            : static_cast<int64_t>(rng() % experts);
-                store_int(src.data(), pair.s, e, r == 0 ? invalid_id_code(pair.s) : id);
-              }
-              std::vector<uint8_t> src_w(static_cast<size_t>(elems * 4));
-              for (uint8_t& b : src_w) b = static_cast<uint8_t>(rng() | 1);
-              StepWord step{};
-              step.step = 5;
-              step.claim_serial = 9;
-              std::vector<LayerStamp> stamps(static_cast<size_t>(layers));
-              for (LayerStamp& s : stamps) {
-                const uint32_t r = every_layer_written ? 2 + rng() % 2 * 2 : rng() % 4;
-                s.step = r == 0 ? 0u : r == 1 ? 4u : 5u;
-                s.rows = r == 3 ? static_cast<int64_t>(rng() % device_rows) : device_rows;
-              }
-              std::vector<int64_t> slots(static_cast<size_t>(count)), rows(static_cast<size_t>(count));
-              for (int64_t j = 0; j < count; ++j) {
-                const uint32_t r = rng() % 30;
-                slots[static_cast<size_t>(j)] = r == 0 ? -1 : r < 3 ? 17 : rng() % host_slots;
-                rows[static_cast<size_t>(j)] = r == 4 ? rows[0] : static_cast<int64_t>(rng() % device_rows);
-              }
-              CommitParams p{};
-              p.src_rows = row_list ? rows.data() : nullptr;
-              p.dst_slots = slots.data();
-              // A range sometimes runs past the last device row (those entries are skipped and counted).
-              p.src_start = row_list ? 0
-                            : rng() % 4 == 0 ? device_rows - count / 2 - 1
-                                             : static_cast<int64_t>(rng() % (device_rows - count + 1));
-              p.count = count;
-              p.device_rows = device_rows;
-              p.host_slots = host_slots;
-              p.dst_no_expert = invalid_id_code(pair.d);
-              p.mode = kCommitRows;
-              p.num_layers = layers;
-              p.top_k = top_k;
-              p.num_experts = experts;
-              p.src_id_elem = pair.s;
-              p.dst_id_elem = pair.d;
-              p.weight_elem = weights ? kF32 : -1;
-              p.src_rows_elem = kI64;
-              p.dst_slots_elem = kI64;
-              p.stamps = stamps.data();
-              const size_t id_bytes = static_cast<size_t>(host_slots * row * elem_bytes(pair.d));
-              std::vector<uint8_t> ids(id_bytes, 0x5A), ref_ids(id_bytes, 0x5A);
-              std::vector<uint8_t> w(static_cast<size_t>(host_slots * row * 4), 0x5A), ref_w(w);
-              std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0x7), ref_states(states);
-              std::vector<uint8_t> dev(src), ref_dev(src), dev_w(src_w), ref_dev_w(src_w);
-              ErrorWord errors{}, ref_errors{};
-              StepWord ref_step = step;
-              p.src_ids = dev.data();
-              p.src_weights = weights ? dev_w.data() : nullptr;
-              p.dst_ids = ids.data();
-              p.dst_weights = weights ? w.data() : nullptr;
-              p.dst_states = states.data();
-              p.errors = &errors;
-              p.step = &step;
-              commit_and_release_on_host(p);
-              p.src_ids = ref_dev.data();
-              p.src_weights = weights ? ref_dev_w.data() : nullptr;
-              p.dst_ids = ref_ids.data();
-              p.dst_weights = weights ? ref_w.data() : nullptr;
-              p.dst_states = ref_states.data();
-              p.errors = &ref_errors;
-              p.step = &ref_step;
-              for (int64_t j = 0; j < count; ++j) {
-                int64_t from = 0, slot = 0;
-                commit_source(p, j, &from, &slot);
-                if (!commit_goes_to(p, from, slot)) continue;
-                bool bad = false;
-                for (int64_t e = 0; e < row; ++e) {
-                  bad |= narrow_element(p, from, e, ref_ids.data() + slot * row * elem_bytes(pair.d), e);
-                  if (weights) commit_weight(p, from, slot, e);
-                  if (from >= layer_written_rows(p, e / top_k)) ++unwritten_rows_seen;
+              for (const bool every_layer_written : {false, true}) {
+                const int32_t experts = pair.experts;
+                const int64_t device_rows = 300, host_slots = 400, row = int64_t{layers} * top_k;
+                const int64_t count = 1 + static_cast<int64_t>(rng() % 250);
+                const int64_t elems = layers * device_rows * top_k;
+                std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(pair.s)));
+                for (int64_t e = 0; e < elems; ++e) {
+                  const uint32_t r = rng() % 80;
+                  const int64_t id = r == 0 ? -1
+                                     : r == 1 ? (rng() % 2 == 0 ? experts + 5 : -2)
+                                              : static_cast<int64_t>(rng() % experts);
+                  store_int(src.data(), pair.s, e, r == 0 ? invalid_id_code(pair.s) : id);
                 }
-                ref_states[static_cast<size_t>(slot)] = committed_state(bad);
+                std::vector<uint8_t> src_w(static_cast<size_t>(elems * 4));
+                for (uint8_t& b : src_w) b = static_cast<uint8_t>(rng() | 1);
+                StepWord step{};
+                step.step = 5;
+                step.claim_serial = 9;
+                std::vector<LayerStamp> stamps(static_cast<size_t>(layers));
+                for (LayerStamp& s : stamps) {
+                  // Every layer written: never captured (every row counts) or all rows this step.
+                  const uint32_t r = every_layer_written ? rng() % 2 * 2 : rng() % 4;
+                  s.step = r == 0 ? 0u : r == 1 ? 4u : 5u;
+                  s.rows = r == 3 ? static_cast<int64_t>(rng() % device_rows) : device_rows;
+                }
+                std::vector<int64_t> slots(static_cast<size_t>(count)), rows(static_cast<size_t>(count));
+                for (int64_t j = 0; j < count; ++j) {
+                  const uint32_t r = rng() % 30;
+                  slots[static_cast<size_t>(j)] = r == 0 ? -1 : r < 3 ? 17 : rng() % host_slots;
+                  rows[static_cast<size_t>(j)] = r == 4 ? rows[0] : static_cast<int64_t>(rng() % device_rows);
+                }
+                CommitParams p{};
+                p.src_rows = row_list ? rows.data() : nullptr;
+                p.dst_slots = slots.data();
+                // A range sometimes runs past the last device row (those entries are skipped and counted).
+                p.src_start = row_list ? 0
+                              : rng() % 4 == 0 ? device_rows - count / 2 - 1
+                                               : static_cast<int64_t>(rng() % (device_rows - count + 1));
+                p.count = count;
+                p.device_rows = device_rows;
+                p.host_slots = host_slots;
+                p.dst_no_expert = invalid_id_code(pair.d);
+                p.mode = kCommitRows;
+                p.num_layers = layers;
+                p.top_k = top_k;
+                p.num_experts = experts;
+                p.src_id_elem = pair.s;
+                p.dst_id_elem = pair.d;
+                p.weight_elem = weights ? kF32 : -1;
+                p.src_rows_elem = kI64;
+                p.dst_slots_elem = kI64;
+                p.stamps = stamps.data();
+                const size_t id_bytes = static_cast<size_t>(host_slots * row * elem_bytes(pair.d));
+                std::vector<uint8_t> ids(id_bytes, 0x5A), ref_ids(id_bytes, 0x5A);
+                std::vector<uint8_t> w(static_cast<size_t>(host_slots * row * 4), 0x5A), ref_w(w);
+                std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0x7), ref_states(states);
+                std::vector<uint8_t> dev(src), ref_dev(src), dev_w(src_w), ref_dev_w(src_w);
+                ErrorWord errors{}, ref_errors{};
+                StepWord ref_step = step;
+                p.src_ids = dev.data();
+                p.src_weights = weights ? dev_w.data() : nullptr;
+                p.dst_ids = ids.data();
+                p.dst_weights = weights ? w.data() : nullptr;
+                p.dst_states = states.data();
+                p.errors = &errors;
+                p.step = &step;
+                commit_and_release_on_host(p);
+                p.src_ids = ref_dev.data();
+                p.src_weights = weights ? ref_dev_w.data() : nullptr;
+                p.dst_ids = ref_ids.data();
+                p.dst_weights = weights ? ref_w.data() : nullptr;
+                p.dst_states = ref_states.data();
+                p.errors = &ref_errors;
+                p.step = &ref_step;
+                for (int64_t j = 0; j < count; ++j) {
+                  int64_t from = 0, slot = 0;
+                  commit_source(p, j, &from, &slot);
+                  if (!commit_goes_to(p, from, slot)) continue;
+                  bool bad = false;
+                  for (int64_t e = 0; e < row; ++e) {
+                    bad |= narrow_element(p, from, e, ref_ids.data() + slot * row * elem_bytes(pair.d), e);
+                    if (weights) commit_weight(p, from, slot, e);
+                    if (from >= layer_written_rows(p, e / top_k)) ++unwritten_rows_seen;
+                  }
+                  ref_states[static_cast<size_t>(slot)] = committed_state(bad);
+                }
+                for (int64_t e = 0; e < int64_t{layers} * count * top_k; ++e) consume_element(p, e);
+                finish_commit(p);
+                const bool same = ids == ref_ids && w == ref_w && states == ref_states && dev == ref_dev &&
+                                  dev_w == ref_dev_w && errors.skipped_rows == ref_errors.skipped_rows &&
+                                  errors.invalid_ids == ref_errors.invalid_ids && step.step == ref_step.step &&
+                                  step.committed == ref_step.committed && step.claim_serial == ref_step.claim_serial;
+                if (!same && wrong++ == 0) {
+                  MESSAGE("first mismatch: avx2 ", avx2, " device ", pair.s, " host ", pair.d, " top_k ", top_k,
+                          " layers ", layers, " row list ", row_list, " weights ", weights, " count ", count,
+                          " ids ", ids == ref_ids, " w ", w == ref_w, " states ", states == ref_states, " dev ",
+                          dev == ref_dev, " dev_w ", dev_w == ref_dev_w, " invalid ", errors.invalid_ids, "/",
+                          ref_errors.invalid_ids, " skipped ", errors.skipped_rows, "/", ref_errors.skipped_rows);
+                }
+                CHECK(step.committed == 1);
+                ++cases;
               }
-              for (int64_t e = 0; e < int64_t{layers} * count * top_k; ++e) consume_element(p, e);
-              finish_commit(p);
-              const bool same = ids == ref_ids && w == ref_w && states == ref_states && dev == ref_dev &&
-                                dev_w == ref_dev_w && errors.skipped_rows == ref_errors.skipped_rows &&
-                                errors.invalid_ids == ref_errors.invalid_ids && step.step == ref_step.step &&
-                                step.committed == ref_step.committed && step.claim_serial == ref_step.claim_serial;
-              if (!same && wrong++ == 0) {
-                MESSAGE("first mismatch: avx2 ", avx2, " device ", pair.s, " host ", pair.d, " top_k ", top_k,
-                        " layers ", layers, " row list ", row_list, " weights ", weights, " count ", count,
-                        " ids ", ids == ref_ids, " w ", w == ref_w, " states ", states == ref_states, " dev ",
-                        dev == ref_dev, " dev_w ", dev_w == ref_dev_w, " invalid ", errors.invalid_ids, "/",
-                        ref_errors.invalid_ids, " skipped ", errors.skipped_rows, "/", ref_errors.skipped_rows);
-              }
-              CHECK(step.committed == 1);
-              ++cases;
-             }
             }
           }
         }
@@ -356,6 +357,72 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
   CHECK(cases == 2 * 6 * 2 * 4 * 2 * 2 * 2);
   CHECK(unwritten_rows_seen > 0);
   CHECK(wrong == 0);
+}
+
+// The range commit's last rows short of four and its rows sent nowhere:
+// a bad id in a row that goes to no slot (-1) is consumed but not counted,
+// one in a row that goes to a slot is counted and marks it INVALID_IDS,
+// in a block of four rows and in the tail, with AVX2 and without, at 200
+// and 256 experts, against the per-element operations.
+TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a slot, in blocks and in the tail") {
+  for (const bool avx2 : {true, false}) {
+    const bool before = allow_host_avx2(avx2);
+    for (const int32_t experts : {200, 256}) {
+      const int32_t layers = 5, top_k = 8;
+      const int64_t device_rows = 16, host_slots = 32, count = 7, row = int64_t{layers} * top_k;
+      std::vector<int16_t> src(static_cast<size_t>(layers * device_rows * top_k));
+      for (size_t e = 0; e < src.size(); ++e) src[e] = static_cast<int16_t>(e % 97);
+      // Rows 1 (a block, slot -1), 2 (a block, slot 9), 5 (the tail, slot -1), 6 (the tail, slot 11).
+      for (const int64_t r : {1, 2, 5, 6}) src[static_cast<size_t>((3 * device_rows + r) * top_k + 4)] = static_cast<int16_t>(experts + 5);
+      src[static_cast<size_t>((4 * device_rows + 6) * top_k + 1)] = -1;  // no routing: not counted
+      const std::vector<int64_t> slots = {3, -1, 9, 4, 5, -1, 11};
+      CommitParams p{};
+      p.dst_slots = slots.data();
+      p.count = count;
+      p.device_rows = device_rows;
+      p.host_slots = host_slots;
+      p.dst_no_expert = invalid_id_code(kU8);
+      p.mode = kCommitRows;
+      p.num_layers = layers;
+      p.top_k = top_k;
+      p.num_experts = experts;
+      p.src_id_elem = kI16;
+      p.dst_id_elem = kU8;
+      p.weight_elem = -1;
+      p.dst_slots_elem = kI64;
+      std::vector<int16_t> dev(src), ref_dev(src);
+      std::vector<uint8_t> ids(static_cast<size_t>(host_slots * row), 0x5A), ref_ids(ids);
+      std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0), ref_states(states);
+      ErrorWord errors{}, ref_errors{};
+      p.src_ids = reinterpret_cast<uint8_t*>(dev.data());
+      p.dst_ids = ids.data();
+      p.dst_states = states.data();
+      p.errors = &errors;
+      commit_and_release_on_host(p);
+      p.src_ids = reinterpret_cast<uint8_t*>(ref_dev.data());
+      p.dst_ids = ref_ids.data();
+      p.dst_states = ref_states.data();
+      p.errors = &ref_errors;
+      for (int64_t j = 0; j < count; ++j) {
+        int64_t from = 0, slot = 0;
+        commit_source(p, j, &from, &slot);
+        if (!commit_goes_to(p, from, slot)) continue;
+        bool bad = false;
+        for (int64_t e = 0; e < row; ++e) bad |= narrow_element(p, from, e, ref_ids.data() + slot * row, e);
+        ref_states[static_cast<size_t>(slot)] = committed_state(bad);
+      }
+      for (int64_t e = 0; e < int64_t{layers} * count * top_k; ++e) consume_element(p, e);
+      CHECK(errors.invalid_ids == 2);  // rows 2 and 6
+      CHECK(errors.invalid_ids == ref_errors.invalid_ids);
+      CHECK(states[9] == (kSlotValid | kSlotInvalidIds));
+      CHECK(states[11] == (kSlotValid | kSlotInvalidIds));
+      CHECK(states[3] == kSlotValid);
+      CHECK(ids == ref_ids);
+      CHECK(states == ref_states);
+      CHECK(dev == ref_dev);
+    }
+    allow_host_avx2(before);
+  }
 }
 
 // Claims are never cleared, so each commit's must outrank every earlier one
