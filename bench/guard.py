@@ -8,11 +8,13 @@ Runs moecap_bench (build it first: cmake --build BUILD_DIR --target
 moecap_bench) over a few cases for about ten seconds and compares the median
 CPU time per call: commit against copying the rows out and scattering them
 (BM_Commit_Baseline) and against its floor, a memcpy of each finished row to
-a fresh slot (BM_Commit_MemcpyRows), read against an element-wise gather, capture against a
-strided slice copy, each at a size where moecap is normally 2-3x its baseline
-on a loaded 2-core machine. The floor is wide (noisy shared machines pass) and
-narrow enough to catch a loss of several times, like a second slow pass over
-every committed row (which made commit 0.3x of this baseline).
+a fresh slot (BM_Commit_MemcpyRows), read against an element-wise gather,
+capture against a strided slice copy. On a loaded 2-core machine moecap is
+normally 10-15x the copy-out-and-scatter and the gather, 2-3x the slice copy,
+and 1.2-1.5x the memcpy floor (the narrowest margin). The 0.5x floor is wide
+(noisy shared machines pass) and narrow enough to catch a loss of several
+times, like a second slow pass over every committed row (which made commit
+0.3x of the copy-out-and-scatter).
 """
 import argparse
 import json

@@ -390,8 +390,8 @@ void BM_Memory(benchmark::State& state) {
 BENCHMARK(BM_Capture_Moecap)
     ->ArgsProduct({{1, 64, 512, 4096, 16384}, {32, 64}, {MOECAP_IDS_U8, MOECAP_IDS_U16, MOECAP_IDS_I16, MOECAP_IDS_I32}});
 BENCHMARK(BM_Capture_Baseline)->Arg(1)->Arg(64)->Arg(512)->Arg(4096)->Arg(16384);
-// Args: rows, random slots, host slots: sequential and random in the small
-// cache, random in the large one.
+// Args: rows, slot order (SlotWalk), host slots: sequential and random in
+// the small cache, random and fresh random in the large one.
 void commit_args(benchmark::internal::Benchmark* b) {
   for (int64_t rows : {64, 512, 4096}) {
     b->Args({rows, 0, kHostSlots});
