@@ -12,6 +12,30 @@
 
 using namespace moecap;
 
+namespace {
+
+// A commit of int16 device ids into a u8 host cache at top-8 without weights
+// (the common pair); the caller sets the buffers, rows and slots.
+CommitParams i16_to_u8_top8(int32_t layers, int32_t experts, int64_t count, int64_t device_rows, int64_t host_slots) {
+  CommitParams p{};
+  p.count = count;
+  p.device_rows = device_rows;
+  p.host_slots = host_slots;
+  p.dst_no_expert = invalid_id_code(kU8);
+  p.mode = kCommitRows;
+  p.num_layers = layers;
+  p.top_k = 8;
+  p.num_experts = experts;
+  p.src_id_elem = kI16;
+  p.dst_id_elem = kU8;
+  p.weight_elem = -1;
+  p.src_rows_elem = kI64;
+  p.dst_slots_elem = kI64;
+  return p;
+}
+
+}  // namespace
+
 // The commit kernel's row copy, run on the host lane by lane: for every
 // alignment of source and destination and every row size, the 32 lanes
 // together write exactly the row, each byte once, and nothing around it.
@@ -164,24 +188,11 @@ TEST_CASE("commit_on_host: the fused int16 -> u8 top-8 narrowing writes what the
               slots[static_cast<size_t>(j)] = r == 0 ? -1 : r < 3 ? 17 : rng() % host_slots;
               rows[static_cast<size_t>(j)] = static_cast<int64_t>(rng() % device_rows);
             }
-            CommitParams p{};
+            CommitParams p = i16_to_u8_top8(layers, experts, count, device_rows, host_slots);
             p.src_ids = reinterpret_cast<uint8_t*>(src.data());
             p.src_rows = row_list ? rows.data() : nullptr;
             p.dst_slots = slots.data();
             p.src_start = row_list ? 0 : 33;
-            p.count = count;
-            p.device_rows = device_rows;
-            p.host_slots = host_slots;
-            p.dst_no_expert = invalid_id_code(kU8);
-            p.mode = kCommitRows;
-            p.num_layers = layers;
-            p.top_k = top_k;
-            p.num_experts = experts;
-            p.src_id_elem = kI16;
-            p.dst_id_elem = kU8;
-            p.weight_elem = -1;
-            p.src_rows_elem = kI64;
-            p.dst_slots_elem = kI64;
             std::vector<uint8_t> ids(static_cast<size_t>(host_slots * row), 0x5A), ref_ids(ids);
             std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0x7), ref_states(states);
             ErrorWord errors{}, ref_errors{};
@@ -376,20 +387,8 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
       for (const int64_t r : {1, 2, 5, 6}) src[static_cast<size_t>((3 * device_rows + r) * top_k + 4)] = static_cast<int16_t>(experts + 5);
       src[static_cast<size_t>((4 * device_rows + 6) * top_k + 1)] = -1;  // no routing: not counted
       const std::vector<int64_t> slots = {3, -1, 9, 4, 5, -1, 11};
-      CommitParams p{};
+      CommitParams p = i16_to_u8_top8(layers, experts, count, device_rows, host_slots);
       p.dst_slots = slots.data();
-      p.count = count;
-      p.device_rows = device_rows;
-      p.host_slots = host_slots;
-      p.dst_no_expert = invalid_id_code(kU8);
-      p.mode = kCommitRows;
-      p.num_layers = layers;
-      p.top_k = top_k;
-      p.num_experts = experts;
-      p.src_id_elem = kI16;
-      p.dst_id_elem = kU8;
-      p.weight_elem = -1;
-      p.dst_slots_elem = kI64;
       std::vector<int16_t> dev(src), ref_dev(src);
       std::vector<uint8_t> ids(static_cast<size_t>(host_slots * row), 0x5A), ref_ids(ids);
       std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0), ref_states(states);
