@@ -34,6 +34,35 @@ CommitParams i16_to_u8_top8(int32_t layers, int32_t experts, int64_t count, int6
   return p;
 }
 
+
+// The per-element operations in kernel order for a commit (every entry that
+// goes somewhere, later entries over earlier ones), writing the buffers `p`
+// points at. Returns whether a committed row had no real id in some layer;
+// counts into *unwritten the elements read from rows their layer did not
+// write this step.
+bool reference_commit(const CommitParams& p, int* unwritten = nullptr) {
+  const int64_t row = int64_t{p.num_layers} * p.top_k;
+  bool any_bad = false;
+  for (int64_t j = 0; j < p.count; ++j) {
+    int64_t from = 0, slot = 0;
+    commit_source(p, j, &from, &slot);
+    if (!commit_goes_to(p, from, slot)) continue;
+    if (p.mode == kInvalidate) {
+      p.dst_states[slot] = kSlotEmpty;
+      continue;
+    }
+    bool bad = false;
+    for (int64_t e = 0; e < row; ++e) {
+      bad |= narrow_element(p, from, e, p.dst_ids + slot * row * elem_bytes(p.dst_id_elem), e);
+      if (p.dst_weights != nullptr) commit_weight(p, from, slot, e);
+      if (unwritten != nullptr && from >= layer_written_rows(p, e / p.top_k)) ++*unwritten;
+    }
+    p.dst_states[slot] = committed_state(bad);
+    any_bad |= bad;
+  }
+  return any_bad;
+}
+
 }  // namespace
 
 // The commit kernel's row copy, run on the host lane by lane: for every
@@ -128,21 +157,7 @@ TEST_CASE("commit_on_host writes what the per-element kernel operations write, e
           p.dst_weights = weights ? ref_w.data() : nullptr;
           p.dst_states = ref_states.data();
           p.errors = &ref_errors;
-          for (int64_t j = 0; j < count; ++j) {
-            int64_t from = 0, slot = 0;
-            commit_source(p, j, &from, &slot);
-            if (!commit_goes_to(p, from, slot)) continue;
-            if (mode == kInvalidate) {
-              ref_states[static_cast<size_t>(slot)] = kSlotEmpty;
-              continue;
-            }
-            bool bad = false;
-            for (int64_t e = 0; e < row; ++e) {
-              bad |= narrow_element(p, from, e, ref_ids.data() + slot * row * elem_bytes(d_elem), e);
-              if (weights) commit_weight(p, from, slot, e);
-            }
-            ref_states[static_cast<size_t>(slot)] = committed_state(bad);
-          }
+          reference_commit(p);
           const bool same = ids == ref_ids && w == ref_w && states == ref_states &&
                             errors.skipped_rows == ref_errors.skipped_rows && errors.skipped_rows > 0 &&
                             errors.invalid_ids == ref_errors.invalid_ids;
@@ -203,16 +218,7 @@ TEST_CASE("commit_on_host: the fused int16 -> u8 top-8 narrowing writes what the
             p.dst_ids = ref_ids.data();
             p.dst_states = ref_states.data();
             p.errors = &ref_errors;
-            bool any_bad_row = false;
-            for (int64_t j = 0; j < count; ++j) {
-              int64_t from = 0, slot = 0;
-              commit_source(p, j, &from, &slot);
-              if (!commit_goes_to(p, from, slot)) continue;
-              bool bad = false;
-              for (int64_t e = 0; e < row; ++e) bad |= narrow_element(p, from, e, ref_ids.data() + slot * row, e);
-              ref_states[static_cast<size_t>(slot)] = committed_state(bad);
-              any_bad_row |= bad;
-            }
+            const bool any_bad_row = reference_commit(p);
             const bool same = ids == ref_ids && states == ref_states && errors.invalid_ids == ref_errors.invalid_ids &&
                               errors.skipped_rows == ref_errors.skipped_rows;
             if (!same && wrong++ == 0) {
@@ -330,18 +336,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
                 p.dst_states = ref_states.data();
                 p.errors = &ref_errors;
                 p.step = &ref_step;
-                for (int64_t j = 0; j < count; ++j) {
-                  int64_t from = 0, slot = 0;
-                  commit_source(p, j, &from, &slot);
-                  if (!commit_goes_to(p, from, slot)) continue;
-                  bool bad = false;
-                  for (int64_t e = 0; e < row; ++e) {
-                    bad |= narrow_element(p, from, e, ref_ids.data() + slot * row * elem_bytes(pair.d), e);
-                    if (weights) commit_weight(p, from, slot, e);
-                    if (from >= layer_written_rows(p, e / top_k)) ++unwritten_rows_seen;
-                  }
-                  ref_states[static_cast<size_t>(slot)] = committed_state(bad);
-                }
+                reference_commit(p, &unwritten_rows_seen);
                 for (int64_t e = 0; e < int64_t{layers} * count * top_k; ++e) consume_element(p, e);
                 finish_commit(p);
                 const bool same = ids == ref_ids && w == ref_w && states == ref_states && dev == ref_dev &&
@@ -402,14 +397,7 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
       p.dst_ids = ref_ids.data();
       p.dst_states = ref_states.data();
       p.errors = &ref_errors;
-      for (int64_t j = 0; j < count; ++j) {
-        int64_t from = 0, slot = 0;
-        commit_source(p, j, &from, &slot);
-        if (!commit_goes_to(p, from, slot)) continue;
-        bool bad = false;
-        for (int64_t e = 0; e < row; ++e) bad |= narrow_element(p, from, e, ref_ids.data() + slot * row, e);
-        ref_states[static_cast<size_t>(slot)] = committed_state(bad);
-      }
+      reference_commit(p);
       for (int64_t e = 0; e < int64_t{layers} * count * top_k; ++e) consume_element(p, e);
       CHECK(errors.invalid_ids == 2);  // rows 2 and 6
       CHECK(errors.invalid_ids == ref_errors.invalid_ids);
