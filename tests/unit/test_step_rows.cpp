@@ -11,17 +11,26 @@
 
 namespace {
 
-void run_on_host(int32_t dp, uint32_t flags) {
-  moecap_config c = moecap_step_rows::config(dp, MOECAP_DEVICE_HOST);
-  c.flags |= flags;
-  moecap_test::Handle cap(c);
-  std::deque<std::unique_ptr<moecap_test::HostTensor>> held;
+using Held = std::deque<std::unique_ptr<moecap_test::HostTensor>>;
+
+// The scenario's ids as host tensors, kept in `held` as long as it lives
+// (a recorded graph reads them at every replay).
+moecap_step_rows::Memory host_memory(Held& held) {
   moecap_step_rows::Memory m;
   m.ids = [&held](const std::vector<int32_t>& v, int64_t n, int32_t top_k) {
     held.push_back(std::make_unique<moecap_test::HostTensor>(std::initializer_list<int64_t>{n, top_k}, moecap_test::i32()));
     for (size_t i = 0; i < v.size(); ++i) held.back()->set(static_cast<int64_t>(i), v[i]);
     return held.back()->get();
   };
+  return m;
+}
+
+void run_on_host(int32_t dp, uint32_t flags) {
+  moecap_config c = moecap_step_rows::config(dp, MOECAP_DEVICE_HOST);
+  c.flags |= flags;
+  moecap_test::Handle cap(c);
+  Held held;
+  moecap_step_rows::Memory m = host_memory(held);
   moecap_step_rows::run(cap.h, c, m);
 }
 
@@ -39,13 +48,8 @@ TEST_CASE("steps hold in recorded graphs: a replay that skips a layer reads -1 t
   namespace sr = moecap_step_rows;
   const moecap_config c = sr::config(2, MOECAP_DEVICE_HOST);
   moecap_test::Handle cap(c);
-  std::deque<std::unique_ptr<moecap_test::HostTensor>> held;
-  sr::Memory m;
-  m.ids = [&held](const std::vector<int32_t>& v, int64_t n, int32_t top_k) {
-    held.push_back(std::make_unique<moecap_test::HostTensor>(std::initializer_list<int64_t>{n, top_k}, moecap_test::i32()));
-    for (size_t i = 0; i < v.size(); ++i) held.back()->set(static_cast<int64_t>(i), v[i]);
-    return held.back()->get();
-  };
+  Held held;
+  sr::Memory m = host_memory(held);
   // The graph: rank 1's decode step, layer 1 skipped, its rows at 0-1.
   REQUIRE(moecap_graph_begin(cap.h, nullptr) == MOECAP_OK);
   sr::capture(cap.h, c, m, 0, 2, 2);
@@ -82,13 +86,8 @@ TEST_CASE("an empty commit ends the step: a layer the next step skips reads -1, 
     moecap_config c = sr::config(2, MOECAP_DEVICE_HOST);
     c.flags |= flags;
     moecap_test::Handle cap(c);
-    std::deque<std::unique_ptr<moecap_test::HostTensor>> held;
-    sr::Memory m;
-    m.ids = [&held](const std::vector<int32_t>& v, int64_t n, int32_t top_k) {
-      held.push_back(std::make_unique<moecap_test::HostTensor>(std::initializer_list<int64_t>{n, top_k}, moecap_test::i32()));
-      for (size_t i = 0; i < v.size(); ++i) held.back()->set(static_cast<int64_t>(i), v[i]);
-      return held.back()->get();
-    };
+    Held held;
+    sr::Memory m = host_memory(held);
     // Step 1: the other rank's four tokens at rows 0-3; this rank has none.
     for (int32_t l = 0; l < c.num_layers; ++l) sr::capture(cap.h, c, m, l, 1, 4);
     sr::commit(cap.h, m, 0, {});
