@@ -398,12 +398,11 @@ MOECAP_AVX2 void narrow_consume_range_i16_u8_k8_avx2(const CommitParams& p, int6
 }
 #define MOECAP_HAVE_RANGE_NARROW_CONSUME 1
 
-// Whether every layer holds routing written this step in rows [0, end).
-bool rows_written_in_every_layer(const CommitParams& p, int64_t end) {
-  for (int64_t l = 0; l < p.num_layers; ++l) {
-    if (layer_written_rows(p, l) < end) return false;
-  }
-  return true;
+// Rows [0, result) hold routing written this step in every layer.
+int64_t rows_written_in_every_layer(const CommitParams& p) {
+  int64_t rows = INT64_MAX;
+  for (int64_t l = 0; l < p.num_layers; ++l) rows = std::min(rows, layer_written_rows(p, l));
+  return rows;
 }
 
 #endif
@@ -493,6 +492,7 @@ void commit_rows(const CommitParams& p, bool consume) {
   // and prefill commit, with its own one-pass kernel.
   const bool range_in_one_pass = use_avx2 && consume && p.mode == kCommitRows && p.src_rows == nullptr &&
                                  w_bytes == 0 && experts >= 1 && experts <= 256;
+  const int64_t written_in_every_layer = range_in_one_pass ? rows_written_in_every_layer(p) : 0;
 #endif
   for (int64_t first = 0; first < p.count; first += tile) {
     const int64_t last = std::min(p.count, first + tile);
@@ -515,7 +515,7 @@ void commit_rows(const CommitParams& p, bool consume) {
     const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
     if constexpr (TopK == 8 && std::is_same_v<S, int16_t> && std::is_same_v<D, uint8_t>) {
-      if (range_in_one_pass && n > 0 && run_rows > 0 && rows_written_in_every_layer(p, run_first + run_rows)) {
+      if (range_in_one_pass && n > 0 && run_rows > 0 && run_first + run_rows <= written_in_every_layer) {
         // The tile's rows are one run: narrowed and consumed in one pass
         // straight into their slots' rows (a row that goes nowhere into a
         // scratch row); then the slots' states, in list order.
