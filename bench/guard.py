@@ -11,7 +11,7 @@ CPU time per call: commit against copying the rows out and scattering them
 a fresh slot (BM_Commit_MemcpyRows), read against an element-wise gather,
 capture against a strided slice copy. On a loaded 2-core machine moecap is
 normally 10-15x the copy-out-and-scatter and the gather, 2-3x the slice copy,
-and 1.2-1.5x the memcpy floor (the narrowest margin). The 0.5x floor is wide
+and 1.0-1.6x the memcpy floor (the narrowest margin). The 0.5x floor is wide
 (noisy shared machines pass) and narrow enough to catch a loss of several
 times, like a second slow pass over every committed row (which made commit
 0.3x of the copy-out-and-scatter).
