@@ -158,9 +158,12 @@ struct SlotWalk {
 // Timing each commit alone would need a clock per call that costs as much
 // as a decode step's commit (CPU-time clocks are system calls here), and
 // wall time counts the preemptions of a shared machine.
+// device_id_dtype: AUTO (int16, what the top-k kernels writing moecap's
+// layer views write) or U8 (what an engine whose routing goes through
+// moecap_capture can choose for <= 255 experts: half the bytes to read).
 struct CommitCase {
-  explicit CommitCase(const benchmark::State& state)
-      : n(state.range(0)), cap(MOECAP_IDS_AUTO, MOECAP_IDS_AUTO, state.range(2)),
+  explicit CommitCase(const benchmark::State& state, int32_t device_id_dtype = MOECAP_IDS_AUTO)
+      : n(state.range(0)), cap(MOECAP_IDS_AUTO, device_id_dtype, state.range(2)),
         slots(n, state.range(1), state.range(2)) {
     std::vector<int32_t> ids(static_cast<size_t>(n * kTopK));
     int64_t ids_shape[2] = {n, kTopK};
@@ -171,13 +174,15 @@ struct CommitCase {
     }
     DLManagedTensorVersioned* v = nullptr;
     if (moecap_export(cap.h, MOECAP_BUFFER_DEVICE_IDS, 0, &v) != MOECAP_OK) std::abort();
-    device = static_cast<int16_t*>(v->dl_tensor.data);
+    device = static_cast<uint8_t*>(v->dl_tensor.data);
     device_rows = v->dl_tensor.shape[1];
+    layer_bytes = n * kTopK * v->dl_tensor.dtype.bits / 8;
+    device_layer_bytes = device_rows * kTopK * v->dl_tensor.dtype.bits / 8;
     v->deleter(v);  // the capturer keeps the memory
-    routing.resize(static_cast<size_t>(kLayers * n * kTopK));
+    routing.resize(static_cast<size_t>(kLayers * layer_bytes));
     for (int32_t layer = 0; layer < kLayers; ++layer) {
-      std::memcpy(routing.data() + layer * n * kTopK, device + layer * device_rows * kTopK,
-                  static_cast<size_t>(n * kTopK) * sizeof(int16_t));
+      std::memcpy(routing.data() + layer * layer_bytes, device + layer * device_layer_bytes,
+                  static_cast<size_t>(layer_bytes));
     }
     shape[0] = n;
     st = tensor(nullptr, 1, shape, kI64);
@@ -195,8 +200,8 @@ struct CommitCase {
   }
   void rewrite() {
     for (int32_t layer = 0; layer < kLayers; ++layer) {
-      std::memcpy(device + layer * device_rows * kTopK, routing.data() + layer * n * kTopK,
-                  static_cast<size_t>(n * kTopK) * sizeof(int16_t));
+      std::memcpy(device + layer * device_layer_bytes, routing.data() + layer * layer_bytes,
+                  static_cast<size_t>(layer_bytes));
     }
     benchmark::ClobberMemory();
   }
@@ -204,9 +209,11 @@ struct CommitCase {
   Handle cap;
   SlotWalk slots;
   const int64_t* last = nullptr;  // the slots of the last commit
-  std::vector<int16_t> routing;  // [layers, n, top_k]: what the rows hold before each commit
-  int16_t* device = nullptr;     // the int16 device buffer (MOECAP_IDS_AUTO for 128 experts)
+  std::vector<uint8_t> routing;  // [layers, n, top_k] ids: what the rows hold before each commit
+  uint8_t* device = nullptr;     // the device buffer, [layers, device_rows, top_k] ids
   int64_t device_rows = 0;
+  int64_t layer_bytes = 0;         // n rows of one layer
+  int64_t device_layer_bytes = 0;  // all device rows of one layer
   int64_t shape[1] = {0};
   DLTensor st{};
   moecap_commit_args args{};
@@ -275,9 +282,9 @@ void BM_Commit_MemcpyRows(benchmark::State& state) {
 // other jobs land in a few calls and leave the median alone) and
 // floor / commit: interleaved, the two see the same machine state, where
 // the separate cases above run half a minute apart.
-void BM_Commit_AgainstFloor(benchmark::State& state) {
+void commit_against_floor(benchmark::State& state, int32_t device_id_dtype) {
   using Clock = std::chrono::steady_clock;
-  CommitCase c(state);
+  CommitCase c(state, device_id_dtype);
   const int64_t n = c.n;
   std::vector<uint8_t> src(static_cast<size_t>(n * kRowElems), 1);
   std::vector<uint8_t> dst(static_cast<size_t>(state.range(2) * kRowElems));
@@ -308,6 +315,9 @@ void BM_Commit_AgainstFloor(benchmark::State& state) {
   state.counters["floor_over_commit"] = floor / commit;
   state.SetItemsProcessed(state.iterations() * n);
 }
+
+void BM_Commit_AgainstFloor(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO); }
+void BM_Commit_AgainstFloor_U8Device(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_U8); }
 
 // The physical ceiling: one memcpy of the bytes moecap's commit moves (u8 rows).
 void BM_Commit_Memcpy(benchmark::State& state) {
@@ -447,6 +457,7 @@ BENCHMARK(BM_Commit_Rewrite)->Apply(commit_args);
 BENCHMARK(BM_Commit_MemcpyRows)->Apply(commit_args);
 BENCHMARK(BM_Commit_Baseline)->Apply(commit_args);
 BENCHMARK(BM_Commit_AgainstFloor)->Apply(commit_args);
+BENCHMARK(BM_Commit_AgainstFloor_U8Device)->Apply(commit_args);
 BENCHMARK(BM_Commit_Memcpy)->Arg(64)->Arg(512)->Arg(4096);
 BENCHMARK(BM_Read_Moecap)->Arg(128)->Arg(4096)->Arg(32768);
 BENCHMARK(BM_Read_Baseline)->Arg(128)->Arg(4096)->Arg(32768);

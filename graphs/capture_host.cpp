@@ -276,13 +276,14 @@ MOECAP_AVX2 bool narrow_layer_pair_i16_u8_k8_avx2(const int16_t* in, int64_t lay
 // [0, experts), counting those that are not the no-routing code (as
 // committed_id_bad does) in rows that go to a slot (to[r] is not
 // `nowhere`). Runs before the rows are consumed.
-void mark_bad_rows_i16(const CommitParams& p, int64_t layer, int64_t layers, int64_t first, int64_t rows,
-                       uint8_t* const* to, const uint8_t* nowhere, uint8_t* row_bad) {
-  const int16_t* src = reinterpret_cast<const int16_t*>(p.src_ids);
+template <class S>
+void mark_bad_rows(const CommitParams& p, int64_t layer, int64_t layers, int64_t first, int64_t rows,
+                   uint8_t* const* to, const uint8_t* nowhere, uint8_t* row_bad) {
+  const S* src = reinterpret_cast<const S*>(p.src_ids);
   for (int64_t r = 0; r < rows; ++r) {
     if (to[r] == nowhere) continue;
     for (int64_t l = layer; l < layer + layers; ++l) {
-      const int16_t* in = src + (l * p.device_rows + first + r) * 8;
+      const S* in = src + (l * p.device_rows + first + r) * 8;
       for (int k = 0; k < 8; ++k) {
         if (committed_id_bad(p, in[k])) row_bad[r] = 1;
       }
@@ -290,26 +291,35 @@ void mark_bad_rows_i16(const CommitParams& p, int64_t layer, int64_t layers, int
   }
 }
 
-// Rows i..i+3 of one layer (`at`, 32 int16 ids) narrowed to u8 by a clamp:
-// min(id, experts) as unsigned (negative ids wrap above), packed to bytes,
-// and every byte equal to experts becomes 0xff (experts <= 255); with 256
-// experts (kEveryByteAnId) min(id, 255), 0xff being both id 255 and "no
-// expert". Bytes hold rows i, i+2 | i+1, i+3 (packing is per 128-bit half).
+// Rows i..i+3 of one layer (`at`: 32 ids, int16 or u8) as u8 host ids, by a
+// clamp: min(id, experts) as unsigned (negative int16 ids wrap above), and
+// every byte equal to experts becomes 0xff (experts <= 255); with 256
+// experts (kEveryByteAnId, int16 only) min(id, 255), 0xff being both id 255
+// and "no expert". Bytes hold rows i, i+2 | i+1, i+3 from int16 (packing is
+// per 128-bit half: kRowsInterleaved), rows i, i+1 | i+2, i+3 from u8.
 // `outside` accumulates what has_outside tests for an id outside [0, experts).
-template <bool kEveryByteAnId>
-MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_four_rows(const int16_t* at, __m256i limit,
+template <class S>
+constexpr bool kRowsInterleaved = std::is_same_v<S, int16_t>;
+
+template <class S, bool kEveryByteAnId>
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_four_rows(const S* at, __m256i limit,
                                                                           __m256i limit_bytes, __m256i* outside) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-  const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at) + 1);
-  const __m256i packed = _mm256_packus_epi16(_mm256_min_epu16(x, limit), _mm256_min_epu16(y, limit));
-  if constexpr (kEveryByteAnId) {  // outside: any id with a high byte
-    *outside = _mm256_or_si256(*outside, _mm256_or_si256(x, y));
-    return packed;
+  __m256i packed;
+  if constexpr (std::is_same_v<S, int16_t>) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at) + 1);
+    packed = _mm256_packus_epi16(_mm256_min_epu16(x, limit), _mm256_min_epu16(y, limit));
+    if constexpr (kEveryByteAnId) {  // outside: any id with a high byte
+      *outside = _mm256_or_si256(*outside, _mm256_or_si256(x, y));
+      return packed;
+    }
   } else {
-    const __m256i beyond = _mm256_cmpeq_epi8(packed, limit_bytes);
-    *outside = _mm256_or_si256(*outside, beyond);
-    return _mm256_or_si256(packed, beyond);
+    static_assert(std::is_same_v<S, uint8_t> && !kEveryByteAnId, "u8 device ids hold at most 255 experts");
+    packed = _mm256_min_epu8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)), limit_bytes);
   }
+  const __m256i beyond = _mm256_cmpeq_epi8(packed, limit_bytes);
+  *outside = _mm256_or_si256(*outside, beyond);
+  return _mm256_or_si256(packed, beyond);
 }
 
 template <bool kEveryByteAnId>
@@ -318,8 +328,15 @@ MOECAP_AVX2 inline __attribute__((always_inline)) bool has_outside(__m256i outsi
   return !_mm256_testz_si256(outside, kEveryByteAnId ? high_bytes : outside);
 }
 
+// Rows i..i+3 of one layer consumed: all ones, the device buffer's "no routing".
+template <class S>
+MOECAP_AVX2 inline __attribute__((always_inline)) void consume_four_rows(S* at) {
+  const __m256i ones = _mm256_set1_epi8(-1);
+  for (size_t half = 0; half < sizeof(S); ++half) _mm256_storeu_si256(reinterpret_cast<__m256i*>(at) + half, ones);
+}
+
 // A range commit's whole tile in one pass over the device rows: rows
-// [first, first + n) of every layer, int16 ids narrowed to u8
+// [first, first + n) of every layer, int16 or u8 ids clamped to u8
 // (clamp_four_rows) straight into each row's host-cache row (to[r], or
 // `nowhere`, a scratch row, for a row that goes to no slot), and consumed
 // (all ones written back) right after they are read. Four layers at a time,
@@ -329,69 +346,76 @@ MOECAP_AVX2 inline __attribute__((always_inline)) bool has_outside(__m256i outsi
 // layer's line compete for one cache set if a pass went across them). Rows
 // in order within each pass, so a slot listed twice keeps its later row.
 // row_bad[r] is set for rows with an id outside [0, experts) (the block is
-// looked at element by element before it is consumed, mark_bad_rows_i16);
+// looked at element by element before it is consumed, mark_bad_rows);
 // every layer must hold routing written this step for all n rows.
-template <bool kEveryByteAnId>
-MOECAP_AVX2 void narrow_consume_range_i16_u8_k8_avx2(const CommitParams& p, int64_t first, int64_t n,
-                                                     uint8_t* const* to, uint8_t* nowhere, uint8_t* row_bad) {
-  int16_t* src = reinterpret_cast<int16_t*>(p.src_ids) + first * 8;
+template <class S, bool kEveryByteAnId>
+MOECAP_AVX2 void narrow_consume_range_u8_k8_avx2(const CommitParams& p, int64_t first, int64_t n,
+                                                 uint8_t* const* to, uint8_t* nowhere, uint8_t* row_bad) {
+  S* src = reinterpret_cast<S*>(p.src_ids) + first * 8;
   const int64_t layer_stride = p.device_rows * 8;
   const int64_t layers = p.num_layers;
   const __m256i limit = _mm256_set1_epi16(static_cast<int16_t>(kEveryByteAnId ? 255 : p.num_experts));
   const __m256i limit_bytes = _mm256_set1_epi8(static_cast<char>(p.num_experts));
-  const __m256i ones = _mm256_set1_epi8(-1);
   const int64_t blocks = n / 4 * 4;
   int64_t l = 0;
   for (; l + 4 <= layers; l += 4) {
-    int16_t* const in = src + l * layer_stride;
+    S* const in = src + l * layer_stride;
     for (int64_t i = 0; i < blocks; i += 4) {
       __m256i r[4], outside = _mm256_setzero_si256();
       for (int q = 0; q < 4; ++q) {
-        r[q] = clamp_four_rows<kEveryByteAnId>(in + q * layer_stride + i * 8, limit, limit_bytes, &outside);
+        r[q] = clamp_four_rows<S, kEveryByteAnId>(in + q * layer_stride + i * 8, limit, limit_bytes, &outside);
       }
-      if (has_outside<kEveryByteAnId>(outside)) mark_bad_rows_i16(p, l, 4, first + i, 4, to + i, nowhere, row_bad + i);
-      for (int q = 0; q < 4; ++q) {
-        __m256i* at = reinterpret_cast<__m256i*>(in + q * layer_stride + i * 8);
-        _mm256_storeu_si256(at, ones);
-        _mm256_storeu_si256(at + 1, ones);
-      }
-      const __m256i lo01 = _mm256_unpacklo_epi64(r[0], r[1]);  // row i | row i+1, layers l, l+1
-      const __m256i hi01 = _mm256_unpackhi_epi64(r[0], r[1]);  // row i+2 | row i+3
+      if (has_outside<kEveryByteAnId>(outside)) mark_bad_rows<S>(p, l, 4, first + i, 4, to + i, nowhere, row_bad + i);
+      for (int q = 0; q < 4; ++q) consume_four_rows(in + q * layer_stride + i * 8);
+      // Per 128-bit half, layers l, l+1 of the register's first and second row, then of its third and fourth.
+      const __m256i lo01 = _mm256_unpacklo_epi64(r[0], r[1]);
+      const __m256i hi01 = _mm256_unpackhi_epi64(r[0], r[1]);
       const __m256i lo23 = _mm256_unpacklo_epi64(r[2], r[3]);
       const __m256i hi23 = _mm256_unpackhi_epi64(r[2], r[3]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i] + l * 8), _mm256_permute2x128_si256(lo01, lo23, 0x20));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 1] + l * 8), _mm256_permute2x128_si256(lo01, lo23, 0x31));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 2] + l * 8), _mm256_permute2x128_si256(hi01, hi23, 0x20));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 3] + l * 8), _mm256_permute2x128_si256(hi01, hi23, 0x31));
+      // Layers l..l+3 of one row each: rows i and i+3 in a and d, rows i+1
+      // and i+2 in b and c (interleaved) or in c and b.
+      const __m256i a = _mm256_permute2x128_si256(lo01, lo23, 0x20);
+      const __m256i b = _mm256_permute2x128_si256(lo01, lo23, 0x31);
+      const __m256i c = _mm256_permute2x128_si256(hi01, hi23, 0x20);
+      const __m256i d = _mm256_permute2x128_si256(hi01, hi23, 0x31);
+      // Stored in row order, so a slot two rows go to keeps the later one.
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i] + l * 8), a);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 1] + l * 8), kRowsInterleaved<S> ? b : c);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 2] + l * 8), kRowsInterleaved<S> ? c : b);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 3] + l * 8), d);
     }
   }
   for (; l < layers; ++l) {  // the last layers short of four: 8 bytes per row
-    int16_t* const in = src + l * layer_stride;
+    S* const in = src + l * layer_stride;
     for (int64_t i = 0; i < blocks; i += 4) {
       __m256i outside = _mm256_setzero_si256();
-      const __m256i rows = clamp_four_rows<kEveryByteAnId>(in + i * 8, limit, limit_bytes, &outside);
-      if (has_outside<kEveryByteAnId>(outside)) mark_bad_rows_i16(p, l, 1, first + i, 4, to + i, nowhere, row_bad + i);
-      __m256i* at = reinterpret_cast<__m256i*>(in + i * 8);
-      _mm256_storeu_si256(at, ones);
-      _mm256_storeu_si256(at + 1, ones);
+      const __m256i rows = clamp_four_rows<S, kEveryByteAnId>(in + i * 8, limit, limit_bytes, &outside);
+      if (has_outside<kEveryByteAnId>(outside)) mark_bad_rows<S>(p, l, 1, first + i, 4, to + i, nowhere, row_bad + i);
+      consume_four_rows(in + i * 8);
       const __m128i low = _mm256_castsi256_si128(rows), high = _mm256_extracti128_si256(rows, 1);
+      // In row order, as above.
       _mm_storel_epi64(reinterpret_cast<__m128i*>(to[i] + l * 8), low);
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(to[i + 1] + l * 8), high);
-      _mm_storeh_pd(reinterpret_cast<double*>(to[i + 2] + l * 8), _mm_castsi128_pd(low));
+      if constexpr (kRowsInterleaved<S>) {
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(to[i + 1] + l * 8), high);
+        _mm_storeh_pd(reinterpret_cast<double*>(to[i + 2] + l * 8), _mm_castsi128_pd(low));
+      } else {
+        _mm_storeh_pd(reinterpret_cast<double*>(to[i + 1] + l * 8), _mm_castsi128_pd(low));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(to[i + 2] + l * 8), high);
+      }
       _mm_storeh_pd(reinterpret_cast<double*>(to[i + 3] + l * 8), _mm_castsi128_pd(high));
     }
   }
   // The last rows short of four (once per commit: tiles are multiples of
   // four), element by element: checked as a block is, then narrowed.
   for (int64_t i = blocks; i < n; ++i) {
-    mark_bad_rows_i16(p, 0, layers, first + i, 1, to + i, nowhere, row_bad + i);
+    mark_bad_rows<S>(p, 0, layers, first + i, 1, to + i, nowhere, row_bad + i);
     for (l = 0; l < layers; ++l) {
-      int16_t* in = src + l * layer_stride + i * 8;
+      S* in = src + l * layer_stride + i * 8;
       uint8_t* out = to[i] + l * 8;
       for (int k = 0; k < 8; ++k) {
-        const uint16_t id = static_cast<uint16_t>(in[k]);
+        const auto id = static_cast<std::make_unsigned_t<S>>(in[k]);
         out[k] = id < static_cast<uint32_t>(p.num_experts) ? static_cast<uint8_t>(id) : uint8_t{0xff};
-        in[k] = -1;
+        in[k] = static_cast<S>(-1);
       }
     }
   }
@@ -488,10 +512,11 @@ void commit_rows(const CommitParams& p, bool consume) {
   uint8_t* staged_w = scratch.get<uint8_t>(scratch.staged_w, tile * w_row);
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
   uint8_t** to = scratch.get<uint8_t*>(scratch.to, tile);
-  // A range commit of int16 ids into u8 without weights: the common decode
-  // and prefill commit, with its own one-pass kernel.
+  // A range commit of int16 or u8 ids into u8 without weights: the common
+  // decode and prefill commit, with its own one-pass kernel (u8 device ids
+  // hold at most 255 experts, their 0xff being "no routing").
   const bool range_in_one_pass = use_avx2 && consume && p.mode == kCommitRows && p.src_rows == nullptr &&
-                                 w_bytes == 0 && experts >= 1 && experts <= 256;
+                                 w_bytes == 0 && experts >= 1 && experts <= (sizeof(S) == 1 ? 255u : 256u);
   const int64_t written_in_every_layer = range_in_one_pass ? rows_written_in_every_layer(p) : 0;
 #endif
   for (int64_t first = 0; first < p.count; first += tile) {
@@ -514,7 +539,8 @@ void commit_rows(const CommitParams& p, bool consume) {
     const int64_t run_first = std::max<int64_t>(0, p.src_start + first);
     const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
-    if constexpr (TopK == 8 && std::is_same_v<S, int16_t> && std::is_same_v<D, uint8_t>) {
+    if constexpr (TopK == 8 && (std::is_same_v<S, int16_t> || std::is_same_v<S, uint8_t>) &&
+                  std::is_same_v<D, uint8_t>) {
       if (range_in_one_pass && n > 0 && run_rows > 0 && run_first + run_rows <= written_in_every_layer) {
         // The tile's rows are one run: narrowed and consumed in one pass
         // straight into their slots' rows (a row that goes nowhere into a
@@ -523,10 +549,12 @@ void commit_rows(const CommitParams& p, bool consume) {
         for (int64_t r = 0; r < run_rows; ++r) to[r] = scratch_row;
         for (int64_t i = 0; i < n; ++i) to[srcs[i] - run_first] = reinterpret_cast<uint8_t*>(p.dst_ids) + slots[i] * row;
         std::memset(bad, 0, static_cast<size_t>(run_rows));
-        if (experts == 256) {
-          narrow_consume_range_i16_u8_k8_avx2<true>(p, run_first, run_rows, to, scratch_row, bad);
+        if constexpr (std::is_same_v<S, uint8_t>) {
+          narrow_consume_range_u8_k8_avx2<S, false>(p, run_first, run_rows, to, scratch_row, bad);
+        } else if (experts == 256) {
+          narrow_consume_range_u8_k8_avx2<S, true>(p, run_first, run_rows, to, scratch_row, bad);
         } else {
-          narrow_consume_range_i16_u8_k8_avx2<false>(p, run_first, run_rows, to, scratch_row, bad);
+          narrow_consume_range_u8_k8_avx2<S, false>(p, run_first, run_rows, to, scratch_row, bad);
         }
         for (int64_t i = 0; i < n; ++i) p.dst_states[slots[i]] = committed_state(bad[srcs[i] - run_first] != 0);
         continue;

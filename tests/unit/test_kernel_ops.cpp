@@ -14,9 +14,10 @@ using namespace moecap;
 
 namespace {
 
-// A commit of int16 device ids into a u8 host cache at top-8 without weights
-// (the common pair); the caller sets the buffers, rows and slots.
-CommitParams i16_to_u8_top8(int32_t layers, int32_t experts, int64_t count, int64_t device_rows, int64_t host_slots) {
+// A commit of device ids (int16 by default, the common pair) into a u8 host
+// cache at top-8 without weights; the caller sets the buffers, rows and slots.
+CommitParams top8_into_u8(int32_t src_elem, int32_t layers, int32_t experts, int64_t count, int64_t device_rows,
+                          int64_t host_slots) {
   CommitParams p{};
   p.count = count;
   p.device_rows = device_rows;
@@ -26,7 +27,7 @@ CommitParams i16_to_u8_top8(int32_t layers, int32_t experts, int64_t count, int6
   p.num_layers = layers;
   p.top_k = 8;
   p.num_experts = experts;
-  p.src_id_elem = kI16;
+  p.src_id_elem = src_elem;
   p.dst_id_elem = kU8;
   p.weight_elem = -1;
   p.src_rows_elem = kI64;
@@ -203,7 +204,7 @@ TEST_CASE("commit_on_host: the fused int16 -> u8 top-8 narrowing writes what the
               slots[static_cast<size_t>(j)] = r == 0 ? -1 : r < 3 ? 17 : rng() % host_slots;
               rows[static_cast<size_t>(j)] = static_cast<int64_t>(rng() % device_rows);
             }
-            CommitParams p = i16_to_u8_top8(layers, experts, count, device_rows, host_slots);
+            CommitParams p = top8_into_u8(kI16, layers, experts, count, device_rows, host_slots);
             p.src_ids = reinterpret_cast<uint8_t*>(src.data());
             p.src_rows = row_list ? rows.data() : nullptr;
             p.dst_slots = slots.data();
@@ -257,7 +258,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
     for (const Pair pair : {Pair{kI16, kU8, 256}, Pair{kI16, kU8, 255}, Pair{kI16, kU8, 9}, Pair{kI32, kI16, 256},
-                            Pair{kU16, kU8, 256}, Pair{kU8, kU8, 200}}) {
+                            Pair{kU16, kU8, 256}, Pair{kU8, kU8, 200}, Pair{kU8, kU8, 255}, Pair{kU8, kU8, 9}}) {
       for (int32_t top_k : {8, 3}) {
         for (int32_t layers : {1, 4, 7, 61}) {
           for (const bool row_list : {false, true}) {
@@ -344,7 +345,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
                                   errors.invalid_ids == ref_errors.invalid_ids && step.step == ref_step.step &&
                                   step.committed == ref_step.committed && step.claim_serial == ref_step.claim_serial;
                 if (!same && wrong++ == 0) {
-                  MESSAGE("first mismatch: avx2 ", avx2, " device ", pair.s, " host ", pair.d, " top_k ", top_k,
+                  MESSAGE("first mismatch: avx2 ", avx2, " device ", pair.s, " host ", pair.d, " experts ", pair.experts, " top_k ", top_k,
                           " layers ", layers, " row list ", row_list, " weights ", weights, " count ", count,
                           " ids ", ids == ref_ids, " w ", w == ref_w, " states ", states == ref_states, " dev ",
                           dev == ref_dev, " dev_w ", dev_w == ref_dev_w, " invalid ", errors.invalid_ids, "/",
@@ -360,7 +361,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     }
     allow_host_avx2(before);
   }
-  CHECK(cases == 2 * 6 * 2 * 4 * 2 * 2 * 2);
+  CHECK(cases == 2 * 8 * 2 * 4 * 2 * 2 * 2);
   CHECK(unwritten_rows_seen > 0);
   CHECK(wrong == 0);
 }
@@ -368,32 +369,38 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
 // The range commit's last rows short of four and its rows sent nowhere:
 // a bad id in a row that goes to no slot (-1) is consumed but not counted,
 // one in a row that goes to a slot is counted and marks it INVALID_IDS,
-// in a block of four rows and in the tail, with AVX2 and without, at 200
-// and 256 experts, against the per-element operations.
+// in a block of four rows and in the tail, with AVX2 and without, from int16
+// device ids at 200 and 256 experts and from u8 ones at 200, against the
+// per-element operations.
 TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a slot, in blocks and in the tail") {
+  struct Source {
+    int32_t elem, experts;
+  };
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
-    for (const int32_t experts : {200, 256}) {
-      const int32_t layers = 5, top_k = 8;
+    for (const Source source : {Source{kI16, 200}, Source{kI16, 256}, Source{kU8, 200}}) {
+      const int32_t layers = 5, top_k = 8, experts = source.experts;
       const int64_t device_rows = 16, host_slots = 32, count = 7, row = int64_t{layers} * top_k;
-      std::vector<int16_t> src(static_cast<size_t>(layers * device_rows * top_k));
-      for (size_t e = 0; e < src.size(); ++e) src[e] = static_cast<int16_t>(e % 97);
+      const int64_t elems = layers * device_rows * top_k;
+      std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(source.elem)));
+      for (int64_t e = 0; e < elems; ++e) store_int(src.data(), source.elem, e, e % 97);
       // Rows 1 (a block, slot -1), 2 (a block, slot 9), 5 (the tail, slot -1), 6 (the tail, slot 11).
-      for (const int64_t r : {1, 2, 5, 6}) src[static_cast<size_t>((3 * device_rows + r) * top_k + 4)] = static_cast<int16_t>(experts + 5);
-      src[static_cast<size_t>((4 * device_rows + 6) * top_k + 1)] = -1;  // no routing: not counted
+      for (const int64_t r : {1, 2, 5, 6}) store_int(src.data(), source.elem, (3 * device_rows + r) * top_k + 4, experts + 5);
+      // No routing: not counted.
+      store_int(src.data(), source.elem, (4 * device_rows + 6) * top_k + 1, invalid_id_code(source.elem));
       const std::vector<int64_t> slots = {3, -1, 9, 4, 5, -1, 11};
-      CommitParams p = i16_to_u8_top8(layers, experts, count, device_rows, host_slots);
+      CommitParams p = top8_into_u8(source.elem, layers, experts, count, device_rows, host_slots);
       p.dst_slots = slots.data();
-      std::vector<int16_t> dev(src), ref_dev(src);
+      std::vector<uint8_t> dev(src), ref_dev(src);
       std::vector<uint8_t> ids(static_cast<size_t>(host_slots * row), 0x5A), ref_ids(ids);
       std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0), ref_states(states);
       ErrorWord errors{}, ref_errors{};
-      p.src_ids = reinterpret_cast<uint8_t*>(dev.data());
+      p.src_ids = dev.data();
       p.dst_ids = ids.data();
       p.dst_states = states.data();
       p.errors = &errors;
       commit_and_release_on_host(p);
-      p.src_ids = reinterpret_cast<uint8_t*>(ref_dev.data());
+      p.src_ids = ref_dev.data();
       p.dst_ids = ref_ids.data();
       p.dst_states = ref_states.data();
       p.errors = &ref_errors;
@@ -410,6 +417,54 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
     }
     allow_host_avx2(before);
   }
+}
+
+// A range commit where two rows go to one slot keeps the later row, for
+// every pair of positions in and across blocks of four rows, through the
+// four-layer pass and the single layers after it, from int16 and u8 device
+// ids (whose rows lie in a vector register in different orders).
+TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds the later row") {
+  int cases = 0, wrong = 0;
+  for (const bool avx2 : {true, false}) {
+    const bool before = allow_host_avx2(avx2);
+    for (const int32_t elem : {kI16, kU8}) {
+      const int32_t layers = 5, top_k = 8, experts = 200;
+      const int64_t device_rows = 16, host_slots = 16, count = 9, row = int64_t{layers} * top_k;
+      for (int64_t first = 0; first < count; ++first) {
+        for (int64_t second = first + 1; second < count; ++second) {
+          const int64_t elems = layers * device_rows * top_k;
+          std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(elem)));
+          for (int64_t e = 0; e < elems; ++e) store_int(src.data(), elem, e, (e * 7 + e / top_k) % experts);
+          std::vector<int64_t> slots(static_cast<size_t>(count));
+          for (int64_t j = 0; j < count; ++j) slots[static_cast<size_t>(j)] = j;
+          slots[static_cast<size_t>(second)] = first;
+          CommitParams p = top8_into_u8(elem, layers, experts, count, device_rows, host_slots);
+          p.dst_slots = slots.data();
+          std::vector<uint8_t> dev(src), ref_dev(src);
+          std::vector<uint8_t> ids(static_cast<size_t>(host_slots * row), 0x5A), ref_ids(ids);
+          std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0), ref_states(states);
+          ErrorWord errors{}, ref_errors{};
+          p.src_ids = dev.data();
+          p.dst_ids = ids.data();
+          p.dst_states = states.data();
+          p.errors = &errors;
+          commit_and_release_on_host(p);
+          p.src_ids = ref_dev.data();
+          p.dst_ids = ref_ids.data();
+          p.dst_states = ref_states.data();
+          p.errors = &ref_errors;
+          reference_commit(p);
+          if (ids != ref_ids || states != ref_states) {
+            if (wrong++ == 0) MESSAGE("first mismatch: avx2 ", avx2, " device ", elem, " rows ", first, " and ", second);
+          }
+          ++cases;
+        }
+      }
+    }
+    allow_host_avx2(before);
+  }
+  CHECK(cases == 2 * 2 * 36);
+  CHECK(wrong == 0);
 }
 
 // Claims are never cleared, so each commit's must outrank every earlier one
