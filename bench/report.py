@@ -88,6 +88,22 @@ def host_rows(c):
     return rows
 
 
+def u8_device_rows(c):
+    """The commit from a u8 device buffer (what an engine capturing through moecap_capture can hold for
+    <= 255 experts) against the floor, paired call by call; times are medians per call (monotonic clock)."""
+    rows = []
+    for n, order, slots in ((4096, 0, SMALL), (512, 0, SMALL), (64, 0, SMALL), (4096, 1, LARGE), (512, 1, LARGE),
+                            (64, 1, LARGE), (4096, 2, LARGE), (512, 2, LARGE), (64, 2, LARGE)):
+        key = f"{n}/{order}/{slots}"
+        i16, u8 = c.get(f"BM_Commit_AgainstFloor/{key}"), c.get(f"BM_Commit_AgainstFloor_U8Device/{key}")
+        if u8:
+            kind = ("sequential slots", f"random slots of {slots:,}", f"fresh random slots of {slots:,}")[order]
+            before = f"{i16['floor_over_commit']:.2f}x" if i16 else "-"
+            rows.append((f"commit {n} rows, {kind}", fmt_ns(u8["commit_ns"]), fmt_ns(u8["floor_ns"]),
+                         f"{u8['floor_over_commit']:.2f}x", before))
+    return rows
+
+
 def bytes_rate(b):
     return b.get("bytes_per_second", 0.0)
 
@@ -150,6 +166,8 @@ def main():
     context, cases = load(sys.argv[1] if len(sys.argv) > 1 else "build/moecap_bench.json")
     print(f"<!-- {context.get('host_name', '?')}, {context.get('num_cpus', '?')} CPUs, {context.get('date', '?')} -->")
     print(table(("case", "moecap", "baseline", "ratio"), host_rows(cases)))
+    print(table(("u8 device buffer: case", "commit", "memcpy per row", "x memcpy per row", "int16 device buffer"),
+                u8_device_rows(cases)))
     print(table(("case (CUDA)", "moecap", "baseline", "ratio"), cuda_rows(cases)))
     print(table(("model", "dp", "moecap device / host", "int32, old sizing: device / host"), memory_rows(cases)))
 

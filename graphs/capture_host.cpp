@@ -297,35 +297,58 @@ void mark_bad_rows(const CommitParams& p, int64_t layer, int64_t layers, int64_t
 // experts (kEveryByteAnId, int16 only) min(id, 255), 0xff being both id 255
 // and "no expert". Bytes hold rows i, i+2 | i+1, i+3 from int16 (packing is
 // per 128-bit half: kRowsInterleaved), rows i, i+1 | i+2, i+3 from u8.
-// `outside` accumulates what has_outside tests for an id outside [0, experts).
 template <class S>
 constexpr bool kRowsInterleaved = std::is_same_v<S, int16_t>;
 
 template <class S, bool kEveryByteAnId>
 MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_four_rows(const S* at, __m256i limit,
-                                                                          __m256i limit_bytes, __m256i* outside) {
+                                                                          __m256i limit_bytes) {
   __m256i packed;
   if constexpr (std::is_same_v<S, int16_t>) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
     const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at) + 1);
     packed = _mm256_packus_epi16(_mm256_min_epu16(x, limit), _mm256_min_epu16(y, limit));
-    if constexpr (kEveryByteAnId) {  // outside: any id with a high byte
-      *outside = _mm256_or_si256(*outside, _mm256_or_si256(x, y));
-      return packed;
-    }
+    if constexpr (kEveryByteAnId) return packed;
   } else {
     static_assert(std::is_same_v<S, uint8_t> && !kEveryByteAnId, "u8 device ids hold at most 255 experts");
     packed = _mm256_min_epu8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)), limit_bytes);
   }
-  const __m256i beyond = _mm256_cmpeq_epi8(packed, limit_bytes);
-  *outside = _mm256_or_si256(*outside, beyond);
-  return _mm256_or_si256(packed, beyond);
+  return _mm256_or_si256(packed, _mm256_cmpeq_epi8(packed, limit_bytes));
 }
 
-template <bool kEveryByteAnId>
-MOECAP_AVX2 inline __attribute__((always_inline)) bool has_outside(__m256i outside) {
-  const __m256i high_bytes = _mm256_set1_epi16(static_cast<int16_t>(0xff00));
-  return !_mm256_testz_si256(outside, kEveryByteAnId ? high_bytes : outside);
+// The common case of clamp_four_rows, when no id is outside [0, experts):
+// rows i..i+3 packed to u8 as they are (int16 ids below 256 pack exactly),
+// and `seen` accumulating their largest ids (as unsigned: a negative int16
+// id is above every id), or with 256 experts the bits of their high bytes,
+// for any_outside to test once per block. Half the instructions of the
+// clamp; a block where any_outside finds an id outside is clamped again.
+template <class S, bool kEveryByteAnId>
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_four_rows(const S* at, __m256i* seen) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    *seen = _mm256_max_epu8(*seen, x);
+    return x;
+  } else {
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at) + 1);
+    *seen = kEveryByteAnId ? _mm256_or_si256(*seen, _mm256_or_si256(x, y))
+                           : _mm256_max_epu16(*seen, _mm256_max_epu16(x, y));
+    return _mm256_packus_epi16(x, y);
+  }
+}
+
+// Whether an id pack_four_rows saw is outside [0, experts); `top` holds
+// experts - 1 in every lane of S's width.
+template <class S, bool kEveryByteAnId>
+MOECAP_AVX2 inline __attribute__((always_inline)) bool any_outside(__m256i seen, __m256i top) {
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    const __m256i above = _mm256_subs_epu8(seen, top);
+    return !_mm256_testz_si256(above, above);
+  } else if constexpr (kEveryByteAnId) {
+    return !_mm256_testz_si256(seen, _mm256_set1_epi16(static_cast<int16_t>(0xff00)));
+  } else {
+    const __m256i above = _mm256_subs_epu16(seen, top);
+    return !_mm256_testz_si256(above, above);
+  }
 }
 
 // Rows i..i+3 of one layer consumed: all ones, the device buffer's "no routing".
@@ -356,16 +379,21 @@ MOECAP_AVX2 void narrow_consume_range_u8_k8_avx2(const CommitParams& p, int64_t 
   const int64_t layers = p.num_layers;
   const __m256i limit = _mm256_set1_epi16(static_cast<int16_t>(kEveryByteAnId ? 255 : p.num_experts));
   const __m256i limit_bytes = _mm256_set1_epi8(static_cast<char>(p.num_experts));
+  const __m256i top = sizeof(S) == 1 ? _mm256_set1_epi8(static_cast<char>(p.num_experts - 1))
+                                     : _mm256_set1_epi16(static_cast<int16_t>(p.num_experts - 1));
   const int64_t blocks = n / 4 * 4;
   int64_t l = 0;
   for (; l + 4 <= layers; l += 4) {
     S* const in = src + l * layer_stride;
     for (int64_t i = 0; i < blocks; i += 4) {
-      __m256i r[4], outside = _mm256_setzero_si256();
-      for (int q = 0; q < 4; ++q) {
-        r[q] = clamp_four_rows<S, kEveryByteAnId>(in + q * layer_stride + i * 8, limit, limit_bytes, &outside);
+      __m256i r[4], seen = _mm256_setzero_si256();
+      for (int q = 0; q < 4; ++q) r[q] = pack_four_rows<S, kEveryByteAnId>(in + q * layer_stride + i * 8, &seen);
+      if (any_outside<S, kEveryByteAnId>(seen, top)) {  // rare: clamped, and the rows looked at
+        for (int q = 0; q < 4; ++q) {
+          r[q] = clamp_four_rows<S, kEveryByteAnId>(in + q * layer_stride + i * 8, limit, limit_bytes);
+        }
+        mark_bad_rows<S>(p, l, 4, first + i, 4, to + i, nowhere, row_bad + i);
       }
-      if (has_outside<kEveryByteAnId>(outside)) mark_bad_rows<S>(p, l, 4, first + i, 4, to + i, nowhere, row_bad + i);
       for (int q = 0; q < 4; ++q) consume_four_rows(in + q * layer_stride + i * 8);
       // Per 128-bit half, layers l, l+1 of the register's first and second row, then of its third and fourth.
       const __m256i lo01 = _mm256_unpacklo_epi64(r[0], r[1]);
@@ -388,9 +416,12 @@ MOECAP_AVX2 void narrow_consume_range_u8_k8_avx2(const CommitParams& p, int64_t 
   for (; l < layers; ++l) {  // the last layers short of four: 8 bytes per row
     S* const in = src + l * layer_stride;
     for (int64_t i = 0; i < blocks; i += 4) {
-      __m256i outside = _mm256_setzero_si256();
-      const __m256i rows = clamp_four_rows<S, kEveryByteAnId>(in + i * 8, limit, limit_bytes, &outside);
-      if (has_outside<kEveryByteAnId>(outside)) mark_bad_rows<S>(p, l, 1, first + i, 4, to + i, nowhere, row_bad + i);
+      __m256i seen = _mm256_setzero_si256();
+      __m256i rows = pack_four_rows<S, kEveryByteAnId>(in + i * 8, &seen);
+      if (any_outside<S, kEveryByteAnId>(seen, top)) {
+        rows = clamp_four_rows<S, kEveryByteAnId>(in + i * 8, limit, limit_bytes);
+        mark_bad_rows<S>(p, l, 1, first + i, 4, to + i, nowhere, row_bad + i);
+      }
       consume_four_rows(in + i * 8);
       const __m128i low = _mm256_castsi256_si128(rows), high = _mm256_extracti128_si256(rows, 1);
       // In row order, as above.
@@ -462,6 +493,31 @@ void consume_run(const CommitParams& p, int64_t layer, int64_t first_row, int64_
   }
 }
 
+// Entries [first, last) of a commit that go somewhere, in list order, into
+// srcs and slots (what commit_target decides), with the slot tensor's dtype
+// fixed at compile time (void: read by load_int) rather than switched on for
+// every entry. Returns how many.
+template <class Slot>
+int64_t tile_entries(const CommitParams& params, int64_t first, int64_t last, int64_t* srcs, int64_t* slots) {
+  // A copy the stores below cannot alias: the fields stay in registers.
+  const CommitParams p = params;
+  int64_t n = 0;
+  for (int64_t j = first; j < last; ++j) {
+    int64_t slot;
+    if constexpr (std::is_void_v<Slot>) {
+      slot = load_int(p.dst_slots, p.dst_slots_elem, j);
+    } else {
+      slot = static_cast<int64_t>(static_cast<const Slot*>(p.dst_slots)[j]);
+    }
+    const int64_t src = p.src_rows != nullptr ? load_int(p.src_rows, p.src_rows_elem, j) : p.src_start + j;
+    if (!commit_goes_to(p, src, slot) || !claim_won(p, j, slot)) continue;
+    srcs[n] = src;
+    slots[n] = slot;
+    ++n;
+  }
+  return n;
+}
+
 struct CommitScratch {
   std::vector<uint64_t> srcs, slots, bad, gathered, narrowed, staged, staged_w, to;
   // `n` elements of T, 8-byte aligned, contents unspecified.
@@ -521,20 +577,20 @@ void commit_rows(const CommitParams& p, bool consume) {
 #endif
   for (int64_t first = 0; first < p.count; first += tile) {
     const int64_t last = std::min(p.count, first + tile);
-    int64_t n = 0;
-    for (int64_t j = first; j < last; ++j) {
-      int64_t src = 0, slot = 0;
-      if (!commit_target(p, j, &src, &slot)) continue;
-      if (p.mode == kInvalidate) {
-        p.dst_states[slot] = kSlotEmpty;
-        continue;
+    if (p.mode == kInvalidate) {
+      for (int64_t j = first; j < last; ++j) {
+        int64_t src = 0, slot = 0;
+        if (commit_target(p, j, &src, &slot)) p.dst_states[slot] = kSlotEmpty;
       }
-      srcs[n] = src;
-      slots[n] = slot;
-      bad[n] = 0;
-      ++n;
+      continue;
     }
-    if (p.mode == kInvalidate) continue;
+    int64_t n;
+    switch (p.dst_slots_elem) {  // the engines' slot tensors: int64 or int32
+      case kI64: n = tile_entries<int64_t>(p, first, last, srcs, slots); break;
+      case kI32: n = tile_entries<int32_t>(p, first, last, srcs, slots); break;
+      default: n = tile_entries<void>(p, first, last, srcs, slots); break;
+    }
+    std::memset(bad, 0, static_cast<size_t>(n));
     // The tile's part of a row range, clipped to the device rows: consumed whatever its slots.
     const int64_t run_first = std::max<int64_t>(0, p.src_start + first);
     const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;

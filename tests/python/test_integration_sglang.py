@@ -401,6 +401,24 @@ def test_a_layer_outside_the_layer_map_is_refused(sgl):
             ours.capture(3, sgl.torch.zeros((1, TOP_K), dtype=sgl.torch.int32))
 
 
+def test_device_buffer_is_u8_up_to_255_experts_and_payloads_equal_either_way(sgl):
+    """Routing reaches the device buffer only through capture, so the
+    narrowest dtype holds it: u8 up to 255 experts (0xff is "none"), int16
+    from 256; an explicit device_id_dtype wins, and SGLang's bytes are the
+    same from either."""
+    with server(sgl):
+        _, ours = create_pair(sgl, num_tokens=50, max_running=2)
+        assert ours.plan.device_id_dtype == "u8"
+        _, ours = create_pair(sgl, num_tokens=50, max_running=2, num_experts=255)
+        assert ours.plan.device_id_dtype == "u8"
+        _, ours = create_pair(sgl, num_tokens=50, max_running=2, num_experts=256)
+        assert ours.plan.device_id_dtype == "i16"
+        theirs, ours = create_pair(sgl, num_tokens=400, max_running=4, device_id_dtype="i16")
+        assert ours.plan.device_id_dtype == "i16"
+        _, checked = scenario(sgl, theirs, ours, np.random.default_rng(0))
+    assert checked == 12
+
+
 # --- the payload contract (no SGLang needed) --------------------------------------------------
 
 def routing(tokens=6, start=0, valid=None, experts=NUM_EXPERTS):

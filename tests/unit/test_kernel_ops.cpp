@@ -271,8 +271,9 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
                 std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(pair.s)));
                 for (int64_t e = 0; e < elems; ++e) {
                   const uint32_t r = rng() % 80;
+                  const uint32_t outside = rng() % 3;
                   const int64_t id = r == 0 ? -1
-                                     : r == 1 ? (rng() % 2 == 0 ? experts + 5 : -2)
+                                     : r == 1 ? (outside == 0 ? experts : outside == 1 ? experts + 5 : -2)
                                               : static_cast<int64_t>(rng() % experts);
                   store_int(src.data(), pair.s, e, r == 0 ? invalid_id_code(pair.s) : id);
                 }
@@ -384,8 +385,11 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
       const int64_t elems = layers * device_rows * top_k;
       std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(source.elem)));
       for (int64_t e = 0; e < elems; ++e) store_int(src.data(), source.elem, e, e % 97);
-      // Rows 1 (a block, slot -1), 2 (a block, slot 9), 5 (the tail, slot -1), 6 (the tail, slot 11).
-      for (const int64_t r : {1, 2, 5, 6}) store_int(src.data(), source.elem, (3 * device_rows + r) * top_k + 4, experts + 5);
+      // Rows 1 (a block, slot -1), 2 (a block, slot 9), 5 (the tail, slot -1), 6 (the tail, slot 11); the
+      // rows going to a slot hold exactly `experts`, the first id outside.
+      for (const int64_t r : {1, 2, 5, 6}) {
+        store_int(src.data(), source.elem, (3 * device_rows + r) * top_k + 4, r % 2 == 0 ? experts : experts + 5);
+      }
       // No routing: not counted.
       store_int(src.data(), source.elem, (4 * device_rows + 6) * top_k + 1, invalid_id_code(source.elem));
       const std::vector<int64_t> slots = {3, -1, 9, 4, 5, -1, 11};

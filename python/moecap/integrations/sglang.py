@@ -75,12 +75,16 @@ class MoecapRoutedExpertsCapturer:
     extra top-k columns the router may pass (dropped). Keywords (default: read
     from SGLang's runtime context): moe_layers (model layers that route),
     num_experts, dp_size, verify_tokens, chunked_prefill_size,
-    max_batch_tokens, invalid ("omit", "raise", "zero").
+    max_batch_tokens, invalid ("omit", "raise", "zero"), device_id_dtype
+    (default: "u8" up to 255 experts, else "auto": routing reaches the
+    device buffer only through moecap's capture, so the narrowest dtype
+    holds it, and a commit reads half the bytes of int16).
     """
 
     def __init__(self, model_config, num_tokens, max_running_requests, num_fused_shared_experts=0, device="cpu",
                  *, moe_layers=None, num_experts=None, dp_size=None, verify_tokens=None,
-                 chunked_prefill_size=None, max_batch_tokens=None, invalid="omit", dp_rank=None):
+                 chunked_prefill_size=None, max_batch_tokens=None, invalid="omit", dp_rank=None,
+                 device_id_dtype=None):
         if invalid not in INVALID:
             raise ValueError(f"invalid must be one of {INVALID}, not {invalid!r}")
         hf = model_config.hf_text_config
@@ -99,11 +103,14 @@ class MoecapRoutedExpertsCapturer:
         chunked = int(chunked_prefill_size if chunked_prefill_size is not None else ctx["chunked_prefill_size"])
         batch_tokens = int(max_batch_tokens if max_batch_tokens is not None else ctx["max_batch_tokens"])
         self.device = str(device)
+        if device_id_dtype is None:
+            device_id_dtype = "u8" if self.num_experts <= 255 else "auto"
         self.capturer = Capturer(
             num_layers=len(self.moe_layers), top_k=self.topk_size, num_experts=self.num_experts,
             extra_columns=self.num_fused_shared_experts, host_slots=int(num_tokens),
             max_running_requests=int(max_running_requests), dp_size=dp_size, verify_tokens=max(verify_tokens, 1),
             chunked_prefill_size=max(chunked, 0), max_batch_tokens=max(batch_tokens, 0),
+            device_id_dtype=device_id_dtype,
             device="cpu" if self.device == "cpu" else (self.device if ":" in self.device else "cuda:0"))
         self.capturer.layer_map = LayerMap(self.moe_layers, self.num_layers)  # for RequestTable and readers
         self.dp_size = dp_size
