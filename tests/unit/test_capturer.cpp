@@ -72,6 +72,83 @@ TEST_CASE("round trip capture -> commit -> read for every stored and output id d
   }
 }
 
+// The decode and prefill commit (a row range, top-8, u8 host ids, no
+// weights) from int16 and u8 device ids, with enough rows and layers for
+// every part of its one-pass kernel (blocks of four layers and of four
+// rows, the single layers and rows after them), a slot two rows go to, rows
+// sent nowhere, and a row with an id outside at capture.
+TEST_CASE("a top-8 range commit from int16 or u8 device ids reads back what was captured") {
+  struct Case {
+    int32_t device_dtype, experts;
+  };
+  for (const Case cs : {Case{MOECAP_IDS_AUTO, 200}, Case{MOECAP_IDS_AUTO, 256}, Case{MOECAP_IDS_U8, 200},
+                        Case{MOECAP_IDS_U8, 255}}) {
+    CAPTURE(cs.device_dtype);
+    CAPTURE(cs.experts);
+    moecap_config c = small_config();
+    c.num_layers = 7;
+    c.top_k = 8;
+    c.num_experts = cs.experts;
+    c.device_id_dtype = cs.device_dtype;
+    c.chunked_prefill_size = 64;
+    c.host_slots = 128;
+    Capturer cap(c);
+    const int64_t n = 39;
+    HostTensor ids({n, c.top_k}, i32());
+    for (int32_t l = 0; l < c.num_layers; ++l) {
+      fill_ids(ids, 500, l, c.top_k, c.num_experts);
+      if (l == 5) ids.set(21 * c.top_k + 3, c.num_experts);  // row 21, layer 5: outside, counted at capture
+      REQUIRE(moecap_capture(cap.h, l, ids.get(), nullptr, nullptr) == MOECAP_OK);
+    }
+    // Rows 0..36 of the range starting at row 2: row j to slot 3 j + 1, but
+    // rows 5 and 30 to no slot, and row 10 to row 9's slot (the later wins;
+    // they are the middle rows of a block of four).
+    const int64_t count = n - 2;
+    HostTensor slots({count}, i64());
+    for (int64_t j = 0; j < count; ++j) slots.set(j, j == 5 || j == 30 ? -1 : j == 10 ? 3 * 9 + 1 : 3 * j + 1);
+    moecap_commit_args a = range_commit(slots.get(), 2);
+    REQUIRE(moecap_commit(cap.h, &a, nullptr) == MOECAP_OK);
+    for (int64_t j = 0; j < count; ++j) {
+      if (j == 5 || j == 30 || j == 9) continue;
+      CAPTURE(j);
+      const int64_t slot = j == 10 ? 3 * 9 + 1 : 3 * j + 1;
+      const int64_t token = 2 + j;
+      HostTensor want({1}, i64());
+      want.set(0, slot);
+      HostTensor got({1, c.num_layers, c.top_k}, i32());
+      const moecap_status strict = moecap_read(cap.h, want.get(), got.get(), nullptr, MOECAP_READ_STRICT, nullptr);
+      CHECK(strict == (token == 21 ? MOECAP_ERROR_NO_ROUTING : MOECAP_OK));
+      REQUIRE(moecap_read(cap.h, want.get(), got.get(), nullptr, 0, nullptr) == MOECAP_OK);
+      for (int32_t l = 0; l < c.num_layers; ++l) {
+        for (int32_t k = 0; k < c.top_k; ++k) {
+          // With 256 experts a u8 cache has no spare value: the whole token reads -1.
+          const bool bad = token == 21 && (cs.experts == 256 || (l == 5 && k == 3));
+          const int64_t expected = bad ? -1 : route(500 + token, l, k, c.num_experts);
+          CAPTURE(l);
+          CAPTURE(k);
+          REQUIRE(got.at(l * c.top_k + k) == expected);
+        }
+      }
+    }
+    // Every row the range named is consumed: the views show no routing.
+    for (int32_t l = 0; l < c.num_layers; ++l) {
+      DLManagedTensorVersioned* v = nullptr;
+      REQUIRE(moecap_export(cap.h, MOECAP_BUFFER_LAYER_IDS, l, &v) == MOECAP_OK);
+      const bool wide = v->dl_tensor.dtype.bits == 16;
+      auto id_at = [&](int64_t e) -> int64_t {
+        return wide ? static_cast<const int16_t*>(v->dl_tensor.data)[e] : static_cast<const uint8_t*>(v->dl_tensor.data)[e];
+      };
+      const int64_t none = wide ? -1 : 0xff;
+      bool consumed = true, kept = true;
+      for (int64_t e = 2 * c.top_k; e < n * c.top_k; ++e) consumed = consumed && id_at(e) == none;
+      for (int64_t e = 0; e < 2 * c.top_k; ++e) kept = kept && id_at(e) != none;  // rows 0-1: not named
+      CHECK(consumed);
+      CHECK(kept);
+      v->deleter(v);
+    }
+  }
+}
+
 TEST_CASE("weights are converted to the stored dtype and back") {
   for (int32_t stored : {MOECAP_WEIGHTS_F32, MOECAP_WEIGHTS_BF16, MOECAP_WEIGHTS_F16}) {
     CAPTURE(stored);
