@@ -64,6 +64,35 @@ bool reference_commit(const CommitParams& p, int* unwritten = nullptr) {
   return any_bad;
 }
 
+// A u8-host commit without weights (`p`: shape, rows and slots set) run two
+// ways over copies of the device rows `src`: commit_and_release_on_host,
+// and the per-element operations in kernel order (commit, then consume
+// every named row). The host caches start as 0x5A, the states as 0.
+struct CommitBesideReference {
+  std::vector<uint8_t> dev, ref_dev, ids, ref_ids, states, ref_states;
+  ErrorWord errors{}, ref_errors{};
+};
+
+CommitBesideReference commit_beside_reference(CommitParams p, const std::vector<uint8_t>& src) {
+  CommitBesideReference r;
+  const size_t id_bytes = static_cast<size_t>(p.host_slots * p.num_layers * p.top_k);
+  r.dev = r.ref_dev = src;
+  r.ids = r.ref_ids = std::vector<uint8_t>(id_bytes, 0x5A);
+  r.states = r.ref_states = std::vector<uint8_t>(static_cast<size_t>(p.host_slots), 0);
+  p.src_ids = r.dev.data();
+  p.dst_ids = r.ids.data();
+  p.dst_states = r.states.data();
+  p.errors = &r.errors;
+  commit_and_release_on_host(p);
+  p.src_ids = r.ref_dev.data();
+  p.dst_ids = r.ref_ids.data();
+  p.dst_states = r.ref_states.data();
+  p.errors = &r.ref_errors;
+  reference_commit(p);
+  for (int64_t e = 0; e < int64_t{p.num_layers} * p.count * p.top_k; ++e) consume_element(p, e);
+  return r;
+}
+
 }  // namespace
 
 // The commit kernel's row copy, run on the host lane by lane: for every
@@ -381,7 +410,7 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
     const bool before = allow_host_avx2(avx2);
     for (const Source source : {Source{kI16, 200}, Source{kI16, 256}, Source{kU8, 200}}) {
       const int32_t layers = 5, top_k = 8, experts = source.experts;
-      const int64_t device_rows = 16, host_slots = 32, count = 7, row = int64_t{layers} * top_k;
+      const int64_t device_rows = 16, host_slots = 32, count = 7;
       const int64_t elems = layers * device_rows * top_k;
       std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(source.elem)));
       for (int64_t e = 0; e < elems; ++e) store_int(src.data(), source.elem, e, e % 97);
@@ -395,29 +424,15 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
       const std::vector<int64_t> slots = {3, -1, 9, 4, 5, -1, 11};
       CommitParams p = top8_into_u8(source.elem, layers, experts, count, device_rows, host_slots);
       p.dst_slots = slots.data();
-      std::vector<uint8_t> dev(src), ref_dev(src);
-      std::vector<uint8_t> ids(static_cast<size_t>(host_slots * row), 0x5A), ref_ids(ids);
-      std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0), ref_states(states);
-      ErrorWord errors{}, ref_errors{};
-      p.src_ids = dev.data();
-      p.dst_ids = ids.data();
-      p.dst_states = states.data();
-      p.errors = &errors;
-      commit_and_release_on_host(p);
-      p.src_ids = ref_dev.data();
-      p.dst_ids = ref_ids.data();
-      p.dst_states = ref_states.data();
-      p.errors = &ref_errors;
-      reference_commit(p);
-      for (int64_t e = 0; e < int64_t{layers} * count * top_k; ++e) consume_element(p, e);
-      CHECK(errors.invalid_ids == 2);  // rows 2 and 6
-      CHECK(errors.invalid_ids == ref_errors.invalid_ids);
-      CHECK(states[9] == (kSlotValid | kSlotInvalidIds));
-      CHECK(states[11] == (kSlotValid | kSlotInvalidIds));
-      CHECK(states[3] == kSlotValid);
-      CHECK(ids == ref_ids);
-      CHECK(states == ref_states);
-      CHECK(dev == ref_dev);
+      const CommitBesideReference r = commit_beside_reference(p, src);
+      CHECK(r.errors.invalid_ids == 2);  // rows 2 and 6
+      CHECK(r.errors.invalid_ids == r.ref_errors.invalid_ids);
+      CHECK(r.states[9] == (kSlotValid | kSlotInvalidIds));
+      CHECK(r.states[11] == (kSlotValid | kSlotInvalidIds));
+      CHECK(r.states[3] == kSlotValid);
+      CHECK(r.ids == r.ref_ids);
+      CHECK(r.states == r.ref_states);
+      CHECK(r.dev == r.ref_dev);
     }
     allow_host_avx2(before);
   }
@@ -433,7 +448,7 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
     const bool before = allow_host_avx2(avx2);
     for (const int32_t elem : {kI16, kU8}) {
       const int32_t layers = 5, top_k = 8, experts = 200;
-      const int64_t device_rows = 16, host_slots = 16, count = 9, row = int64_t{layers} * top_k;
+      const int64_t device_rows = 16, host_slots = 16, count = 9;
       for (int64_t first = 0; first < count; ++first) {
         for (int64_t second = first + 1; second < count; ++second) {
           const int64_t elems = layers * device_rows * top_k;
@@ -444,21 +459,8 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
           slots[static_cast<size_t>(second)] = first;
           CommitParams p = top8_into_u8(elem, layers, experts, count, device_rows, host_slots);
           p.dst_slots = slots.data();
-          std::vector<uint8_t> dev(src), ref_dev(src);
-          std::vector<uint8_t> ids(static_cast<size_t>(host_slots * row), 0x5A), ref_ids(ids);
-          std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0), ref_states(states);
-          ErrorWord errors{}, ref_errors{};
-          p.src_ids = dev.data();
-          p.dst_ids = ids.data();
-          p.dst_states = states.data();
-          p.errors = &errors;
-          commit_and_release_on_host(p);
-          p.src_ids = ref_dev.data();
-          p.dst_ids = ref_ids.data();
-          p.dst_states = ref_states.data();
-          p.errors = &ref_errors;
-          reference_commit(p);
-          if (ids != ref_ids || states != ref_states) {
+          const CommitBesideReference r = commit_beside_reference(p, src);
+          if (r.ids != r.ref_ids || r.states != r.ref_states || r.dev != r.ref_dev) {
             if (wrong++ == 0) MESSAGE("first mismatch: avx2 ", avx2, " device ", elem, " rows ", first, " and ", second);
           }
           ++cases;
