@@ -14,9 +14,10 @@ from tiny_moe import TinyMoE  # noqa: E402
 LAYERS, EXPERTS, TOP_K, TOKENS = 4, 16, 4, 12
 
 
-def make(device="cpu"):
+def make(device="cpu", device_id_dtype="auto"):
     return moecap.Capturer(num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS, host_slots=64,
-                           max_running_requests=16, chunked_prefill_size=TOKENS, weight_dtype="f32", device=device)
+                           max_running_requests=16, chunked_prefill_size=TOKENS, weight_dtype="f32", device=device,
+                           device_id_dtype=device_id_dtype)
 
 
 def step_fn(model, ops):
@@ -27,7 +28,7 @@ def step_fn(model, ops):
     return step
 
 
-def run_eager_and_compiled(backend):
+def run_eager_and_compiled(backend, device_id_dtype="auto"):
     from torch._dynamo.utils import counters
 
     model = TinyMoE(layers=LAYERS, experts=EXPERTS, top_k=TOP_K)
@@ -35,7 +36,7 @@ def run_eager_and_compiled(backend):
     positions = torch.arange(TOKENS)
     slots = torch.randperm(64, generator=torch.Generator().manual_seed(2))[:TOKENS]
 
-    eager_cap, compiled_cap = make(), make()
+    eager_cap, compiled_cap = make(device_id_dtype=device_id_dtype), make(device_id_dtype=device_id_dtype)
     eager_out = step_fn(model, eager_cap.ops)(tokens, positions, slots)
     torch._dynamo.reset()
     counters.clear()
@@ -53,8 +54,10 @@ def run_eager_and_compiled(backend):
     return breaks, mirrored, results
 
 
-def test_compiled_model_has_no_graph_breaks_and_captures_what_eager_does():
-    breaks, mirrored, ((eager_ids, eager_w), (compiled_ids, compiled_w)) = run_eager_and_compiled("inductor")
+@pytest.mark.parametrize("device_id_dtype", ["auto", "u8"])  # int16 (the views' dtype), or u8 as SGLang's adapter
+def test_compiled_model_has_no_graph_breaks_and_captures_what_eager_does(device_id_dtype):
+    breaks, mirrored, ((eager_ids, eager_w), (compiled_ids, compiled_w)) = run_eager_and_compiled(
+        "inductor", device_id_dtype)
     assert breaks == 0
     assert torch.equal(compiled_ids, eager_ids)
     assert torch.allclose(compiled_w, eager_w, rtol=1e-6, atol=1e-6)
