@@ -9,11 +9,11 @@ moecap_bench) over a few cases for about ten seconds and compares the median
 CPU time per call: commit against copying the rows out and scattering them
 (BM_Commit_Baseline), read against an element-wise gather, capture against
 a strided slice copy; and commit against its floor, a memcpy of each
-finished row to a fresh slot, timed call by call beside it
-(BM_Commit_AgainstFloor's floor_over_commit: run as separate cases, the two
-drift apart on a shared machine). On a loaded 2-core machine moecap is
-normally 10-15x the copy-out-and-scatter and the gather, 2-3x the slice copy,
-and 1.0-1.6x the memcpy floor (the narrowest margin). The 0.5x floor is wide
+finished row to a fresh slot, timed call by call beside it by the monotonic
+clock (BM_Commit_AgainstFloor's floor_over_commit: run as separate cases,
+the two drift apart on a shared machine). On a loaded 2-core machine moecap
+is normally 9-15x the copy-out-and-scatter and the gather, 2-3x the slice
+copy, and 0.9-1.2x the memcpy floor (the narrowest margin). The 0.5x floor is wide
 (noisy shared machines pass) and narrow enough to catch a loss of several
 times, like a second slow pass over every committed row (which made commit
 0.3x of the copy-out-and-scatter).
@@ -26,8 +26,7 @@ import sys
 import tempfile
 
 # (what, moecap case, baseline case); the rewrite of the rows before each
-# commit (BM_Commit_Rewrite, same args) is taken out of the time of every
-# case that does it (moecap's commit and the memcpy floor).
+# commit (BM_Commit_Rewrite, same args) is taken out of moecap's commit.
 PAIRS = [
     ("commit 4096 rows, random slots of 262,144, vs copy-out-and-scatter", "BM_Commit_Moecap/4096/1/262144",
      "BM_Commit_Baseline/4096/1/262144"),

@@ -436,8 +436,9 @@ MOECAP_AVX2 void narrow_consume_range_u8_k8_avx2(const CommitParams& p, int64_t 
       _mm_storeh_pd(reinterpret_cast<double*>(to[i + 3] + l * 8), _mm_castsi128_pd(high));
     }
   }
-  // The last rows short of four (once per commit: tiles are multiples of
-  // four), element by element: checked as a block is, then narrowed.
+  // The last rows short of four (tiles are multiples of four, so only at a
+  // range's end or where it was clipped to the device rows), element by
+  // element: checked as a block is, then narrowed.
   for (int64_t i = blocks; i < n; ++i) {
     mark_bad_rows<S>(p, 0, layers, first + i, 1, to + i, nowhere, row_bad + i);
     for (l = 0; l < layers; ++l) {

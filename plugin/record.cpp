@@ -81,7 +81,7 @@ uint64_t get_le(const uint8_t* p, uint64_t bytes) {
 }
 
 // Bit t of a validity bitmap (LSB first).
-bool bit_set(const uint8_t* bitmap, int64_t t) { return (bitmap[t / 8] >> (t % 8)) & 1u; }
+bool bit_set(const uint8_t* bitmap, int64_t t) { return ((static_cast<unsigned>(bitmap[t / 8]) >> (t % 8)) & 1u) != 0; }
 
 // Code i of the id section (packed bit stream or plain little-endian ints).
 uint64_t get_code(const uint8_t* ids, const Layout& l, uint64_t i) {

@@ -121,7 +121,8 @@ def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], host_st
            dst_slots: torch.Tensor, src_start: int, src_rows: Optional[torch.Tensor]) -> None:
     """Capturer.commit on torch's current stream: reads device_ids/device_weights (what the graph
     wrote into them, layer views included), writes the host cache and slot states, and consumes the
-    rows it read (they read -1 / 0 afterwards, so a row nobody writes again is never committed twice)."""
+    rows it read (they read "no routing", -1 or all ones, and weight 0 afterwards, so a row nobody writes
+    again is never committed twice)."""
     cap = _capturer(capturer)
     real = cap.ops
     for name, handed in (("host_ids", host_ids), ("host_weights", host_weights), ("host_states", host_states)):

@@ -75,6 +75,27 @@ def test_a_kernel_writes_the_layer_views_and_commit_reads_them():
         assert torch.equal(cap.read(torch.tensor([10, 11, 12, 13])), routing.transpose(0, 1))
 
 
+@pytest.mark.parametrize("device_id_dtype, experts", [("auto", 256), ("u8", 255), ("u8", 9)])
+def test_a_top8_decode_commit_reads_back_what_was_captured(device_id_dtype, experts):
+    # The common commit (a row range, top-8, u8 host ids, no weights) with rows and layers enough
+    # for the host kernel's blocks of four and what is left after them.
+    layers, rows = 7, 43
+    gen = torch.Generator().manual_seed(3)
+    routing = torch.randint(0, experts, (layers, rows, 8), dtype=torch.int32, generator=gen)
+    with moecap.Capturer(num_layers=layers, top_k=8, num_experts=experts, host_slots=256, max_running_requests=64,
+                         device_id_dtype=device_id_dtype) as cap:
+        assert cap.plan.device_id_dtype == ("i16" if device_id_dtype == "auto" else "u8")
+        for layer in range(layers):
+            cap.capture(layer, routing[layer])
+        slots = torch.randperm(256, generator=gen)[:rows - 3]
+        cap.commit(slots, src_start=3)
+        assert torch.equal(cap.read(slots, strict=True), routing[:, 3:].transpose(0, 1))
+        device = torch.from_dlpack(cap.export("device_ids"))
+        none = -1 if device.dtype == torch.int16 else 255
+        assert (device[:, 3:rows].to(torch.int32) == none).all()  # consumed
+        assert (device[:, :3].to(torch.int32) != none).all()  # not named by the commit
+
+
 def test_invalidate_recorded_in_a_graph_runs_at_each_replay():
     with moecap.Capturer(**CONFIG) as cap:
         fill(cap, 2)

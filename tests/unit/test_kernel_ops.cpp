@@ -318,15 +318,21 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
                   s.step = r == 0 ? 0u : r == 1 ? 4u : 5u;
                   s.rows = r == 3 ? static_cast<int64_t>(rng() % device_rows) : device_rows;
                 }
+                // Slots -1 (dropped), 17 (listed twice), outside (skipped and counted), as int64 or int32.
                 std::vector<int64_t> slots(static_cast<size_t>(count)), rows(static_cast<size_t>(count));
                 for (int64_t j = 0; j < count; ++j) {
                   const uint32_t r = rng() % 30;
-                  slots[static_cast<size_t>(j)] = r == 0 ? -1 : r < 3 ? 17 : rng() % host_slots;
+                  slots[static_cast<size_t>(j)] = r == 0   ? -1
+                                                  : r < 3  ? 17
+                                                  : r == 5 ? (rng() % 2 == 0 ? -2 : host_slots)
+                                                           : static_cast<int64_t>(rng() % host_slots);
                   rows[static_cast<size_t>(j)] = r == 4 ? rows[0] : static_cast<int64_t>(rng() % device_rows);
                 }
+                const std::vector<int32_t> slots32(slots.begin(), slots.end());
+                const bool int32_slots = rng() % 2 == 0;
                 CommitParams p{};
                 p.src_rows = row_list ? rows.data() : nullptr;
-                p.dst_slots = slots.data();
+                p.dst_slots = int32_slots ? static_cast<const void*>(slots32.data()) : slots.data();
                 // A range sometimes runs past the last device row (those entries are skipped and counted).
                 p.src_start = row_list ? 0
                               : rng() % 4 == 0 ? device_rows - count / 2 - 1
@@ -343,7 +349,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
                 p.dst_id_elem = pair.d;
                 p.weight_elem = weights ? kF32 : -1;
                 p.src_rows_elem = kI64;
-                p.dst_slots_elem = kI64;
+                p.dst_slots_elem = int32_slots ? kI32 : kI64;
                 p.stamps = stamps.data();
                 const size_t id_bytes = static_cast<size_t>(host_slots * row * elem_bytes(pair.d));
                 std::vector<uint8_t> ids(id_bytes, 0x5A), ref_ids(id_bytes, 0x5A);
