@@ -503,6 +503,27 @@ int64_t tile_entries(const CommitParams& params, int64_t first, int64_t last, in
   // A copy the stores below cannot alias: the fields stay in registers.
   const CommitParams p = params;
   int64_t n = 0;
+  if constexpr (!std::is_void_v<Slot>) {
+    if (p.src_rows == nullptr && p.claims == nullptr && p.mode == kCommitRows) {
+      // A row range (a decode step, a prefill chunk): an entry whose slot
+      // and row are both in range goes there (one unsigned compare each);
+      // any other is commit_goes_to's to drop or count.
+      const Slot* slot_of = static_cast<const Slot*>(p.dst_slots);
+      const auto host_slots = static_cast<uint64_t>(p.host_slots);
+      const auto device_rows = static_cast<uint64_t>(p.device_rows);
+      for (int64_t j = first; j < last; ++j) {
+        const auto slot = static_cast<int64_t>(slot_of[j]);
+        const int64_t src = p.src_start + j;
+        if ((static_cast<uint64_t>(slot) < host_slots && static_cast<uint64_t>(src) < device_rows) ||
+            commit_goes_to(p, src, slot)) {
+          srcs[n] = src;
+          slots[n] = slot;
+          ++n;
+        }
+      }
+      return n;
+    }
+  }
   for (int64_t j = first; j < last; ++j) {
     int64_t slot;
     if constexpr (std::is_void_v<Slot>) {
@@ -591,7 +612,6 @@ void commit_rows(const CommitParams& p, bool consume) {
       case kI32: n = tile_entries<int32_t>(p, first, last, srcs, slots); break;
       default: n = tile_entries<void>(p, first, last, srcs, slots); break;
     }
-    std::memset(bad, 0, static_cast<size_t>(n));
     // The tile's part of a row range, clipped to the device rows: consumed whatever its slots.
     const int64_t run_first = std::max<int64_t>(0, p.src_start + first);
     const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;
@@ -603,8 +623,12 @@ void commit_rows(const CommitParams& p, bool consume) {
         // straight into their slots' rows (a row that goes nowhere into a
         // scratch row); then the slots' states, in list order.
         uint8_t* scratch_row = reinterpret_cast<uint8_t*>(staged);
-        for (int64_t r = 0; r < run_rows; ++r) to[r] = scratch_row;
-        for (int64_t i = 0; i < n; ++i) to[srcs[i] - run_first] = reinterpret_cast<uint8_t*>(p.dst_ids) + slots[i] * row;
+        if (n < run_rows) {  // rows distinct, so with every row going somewhere each to[] is set below
+          for (int64_t r = 0; r < run_rows; ++r) to[r] = scratch_row;
+        }
+        uint8_t* const host_ids = reinterpret_cast<uint8_t*>(p.dst_ids);  // held in a register past the stores
+        uint8_t* const states = p.dst_states;
+        for (int64_t i = 0; i < n; ++i) to[srcs[i] - run_first] = host_ids + slots[i] * row;
         std::memset(bad, 0, static_cast<size_t>(run_rows));
         if constexpr (std::is_same_v<S, uint8_t>) {
           narrow_consume_range_u8_k8_avx2<S, false>(p, run_first, run_rows, to, scratch_row, bad);
@@ -613,11 +637,12 @@ void commit_rows(const CommitParams& p, bool consume) {
         } else {
           narrow_consume_range_u8_k8_avx2<S, false>(p, run_first, run_rows, to, scratch_row, bad);
         }
-        for (int64_t i = 0; i < n; ++i) p.dst_states[slots[i]] = committed_state(bad[srcs[i] - run_first] != 0);
+        for (int64_t i = 0; i < n; ++i) states[slots[i]] = committed_state(bad[srcs[i] - run_first] != 0);
         continue;
       }
     }
 #endif
+    std::memset(bad, 0, static_cast<size_t>(n));
     bool consecutive = true;
     int64_t last_src = -1;  // the tile's highest source row: most layers wrote every row of a tile
     for (int64_t i = 1; i < n; ++i) consecutive = consecutive && srcs[i] == srcs[0] + i;
