@@ -187,6 +187,44 @@ def test_rows_a_layer_did_not_write_are_refused_not_sent_as_expert_0(vl):
     assert not zero.snapshot_routing_data(3).any()
 
 
+def test_a_second_micro_batch_lands_past_the_first_and_an_id_outside_it_is_refused(vl, monkeypatch):
+    """Dual-batch overlap: the second micro-batch's rows go at its token offset (written straight into
+    moecap's buffer, as vLLM writes its own), byte for byte as vLLM's. An id outside [0, num_experts)
+    there is refused (or sent as 0), where vLLM's uint8 output wraps 259 into expert 3."""
+    import vllm.v1.worker.ubatching as ubatching
+    torch = vl.torch
+    cfg = vl.config()
+    theirs, ours = pair(vl, cfg)
+    zero = vl.adapter.MoecapRoutedExpertsCapturer(MAX_TOKENS, cfg, invalid="zero")
+    offset = {"rows": 0}
+    for module in (ubatching, vl.re):
+        monkeypatch.setattr(module, "dbo_current_ubatch_token_offset", lambda: offset["rows"])
+
+    def forward(rows):
+        with vl.set_forward_context(None, cfg, num_tokens=3):
+            for first in (0, 3):
+                offset["rows"] = first
+                for cap in (theirs, ours, zero):
+                    for i, layer in enumerate(MOE_LAYERS):
+                        ids = np.ascontiguousarray(rows[first:first + 3, i, :])
+                        cap.capture(layer, torch.from_numpy(ids).to(torch.int64))
+        offset["rows"] = 0
+
+    rows = np.random.default_rng(5).integers(0, NUM_EXPERTS, size=(6, len(MOE_LAYERS), TOP_K))
+    forward(rows)
+    snapshots = [cap.snapshot_routing_data(6) for cap in (theirs, ours, zero)]
+    assert torch.equal(snapshots[0], snapshots[1]) and torch.equal(snapshots[0], snapshots[2])
+    assert ours.capturer.plan.device_id_dtype == "u8"  # up to 255 experts
+
+    rows[4, 1, 0] = 256 + 3  # row 4: the second micro-batch's
+    forward(rows)
+    assert int(theirs.snapshot_routing_data(6)[4, MOE_LAYERS[1], 0]) == 3
+    with pytest.raises(RuntimeError, match="1 of 6 rows of this step have no routing"):
+        ours.snapshot_routing_data(6)
+    sent = zero.snapshot_routing_data(6)
+    assert not sent[4].any() and torch.equal(sent[:4], snapshots[0][:4].to(sent.dtype))
+
+
 def test_install_routes_binding_through_the_adapter(vl):
     """install() swaps the aux-output worker's capturer class and binder; the
     binder learns the MoE layers from the model's modules before vLLM's own

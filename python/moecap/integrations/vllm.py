@@ -88,9 +88,10 @@ class MoecapRoutedExpertsCapturer:
                                                   f"cuda:{torch.cuda.current_device()}")
         # vLLM restores this DP rank's rows before writing, so the buffer holds
         # one rank's batch: max_num_batched_tokens rows (spec-decode tokens included).
+        # u8 ids up to 255 experts (0xff is "none"): half the bytes to snapshot and consume.
         self.capturer = Capturer(num_layers=len(layers), top_k=self.shape_per_token[1], num_experts=self.num_experts,
                                  host_slots=1, max_running_requests=1, max_batch_tokens=self.max_num_batched_tokens,
-                                 device=dev)
+                                 device_id_dtype="u8" if self.num_experts <= 255 else "auto", device=dev)
         self.moe_layers = layers
         self.capturer.layer_map = LayerMap(layers, self.shape_per_token[0])
         self._ordinal = {layer: i for i, layer in enumerate(layers)}
@@ -136,12 +137,15 @@ class MoecapRoutedExpertsCapturer:
                 self.capturer.ops.capture(ordinal, local)
             else:
                 self.capturer.capture(ordinal, local)
-        else:  # a second micro-batch: its rows sit past the first's (moecap checks every id at commit)
+        else:  # a second micro-batch: its rows sit past the first's, written as capture would write them
             n = local.shape[0]
             if offset + n > self._device_ids.shape[1]:
                 raise ValueError(f"micro-batch rows [{offset}, {offset + n}) exceed the capturer's "
                                  f"{self._device_ids.shape[1]} device rows")
-            self._device_ids[ordinal, offset:offset + n] = local.to(self._device_ids.dtype)
+            # An id outside [0, num_experts) becomes "none" (-1, or 0xff in u8) before the cast could wrap it
+            # into a real expert's id.
+            inside = (local >= 0) & (local < self.num_experts)
+            self._device_ids[ordinal, offset:offset + n] = local.masked_fill(~inside, -1).to(self._device_ids.dtype)
 
     def snapshot_routing_data(self, num_tokens):
         """[num_tokens, num_hidden_layers, top_k] in output_dtype (dense layers 0);
@@ -151,7 +155,7 @@ class MoecapRoutedExpertsCapturer:
         n = int(num_tokens)
         if n > self._device_ids.shape[1]:
             raise ValueError(f"num_tokens is {n}; the capturer holds {self._device_ids.shape[1]} rows")
-        moe = self._device_ids[:, :n, :].permute(1, 0, 2).to(torch.int32)  # a copy, taken before the consume
+        moe = self._routing_int32(self._device_ids[:, :n, :])  # a copy, taken before the consume
         # Even with no rows: an empty commit ends the step (an idle DP rank's too).
         self.capturer.commit(self._drop[:n], src_start=0)
         bad = (moe < 0).any(dim=2).any(dim=1)
@@ -178,8 +182,15 @@ class MoecapRoutedExpertsCapturer:
         torch = _torch()
         rows = self._device_ids.shape[1]
         out = torch.zeros((rows, *self.shape_per_token), dtype=torch.int32, device=self._device_ids.device)
-        out[:, self._layer_index, :] = self._device_ids.permute(1, 0, 2).to(torch.int32)
+        out[:, self._layer_index, :] = self._routing_int32(self._device_ids)
         return out
+
+    def _routing_int32(self, device_ids):
+        """[moe_layers, rows, top_k] device ids as int32 [rows, moe_layers, top_k], with "none" (-1, or
+        0xff in a u8 buffer) and any id outside [0, num_experts) as -1."""
+        torch = _torch()
+        ids = device_ids.permute(1, 0, 2).to(torch.int32)
+        return ids.masked_fill(ids >= self.num_experts, -1)
 
     def close(self):
         if self.capturer is not None:
