@@ -960,38 +960,16 @@ RowWidening pick_avx2_widening(int32_t stored, int32_t dst, int64_t invalid_code
 }
 #endif
 
-template <class S>
-RowWidening plain_widening_from(int32_t dst) {
+// pick(D{}) with D the C type of the read's output id dtype `dst`.
+template <class Pick>
+RowWidening with_dst_type(int32_t dst, Pick pick) {
   switch (dst) {
-    case kU8: return widen_row_plain<S, uint8_t>;
-    case kI8: return widen_row_plain<S, int8_t>;
-    case kU16: return widen_row_plain<S, uint16_t>;
-    case kI16: return widen_row_plain<S, int16_t>;
-    case kI32: return widen_row_plain<S, int32_t>;
-    default: return widen_row_plain<S, int64_t>;
-  }
-}
-
-template <class S>
-RowWidening plain_as_is_from(int32_t dst) {
-  switch (dst) {
-    case kU8: return widen_row_as_is<S, uint8_t>;
-    case kI8: return widen_row_as_is<S, int8_t>;
-    case kU16: return widen_row_as_is<S, uint16_t>;
-    case kI16: return widen_row_as_is<S, int16_t>;
-    case kI32: return widen_row_as_is<S, int32_t>;
-    default: return widen_row_as_is<S, int64_t>;
-  }
-}
-
-// Only for a D wider than S (the caller's check).
-template <class S>
-RowWidening plain_past_code_from(int32_t dst) {
-  switch (dst) {
-    case kU16: return widen_row_past_code<S, uint16_t>;
-    case kI16: return widen_row_past_code<S, int16_t>;
-    case kI32: return widen_row_past_code<S, int32_t>;
-    default: return widen_row_past_code<S, int64_t>;
+    case kU8: return pick(uint8_t{});
+    case kI8: return pick(int8_t{});
+    case kU16: return pick(uint16_t{});
+    case kI16: return pick(int16_t{});
+    case kI32: return pick(int32_t{});
+    default: return pick(int64_t{});
   }
 }
 
@@ -1015,21 +993,22 @@ RowWidening pick_row_widening(int32_t stored, int32_t dst, int64_t invalid_code)
     if (const RowWidening w = pick_avx2_widening(stored, dst, invalid_code)) return w;
   }
 #endif
-  if (no_compare) {
-    const bool past_code = code_all_ones && elem_bytes(dst) > elem_bytes(stored);
-    switch (stored) {
-      case kU8: return past_code ? plain_past_code_from<uint8_t>(dst) : plain_as_is_from<uint8_t>(dst);
-      case kU16: return past_code ? plain_past_code_from<uint16_t>(dst) : plain_as_is_from<uint16_t>(dst);
-      case kI16: return plain_as_is_from<int16_t>(dst);
-      case kI32: return plain_as_is_from<int32_t>(dst);
-      default: break;
-    }
-  }
+  const auto from = [&](auto stored_type) {
+    using S = decltype(stored_type);
+    return with_dst_type(dst, [&](auto dst_type) -> RowWidening {
+      using D = decltype(dst_type);
+      if (!no_compare) return widen_row_plain<S, D>;
+      if constexpr (std::is_unsigned_v<S> && sizeof(D) > sizeof(S)) {
+        if (code_all_ones) return widen_row_past_code<S, D>;
+      }
+      return widen_row_as_is<S, D>;
+    });
+  };
   switch (stored) {
-    case kU8: return plain_widening_from<uint8_t>(dst);
-    case kU16: return plain_widening_from<uint16_t>(dst);
-    case kI16: return plain_widening_from<int16_t>(dst);
-    default: return plain_widening_from<int32_t>(dst);
+    case kU8: return from(uint8_t{});
+    case kU16: return from(uint16_t{});
+    case kI16: return from(int16_t{});
+    default: return from(int32_t{});
   }
 }
 
