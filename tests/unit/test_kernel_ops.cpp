@@ -64,32 +64,50 @@ bool reference_commit(const CommitParams& p, int* unwritten = nullptr) {
   return any_bad;
 }
 
-// A u8-host commit without weights (`p`: shape, rows and slots set) run two
-// ways over copies of the device rows `src`: commit_and_release_on_host,
-// and the per-element operations in kernel order (commit, then consume
-// every named row). The host caches start as 0x5A, the states as 0.
+// A commit (`p`: shape, dtypes, rows and slots set) run two ways over
+// copies of the device ids `src` and, when p.weight_elem is set, weights
+// `src_w`: commit_and_release_on_host, and the per-element operations in
+// kernel order (commit, consume every named row, finish), each side with
+// its own copy of `step` when given. The host caches start as 0x5A, the
+// states as 0x7 (no state at all). `unwritten` as for reference_commit.
 struct CommitBesideReference {
-  std::vector<uint8_t> dev, ref_dev, ids, ref_ids, states, ref_states;
+  std::vector<uint8_t> dev, ref_dev, dev_w, ref_dev_w, ids, ref_ids, w, ref_w, states, ref_states;
   ErrorWord errors{}, ref_errors{};
+  StepWord step{}, ref_step{};
 };
 
-CommitBesideReference commit_beside_reference(CommitParams p, const std::vector<uint8_t>& src) {
+CommitBesideReference commit_beside_reference(CommitParams p, const std::vector<uint8_t>& src,
+                                              const std::vector<uint8_t>& src_w = {}, const StepWord* step = nullptr,
+                                              int* unwritten = nullptr) {
   CommitBesideReference r;
-  const size_t id_bytes = static_cast<size_t>(p.host_slots * p.num_layers * p.top_k);
+  const bool weights = p.weight_elem >= 0;
+  const int64_t row = int64_t{p.num_layers} * p.top_k;
   r.dev = r.ref_dev = src;
-  r.ids = r.ref_ids = std::vector<uint8_t>(id_bytes, 0x5A);
-  r.states = r.ref_states = std::vector<uint8_t>(static_cast<size_t>(p.host_slots), 0);
+  r.ids = r.ref_ids = std::vector<uint8_t>(static_cast<size_t>(p.host_slots * row * elem_bytes(p.dst_id_elem)), 0x5A);
+  r.states = r.ref_states = std::vector<uint8_t>(static_cast<size_t>(p.host_slots), 0x7);
+  if (weights) {
+    r.dev_w = r.ref_dev_w = src_w;
+    r.w = r.ref_w = std::vector<uint8_t>(static_cast<size_t>(p.host_slots * row * elem_bytes(p.weight_elem)), 0x5A);
+  }
+  if (step != nullptr) r.step = r.ref_step = *step;
   p.src_ids = r.dev.data();
+  p.src_weights = weights ? r.dev_w.data() : nullptr;
   p.dst_ids = r.ids.data();
+  p.dst_weights = weights ? r.w.data() : nullptr;
   p.dst_states = r.states.data();
   p.errors = &r.errors;
+  p.step = step != nullptr ? &r.step : nullptr;
   commit_and_release_on_host(p);
   p.src_ids = r.ref_dev.data();
+  p.src_weights = weights ? r.ref_dev_w.data() : nullptr;
   p.dst_ids = r.ref_ids.data();
+  p.dst_weights = weights ? r.ref_w.data() : nullptr;
   p.dst_states = r.ref_states.data();
   p.errors = &r.ref_errors;
-  reference_commit(p);
-  for (int64_t e = 0; e < int64_t{p.num_layers} * p.count * p.top_k; ++e) consume_element(p, e);
+  p.step = step != nullptr ? &r.ref_step : nullptr;
+  reference_commit(p, unwritten);
+  for (int64_t e = 0; e < row * p.count; ++e) consume_element(p, e);
+  finish_commit(p);
   return r;
 }
 
@@ -351,43 +369,22 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
                 p.src_rows_elem = kI64;
                 p.dst_slots_elem = int32_slots ? kI32 : kI64;
                 p.stamps = stamps.data();
-                const size_t id_bytes = static_cast<size_t>(host_slots * row * elem_bytes(pair.d));
-                std::vector<uint8_t> ids(id_bytes, 0x5A), ref_ids(id_bytes, 0x5A);
-                std::vector<uint8_t> w(static_cast<size_t>(host_slots * row * 4), 0x5A), ref_w(w);
-                std::vector<uint8_t> states(static_cast<size_t>(host_slots), 0x7), ref_states(states);
-                std::vector<uint8_t> dev(src), ref_dev(src), dev_w(src_w), ref_dev_w(src_w);
-                ErrorWord errors{}, ref_errors{};
-                StepWord ref_step = step;
-                p.src_ids = dev.data();
-                p.src_weights = weights ? dev_w.data() : nullptr;
-                p.dst_ids = ids.data();
-                p.dst_weights = weights ? w.data() : nullptr;
-                p.dst_states = states.data();
-                p.errors = &errors;
-                p.step = &step;
-                commit_and_release_on_host(p);
-                p.src_ids = ref_dev.data();
-                p.src_weights = weights ? ref_dev_w.data() : nullptr;
-                p.dst_ids = ref_ids.data();
-                p.dst_weights = weights ? ref_w.data() : nullptr;
-                p.dst_states = ref_states.data();
-                p.errors = &ref_errors;
-                p.step = &ref_step;
-                reference_commit(p, &unwritten_rows_seen);
-                for (int64_t e = 0; e < int64_t{layers} * count * top_k; ++e) consume_element(p, e);
-                finish_commit(p);
-                const bool same = ids == ref_ids && w == ref_w && states == ref_states && dev == ref_dev &&
-                                  dev_w == ref_dev_w && errors.skipped_rows == ref_errors.skipped_rows &&
-                                  errors.invalid_ids == ref_errors.invalid_ids && step.step == ref_step.step &&
-                                  step.committed == ref_step.committed && step.claim_serial == ref_step.claim_serial;
+                const CommitBesideReference r = commit_beside_reference(p, src, src_w, &step, &unwritten_rows_seen);
+                const bool same = r.ids == r.ref_ids && r.w == r.ref_w && r.states == r.ref_states &&
+                                  r.dev == r.ref_dev && r.dev_w == r.ref_dev_w &&
+                                  r.errors.skipped_rows == r.ref_errors.skipped_rows &&
+                                  r.errors.invalid_ids == r.ref_errors.invalid_ids && r.step.step == r.ref_step.step &&
+                                  r.step.committed == r.ref_step.committed &&
+                                  r.step.claim_serial == r.ref_step.claim_serial;
                 if (!same && wrong++ == 0) {
-                  MESSAGE("first mismatch: avx2 ", avx2, " device ", pair.s, " host ", pair.d, " experts ", pair.experts, " top_k ", top_k,
-                          " layers ", layers, " row list ", row_list, " weights ", weights, " count ", count,
-                          " ids ", ids == ref_ids, " w ", w == ref_w, " states ", states == ref_states, " dev ",
-                          dev == ref_dev, " dev_w ", dev_w == ref_dev_w, " invalid ", errors.invalid_ids, "/",
-                          ref_errors.invalid_ids, " skipped ", errors.skipped_rows, "/", ref_errors.skipped_rows);
+                  MESSAGE("first mismatch: avx2 ", avx2, " device ", pair.s, " host ", pair.d, " experts ", pair.experts,
+                          " top_k ", top_k, " layers ", layers, " row list ", row_list, " weights ", weights, " count ",
+                          count, " ids ", r.ids == r.ref_ids, " w ", r.w == r.ref_w, " states ",
+                          r.states == r.ref_states, " dev ", r.dev == r.ref_dev, " dev_w ", r.dev_w == r.ref_dev_w,
+                          " invalid ", r.errors.invalid_ids, "/", r.ref_errors.invalid_ids, " skipped ",
+                          r.errors.skipped_rows, "/", r.ref_errors.skipped_rows);
                 }
-                CHECK(step.committed == 1);
+                CHECK(r.step.committed == 1);
                 ++cases;
               }
             }
