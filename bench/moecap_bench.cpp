@@ -31,13 +31,13 @@ constexpr int64_t kLargeHostSlots = 1 << 18;
 
 // id_dtype: the host cache's; device_id_dtype: what capture (or a kernel) writes.
 moecap_config bench_config(int32_t id_dtype, int32_t device_id_dtype = MOECAP_IDS_AUTO,
-                           int64_t host_slots = kHostSlots) {
+                           int64_t host_slots = kHostSlots, int32_t top_k = kTopK) {
   moecap_config c{};
   c.struct_size = sizeof c;
   if (moecap_config_init(&c) != MOECAP_OK) std::abort();
   c.flags = MOECAP_FLAG_NO_GUARDS;
   c.num_layers = kLayers;
-  c.top_k = kTopK;
+  c.top_k = top_k;
   c.num_experts = kExperts;
   c.max_running_requests = 256;
   c.chunked_prefill_size = kDeviceRows;
@@ -48,8 +48,9 @@ moecap_config bench_config(int32_t id_dtype, int32_t device_id_dtype = MOECAP_ID
 }
 
 struct Handle {
-  explicit Handle(int32_t id_dtype, int32_t device_id_dtype = MOECAP_IDS_AUTO, int64_t host_slots = kHostSlots) {
-    const moecap_config c = bench_config(id_dtype, device_id_dtype, host_slots);
+  explicit Handle(int32_t id_dtype, int32_t device_id_dtype = MOECAP_IDS_AUTO, int64_t host_slots = kHostSlots,
+                  int32_t top_k = kTopK) {
+    const moecap_config c = bench_config(id_dtype, device_id_dtype, host_slots, top_k);
     if (moecap_create(&c, &h) != MOECAP_OK) std::abort();
   }
   ~Handle() { moecap_destroy(h); }
@@ -79,11 +80,11 @@ const DLDataType kI64{kDLInt, 64, 1};
 
 // Whether every slot reads as real routing (a strict read): what the timed
 // commits stored was routing, not rows an earlier commit consumed.
-bool holds_routing(moecap_capturer* h, std::vector<int64_t>& slots) {
+bool holds_routing(moecap_capturer* h, std::vector<int64_t>& slots, int32_t top_k = kTopK) {
   const int64_t t = static_cast<int64_t>(slots.size());
-  std::vector<int32_t> out(static_cast<size_t>(t * kRowElems));
+  std::vector<int32_t> out(static_cast<size_t>(t * kLayers * top_k));
   int64_t sshape[1] = {t};
-  int64_t oshape[3] = {t, kLayers, kTopK};
+  int64_t oshape[3] = {t, kLayers, top_k};
   DLTensor st = tensor(slots.data(), 1, sshape, kI64);
   DLTensor ot = tensor(out.data(), 3, oshape, kI32);
   return moecap_read(h, &st, &ot, nullptr, MOECAP_READ_STRICT, nullptr) == MOECAP_OK;
@@ -161,12 +162,14 @@ struct SlotWalk {
 // device_id_dtype: AUTO (int16, what the top-k kernels writing moecap's
 // layer views write) or U8 (what an engine whose routing goes through
 // moecap_capture can choose for <= 255 experts: half the bytes to read).
+// top_k: the model's (8 by default; 4 for gpt-oss, 2 for Mixtral).
 struct CommitCase {
-  explicit CommitCase(const benchmark::State& state, int32_t device_id_dtype = MOECAP_IDS_AUTO)
-      : n(state.range(0)), cap(MOECAP_IDS_AUTO, device_id_dtype, state.range(2)),
+  explicit CommitCase(const benchmark::State& state, int32_t device_id_dtype = MOECAP_IDS_AUTO,
+                      int32_t top_k = kTopK)
+      : n(state.range(0)), top_k(top_k), cap(MOECAP_IDS_AUTO, device_id_dtype, state.range(2), top_k),
         slots(n, state.range(1), state.range(2)) {
-    std::vector<int32_t> ids(static_cast<size_t>(n * kTopK));
-    int64_t ids_shape[2] = {n, kTopK};
+    std::vector<int32_t> ids(static_cast<size_t>(n * top_k));
+    int64_t ids_shape[2] = {n, top_k};
     DLTensor it = tensor(ids.data(), 2, ids_shape, kI32);
     for (int32_t layer = 0; layer < kLayers; ++layer) {
       for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 7 + static_cast<size_t>(layer)) % kExperts);
@@ -176,8 +179,8 @@ struct CommitCase {
     if (moecap_export(cap.h, MOECAP_BUFFER_DEVICE_IDS, 0, &v) != MOECAP_OK) std::abort();
     device = static_cast<uint8_t*>(v->dl_tensor.data);
     device_rows = v->dl_tensor.shape[1];
-    layer_bytes = n * kTopK * v->dl_tensor.dtype.bits / 8;
-    device_layer_bytes = device_rows * kTopK * v->dl_tensor.dtype.bits / 8;
+    layer_bytes = n * top_k * v->dl_tensor.dtype.bits / 8;
+    device_layer_bytes = device_rows * top_k * v->dl_tensor.dtype.bits / 8;
     v->deleter(v);  // the capturer keeps the memory
     routing.resize(static_cast<size_t>(kLayers * layer_bytes));
     for (int32_t layer = 0; layer < kLayers; ++layer) {
@@ -196,7 +199,7 @@ struct CommitCase {
   }
   bool committed_routing() {
     std::vector<int64_t> s(last, last + n);
-    return holds_routing(cap.h, s);
+    return holds_routing(cap.h, s, top_k);
   }
   void rewrite() {
     for (int32_t layer = 0; layer < kLayers; ++layer) {
@@ -206,6 +209,7 @@ struct CommitCase {
     benchmark::ClobberMemory();
   }
   int64_t n;
+  int32_t top_k;
   Handle cap;
   SlotWalk slots;
   const int64_t* last = nullptr;  // the slots of the last commit
@@ -282,12 +286,13 @@ void BM_Commit_MemcpyRows(benchmark::State& state) {
 // other jobs land in a few calls and leave the median alone) and
 // floor / commit: interleaved, the two see the same machine state, where
 // the separate cases above run half a minute apart.
-void commit_against_floor(benchmark::State& state, int32_t device_id_dtype) {
+void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int32_t top_k = kTopK) {
   using Clock = std::chrono::steady_clock;
-  CommitCase c(state, device_id_dtype);
+  CommitCase c(state, device_id_dtype, top_k);
   const int64_t n = c.n;
-  std::vector<uint8_t> src(static_cast<size_t>(n * kRowElems), 1);
-  std::vector<uint8_t> dst(static_cast<size_t>(state.range(2) * kRowElems));
+  const int64_t row = int64_t{kLayers} * top_k;  // bytes of a u8 host row
+  std::vector<uint8_t> src(static_cast<size_t>(n * row), 1);
+  std::vector<uint8_t> dst(static_cast<size_t>(state.range(2) * row));
   SlotWalk floor_slots(n, state.range(1), state.range(2));
   std::vector<double> commit_ns, floor_ns;
   for (auto _ : state) {
@@ -298,7 +303,7 @@ void commit_against_floor(benchmark::State& state, int32_t device_id_dtype) {
     c.rewrite();
     const int64_t* slots = floor_slots.next();
     const auto t2 = Clock::now();
-    for (int64_t i = 0; i < n; ++i) std::memcpy(dst.data() + slots[i] * kRowElems, src.data() + i * kRowElems, kRowElems);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(dst.data() + slots[i] * row, src.data() + i * row, static_cast<size_t>(row));
     benchmark::ClobberMemory();
     const auto t3 = Clock::now();
     commit_ns.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count());
@@ -318,6 +323,9 @@ void commit_against_floor(benchmark::State& state, int32_t device_id_dtype) {
 
 void BM_Commit_AgainstFloor(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO); }
 void BM_Commit_AgainstFloor_U8Device(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_U8); }
+// The same at the other top-k the one-pass range commit covers (int16 device ids).
+void BM_Commit_AgainstFloor_Top4(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 4); }
+void BM_Commit_AgainstFloor_Top2(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 2); }
 
 // The physical ceiling: one memcpy of the bytes moecap's commit moves (u8 rows).
 void BM_Commit_Memcpy(benchmark::State& state) {
@@ -458,6 +466,15 @@ BENCHMARK(BM_Commit_MemcpyRows)->Apply(commit_args);
 BENCHMARK(BM_Commit_Baseline)->Apply(commit_args);
 BENCHMARK(BM_Commit_AgainstFloor)->Apply(commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_U8Device)->Apply(commit_args);
+// Sequential slots in the small cache and fresh random ones in the large.
+void top_k_commit_args(benchmark::internal::Benchmark* b) {
+  for (int64_t rows : {64, 512, 4096}) {
+    b->Args({rows, 0, kHostSlots});
+    b->Args({rows, 2, kLargeHostSlots});
+  }
+}
+BENCHMARK(BM_Commit_AgainstFloor_Top4)->Apply(top_k_commit_args);
+BENCHMARK(BM_Commit_AgainstFloor_Top2)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_Memcpy)->Arg(64)->Arg(512)->Arg(4096);
 BENCHMARK(BM_Read_Moecap)->Arg(128)->Arg(4096)->Arg(32768);
 BENCHMARK(BM_Read_Baseline)->Arg(128)->Arg(4096)->Arg(32768);

@@ -2,6 +2,7 @@
 // Host twins of capture_kernels.cu. The host backend runs these directly and
 // its graph emulation records them with their parameters baked.
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -283,26 +284,48 @@ void mark_bad_rows(const CommitParams& p, int64_t layer, int64_t layers, int64_t
   for (int64_t r = 0; r < rows; ++r) {
     if (to[r] == nowhere) continue;
     for (int64_t l = layer; l < layer + layers; ++l) {
-      const S* in = src + (l * p.device_rows + first + r) * 8;
-      for (int k = 0; k < 8; ++k) {
+      const S* in = src + (l * p.device_rows + first + r) * p.top_k;
+      for (int64_t k = 0; k < p.top_k; ++k) {
         if (committed_id_bad(p, in[k])) row_bad[r] = 1;
       }
     }
   }
 }
 
-// Rows i..i+3 of one layer (`at`: 32 ids, int16 or u8) as u8 host ids, by a
-// clamp: min(id, experts) as unsigned (negative int16 ids wrap above), and
-// every byte equal to experts becomes 0xff (experts <= 255); with 256
-// experts (kEveryByteAnId, int16 only) min(id, 255), 0xff being both id 255
-// and "no expert". Bytes hold rows i, i+2 | i+1, i+3 from int16 (packing is
-// per 128-bit half: kRowsInterleaved), rows i, i+1 | i+2, i+3 from u8.
+// The range kernel works on blocks of 32 ids of one layer (32 / K rows at
+// top-K): one vector register of u8 host ids. Which id of its block the
+// register's byte b holds: from u8 the b-th; from int16 the ids were packed
+// per 128-bit half (_mm256_packus_epi16 of ids 0..15 and 16..31), so the
+// halves hold ids 0..7, 16..23 | 8..15, 24..31.
 template <class S>
-constexpr bool kRowsInterleaved = std::is_same_v<S, int16_t>;
+constexpr int packed_id(int b) {
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    return b;
+  } else {
+    return (b % 16 < 8 ? 0 : 16) + b / 16 * 8 + b % 8;
+  }
+}
 
+// Where each row of a block lies in its packed register, in K-byte places.
+template <int K>
+constexpr size_t kBlockRows = 32 / K;
+template <class S, int K>
+constexpr std::array<int, kBlockRows<K>> places_of_rows() {
+  std::array<int, kBlockRows<K>> place_of{};
+  for (int place = 0; place < 32 / K; ++place) place_of[static_cast<size_t>(packed_id<S>(place * K) / K)] = place;
+  return place_of;
+}
+template <class S, int K>
+constexpr std::array<int, kBlockRows<K>> kPlaceOfRow = places_of_rows<S, K>();
+
+// A block's 32 ids (int16 or u8, `at`) as u8 host ids, by a clamp: min(id,
+// experts) as unsigned (negative int16 ids wrap above), and every byte equal
+// to experts becomes 0xff (experts <= 255); with 256 experts
+// (kEveryByteAnId, int16 only) min(id, 255), 0xff being both id 255 and "no
+// expert". Bytes in packed_id order.
 template <class S, bool kEveryByteAnId>
-MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_four_rows(const S* at, __m256i limit,
-                                                                          __m256i limit_bytes) {
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_block(const S* at, __m256i limit,
+                                                                      __m256i limit_bytes) {
   __m256i packed;
   if constexpr (std::is_same_v<S, int16_t>) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
@@ -316,14 +339,14 @@ MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_four_rows(const 
   return _mm256_or_si256(packed, _mm256_cmpeq_epi8(packed, limit_bytes));
 }
 
-// The common case of clamp_four_rows, when no id is outside [0, experts):
-// rows i..i+3 packed to u8 as they are (int16 ids below 256 pack exactly),
-// and `seen` accumulating their largest ids (as unsigned: a negative int16
-// id is above every id), or with 256 experts the bits of their high bytes,
-// for any_outside to test once per block. Half the instructions of the
-// clamp; a block where any_outside finds an id outside is clamped again.
+// The common case of clamp_block, when no id is outside [0, experts): the
+// block packed to u8 as it is (int16 ids below 256 pack exactly), and
+// `seen` accumulating its largest ids (as unsigned: a negative int16 id is
+// above every id), or with 256 experts the bits of their high bytes, for
+// any_outside to test once per group of blocks. Half the instructions of
+// the clamp; a group where any_outside finds an id outside is clamped again.
 template <class S, bool kEveryByteAnId>
-MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_four_rows(const S* at, __m256i* seen) {
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_block(const S* at, __m256i* seen) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
   if constexpr (std::is_same_v<S, uint8_t>) {
     *seen = _mm256_max_epu8(*seen, x);
@@ -336,7 +359,7 @@ MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_four_rows(const S
   }
 }
 
-// Whether an id pack_four_rows saw is outside [0, experts); `top` holds
+// Whether an id pack_block saw is outside [0, experts); `top` holds
 // experts - 1 in every lane of S's width.
 template <class S, bool kEveryByteAnId>
 MOECAP_AVX2 inline __attribute__((always_inline)) bool any_outside(__m256i seen, __m256i top) {
@@ -351,100 +374,162 @@ MOECAP_AVX2 inline __attribute__((always_inline)) bool any_outside(__m256i seen,
   }
 }
 
-// Rows i..i+3 of one layer consumed: all ones, the device buffer's "no routing".
+// A block consumed: all ones, the device buffer's "no routing".
 template <class S>
-MOECAP_AVX2 inline __attribute__((always_inline)) void consume_four_rows(S* at) {
+MOECAP_AVX2 inline __attribute__((always_inline)) void consume_block(S* at) {
   const __m256i ones = _mm256_set1_epi8(-1);
   for (size_t half = 0; half < sizeof(S); ++half) _mm256_storeu_si256(reinterpret_cast<__m256i*>(at) + half, ones);
 }
 
+// Layers per pass of the range kernel at top-K: as many as make each row's
+// chunk of a pass 32 bytes (one store per row), but 16 bytes at top-2,
+// whose 16-bit elements transpose within 128-bit halves.
+template <int K>
+constexpr size_t kLayersPerPass = K == 8 ? 4 : 8;
+
+// The blocks of kLayersPerPass<K> consecutive layers (`r`, packed) turned
+// into each row's chunk of that pass, written to `to` (the block's rows'
+// host rows, already offset to the pass's first layer) in row order, so a
+// slot two rows go to keeps the later one. A transpose of a
+// [layers, places] matrix of K-byte elements.
+template <class S, int K>
+MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i* r, uint8_t* const* to,
+                                                                  int64_t at) {
+  constexpr size_t rows = kBlockRows<K>;
+  if constexpr (K == 8) {
+    // Per 128-bit half, places 0, 2 (lo) and 1, 3 (hi) of layers 0, 1 and 2, 3.
+    const __m256i lo01 = _mm256_unpacklo_epi64(r[0], r[1]);
+    const __m256i hi01 = _mm256_unpackhi_epi64(r[0], r[1]);
+    const __m256i lo23 = _mm256_unpacklo_epi64(r[2], r[3]);
+    const __m256i hi23 = _mm256_unpackhi_epi64(r[2], r[3]);
+    const __m256i place[4] = {
+        _mm256_permute2x128_si256(lo01, lo23, 0x20), _mm256_permute2x128_si256(hi01, hi23, 0x20),
+        _mm256_permute2x128_si256(lo01, lo23, 0x31), _mm256_permute2x128_si256(hi01, hi23, 0x31)};
+#pragma GCC unroll 4
+    for (size_t row = 0; row < rows; ++row) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[row] + at), place[kPlaceOfRow<S, K>[row]]);
+    }
+  } else if constexpr (K == 4) {
+    // An 8 x 8 transpose of 4-byte elements: pairs, quads within halves, then halves.
+    __m256i t[8], u[8];
+    for (int q = 0; q < 4; ++q) {
+      t[2 * q] = _mm256_unpacklo_epi32(r[2 * q], r[2 * q + 1]);      // places 0, 1 | 4, 5
+      t[2 * q + 1] = _mm256_unpackhi_epi32(r[2 * q], r[2 * q + 1]);  // places 2, 3 | 6, 7
+    }
+    for (int h = 0; h < 2; ++h) {  // layers 0-3, then 4-7
+      u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);          // place 0 | 4
+      u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);      // place 1 | 5
+      u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);  // place 2 | 6
+      u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);  // place 3 | 7
+    }
+    __m256i place[8];
+    for (int q = 0; q < 4; ++q) {
+      place[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
+      place[4 + q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
+    }
+#pragma GCC unroll 8
+    for (size_t row = 0; row < rows; ++row) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[row] + at), place[kPlaceOfRow<S, K>[row]]);
+    }
+  } else {
+    static_assert(K == 2, "the range kernel's top-k: 2, 4 or 8");
+    // An 8 x 8 transpose of 2-byte elements in each 128-bit half at once:
+    // half h of c[j] is place 8h + j.
+    __m256i a[8], b[8], c[8];
+    for (int q = 0; q < 4; ++q) {
+      a[2 * q] = _mm256_unpacklo_epi16(r[2 * q], r[2 * q + 1]);      // in-half places 0-3
+      a[2 * q + 1] = _mm256_unpackhi_epi16(r[2 * q], r[2 * q + 1]);  // in-half places 4-7
+    }
+    for (int h = 0; h < 2; ++h) {  // layers 0-3, then 4-7
+      b[4 * h] = _mm256_unpacklo_epi32(a[4 * h], a[4 * h + 2]);          // places 0, 1
+      b[4 * h + 1] = _mm256_unpackhi_epi32(a[4 * h], a[4 * h + 2]);      // places 2, 3
+      b[4 * h + 2] = _mm256_unpacklo_epi32(a[4 * h + 1], a[4 * h + 3]);  // places 4, 5
+      b[4 * h + 3] = _mm256_unpackhi_epi32(a[4 * h + 1], a[4 * h + 3]);  // places 6, 7
+    }
+    for (int q = 0; q < 4; ++q) {
+      c[2 * q] = _mm256_unpacklo_epi64(b[q], b[4 + q]);
+      c[2 * q + 1] = _mm256_unpackhi_epi64(b[q], b[4 + q]);
+    }
+#pragma GCC unroll 16
+    for (size_t row = 0; row < rows; ++row) {
+      const int place = kPlaceOfRow<S, K>[row];
+      const __m256i v = c[place % 8];
+      const __m128i half = place < 8 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(to[row] + at), half);
+    }
+  }
+}
+
 // A range commit's whole tile in one pass over the device rows: rows
-// [first, first + n) of every layer, int16 or u8 ids clamped to u8
-// (clamp_four_rows) straight into each row's host-cache row (to[r], or
-// `nowhere`, a scratch row, for a row that goes to no slot), and consumed
-// (all ones written back) right after they are read. Four layers at a time,
-// so each host row gets one 32-byte store per four layers, and layer by
-// layer through the rows (a layer's rows are contiguous; the layers are the
-// device buffer's rows apart, a power-of-two stride that would make every
-// layer's line compete for one cache set if a pass went across them). Rows
-// in order within each pass, so a slot listed twice keeps its later row.
-// row_bad[r] is set for rows with an id outside [0, experts) (the block is
-// looked at element by element before it is consumed, mark_bad_rows);
-// every layer must hold routing written this step for all n rows.
-template <class S, bool kEveryByteAnId>
-MOECAP_AVX2 void narrow_consume_range_u8_k8_avx2(const CommitParams& p, int64_t first, int64_t n,
-                                                 uint8_t* const* to, uint8_t* nowhere, uint8_t* row_bad) {
-  S* src = reinterpret_cast<S*>(p.src_ids) + first * 8;
-  const int64_t layer_stride = p.device_rows * 8;
+// [first, first + n) of every layer, top-K (2, 4 or 8) int16 or u8 ids
+// clamped to u8 (clamp_block) straight into each row's host-cache row
+// (to[r], or `nowhere`, a scratch row, for a row that goes to no slot), and
+// consumed (all ones written back) right after they are read.
+// kLayersPerPass<K> layers at a time, so each host row gets one store per
+// pass, and layer by layer through the rows (a layer's rows are contiguous;
+// the layers are the device buffer's rows apart, a power-of-two stride that
+// would make every layer's line compete for one cache set if a pass went
+// across them). Rows in order within each pass, so a slot listed twice
+// keeps its later row. row_bad[r] is set for rows with an id outside [0,
+// experts) (the blocks are looked at element by element before they are
+// consumed, mark_bad_rows); every layer must hold routing written this step
+// for all n rows.
+template <int K, class S, bool kEveryByteAnId>
+MOECAP_AVX2 void narrow_consume_range_u8_avx2(const CommitParams& p, int64_t first, int64_t n, uint8_t* const* to,
+                                              uint8_t* nowhere, uint8_t* row_bad) {
+  constexpr int64_t rows = 32 / K;
+  constexpr int64_t pass = static_cast<int64_t>(kLayersPerPass<K>);
+  S* src = reinterpret_cast<S*>(p.src_ids) + first * K;
+  const int64_t layer_stride = p.device_rows * K;
   const int64_t layers = p.num_layers;
   const __m256i limit = _mm256_set1_epi16(static_cast<int16_t>(kEveryByteAnId ? 255 : p.num_experts));
   const __m256i limit_bytes = _mm256_set1_epi8(static_cast<char>(p.num_experts));
   const __m256i top = sizeof(S) == 1 ? _mm256_set1_epi8(static_cast<char>(p.num_experts - 1))
                                      : _mm256_set1_epi16(static_cast<int16_t>(p.num_experts - 1));
-  const int64_t blocks = n / 4 * 4;
+  const int64_t blocks = n / rows * rows;
   int64_t l = 0;
-  for (; l + 4 <= layers; l += 4) {
+  for (; l + pass <= layers; l += pass) {
     S* const in = src + l * layer_stride;
-    for (int64_t i = 0; i < blocks; i += 4) {
-      __m256i r[4], seen = _mm256_setzero_si256();
-      for (int q = 0; q < 4; ++q) r[q] = pack_four_rows<S, kEveryByteAnId>(in + q * layer_stride + i * 8, &seen);
+    for (int64_t i = 0; i < blocks; i += rows) {
+      __m256i r[kLayersPerPass<K>], seen = _mm256_setzero_si256();
+      for (int q = 0; q < pass; ++q) r[q] = pack_block<S, kEveryByteAnId>(in + q * layer_stride + i * K, &seen);
       if (any_outside<S, kEveryByteAnId>(seen, top)) {  // rare: clamped, and the rows looked at
-        for (int q = 0; q < 4; ++q) {
-          r[q] = clamp_four_rows<S, kEveryByteAnId>(in + q * layer_stride + i * 8, limit, limit_bytes);
+        for (int q = 0; q < pass; ++q) {
+          r[q] = clamp_block<S, kEveryByteAnId>(in + q * layer_stride + i * K, limit, limit_bytes);
         }
-        mark_bad_rows<S>(p, l, 4, first + i, 4, to + i, nowhere, row_bad + i);
+        mark_bad_rows<S>(p, l, pass, first + i, rows, to + i, nowhere, row_bad + i);
       }
-      for (int q = 0; q < 4; ++q) consume_four_rows(in + q * layer_stride + i * 8);
-      // Per 128-bit half, layers l, l+1 of the register's first and second row, then of its third and fourth.
-      const __m256i lo01 = _mm256_unpacklo_epi64(r[0], r[1]);
-      const __m256i hi01 = _mm256_unpackhi_epi64(r[0], r[1]);
-      const __m256i lo23 = _mm256_unpacklo_epi64(r[2], r[3]);
-      const __m256i hi23 = _mm256_unpackhi_epi64(r[2], r[3]);
-      // Layers l..l+3 of one row each: rows i and i+3 in a and d, rows i+1
-      // and i+2 in b and c (interleaved) or in c and b.
-      const __m256i a = _mm256_permute2x128_si256(lo01, lo23, 0x20);
-      const __m256i b = _mm256_permute2x128_si256(lo01, lo23, 0x31);
-      const __m256i c = _mm256_permute2x128_si256(hi01, hi23, 0x20);
-      const __m256i d = _mm256_permute2x128_si256(hi01, hi23, 0x31);
-      // Stored in row order, so a slot two rows go to keeps the later one.
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i] + l * 8), a);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 1] + l * 8), kRowsInterleaved<S> ? b : c);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 2] + l * 8), kRowsInterleaved<S> ? c : b);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 3] + l * 8), d);
+      for (int q = 0; q < pass; ++q) consume_block(in + q * layer_stride + i * K);
+      store_pass<S, K>(r, to + i, l * K);
     }
   }
-  for (; l < layers; ++l) {  // the last layers short of four: 8 bytes per row
+  for (; l < layers; ++l) {  // the last layers short of a pass: K bytes per row and layer
     S* const in = src + l * layer_stride;
-    for (int64_t i = 0; i < blocks; i += 4) {
+    for (int64_t i = 0; i < blocks; i += rows) {
       __m256i seen = _mm256_setzero_si256();
-      __m256i rows = pack_four_rows<S, kEveryByteAnId>(in + i * 8, &seen);
+      __m256i block = pack_block<S, kEveryByteAnId>(in + i * K, &seen);
       if (any_outside<S, kEveryByteAnId>(seen, top)) {
-        rows = clamp_four_rows<S, kEveryByteAnId>(in + i * 8, limit, limit_bytes);
-        mark_bad_rows<S>(p, l, 1, first + i, 4, to + i, nowhere, row_bad + i);
+        block = clamp_block<S, kEveryByteAnId>(in + i * K, limit, limit_bytes);
+        mark_bad_rows<S>(p, l, 1, first + i, rows, to + i, nowhere, row_bad + i);
       }
-      consume_four_rows(in + i * 8);
-      const __m128i low = _mm256_castsi256_si128(rows), high = _mm256_extracti128_si256(rows, 1);
-      // In row order, as above.
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(to[i] + l * 8), low);
-      if constexpr (kRowsInterleaved<S>) {
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(to[i + 1] + l * 8), high);
-        _mm_storeh_pd(reinterpret_cast<double*>(to[i + 2] + l * 8), _mm_castsi128_pd(low));
-      } else {
-        _mm_storeh_pd(reinterpret_cast<double*>(to[i + 1] + l * 8), _mm_castsi128_pd(low));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(to[i + 2] + l * 8), high);
+      consume_block(in + i * K);
+      alignas(32) uint8_t bytes[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), block);
+#pragma GCC unroll 16
+      for (size_t row = 0; row < kBlockRows<K>; ++row) {  // in row order, as above
+        std::memcpy(to[i + static_cast<int64_t>(row)] + l * K, bytes + kPlaceOfRow<S, K>[row] * K, K);
       }
-      _mm_storeh_pd(reinterpret_cast<double*>(to[i + 3] + l * 8), _mm_castsi128_pd(high));
     }
   }
-  // The last rows short of four (tiles are multiples of four, so only at a
-  // range's end or where it was clipped to the device rows), element by
-  // element: checked as a block is, then narrowed.
+  // The last rows short of a block (tiles are multiples of 16 rows, so only
+  // at a range's end or where it was clipped to the device rows), element
+  // by element: checked as a block is, then narrowed.
   for (int64_t i = blocks; i < n; ++i) {
     mark_bad_rows<S>(p, 0, layers, first + i, 1, to + i, nowhere, row_bad + i);
     for (l = 0; l < layers; ++l) {
-      S* in = src + l * layer_stride + i * 8;
-      uint8_t* out = to[i] + l * 8;
-      for (int k = 0; k < 8; ++k) {
+      S* in = src + l * layer_stride + i * K;
+      uint8_t* out = to[i] + l * K;
+      for (int k = 0; k < K; ++k) {
         const auto id = static_cast<std::make_unsigned_t<S>>(in[k]);
         out[k] = id < static_cast<uint32_t>(p.num_experts) ? static_cast<uint8_t>(id) : uint8_t{0xff};
         in[k] = static_cast<S>(-1);
@@ -572,9 +657,10 @@ void commit_rows(const CommitParams& p, bool consume) {
   const int64_t w_row = row * w_bytes;
   // A tile of about 32 KiB of staged ids (the narrowed rows and the gathered
   // source rows of one layer stay in L1), at least 16 rows, at most 512.
-  // A multiple of 4, the row blocks of the vectorized passes.
+  // A multiple of 16, so whole blocks of the range kernel (32 ids of a
+  // layer: 4 rows at top-8, 16 at top-2) and of the other vectorized passes.
   const int64_t tile =
-      std::min<int64_t>(512, std::max<int64_t>(16, 32768 / std::max<int64_t>(1, row * static_cast<int64_t>(sizeof(D))))) / 4 * 4;
+      std::min<int64_t>(512, std::max<int64_t>(16, 32768 / std::max<int64_t>(1, row * static_cast<int64_t>(sizeof(D))))) / 16 * 16;
   const size_t id_chunk = static_cast<size_t>(top_k) * sizeof(D);
   const size_t in_chunk = static_cast<size_t>(top_k) * sizeof(S);
   const D no_expert = static_cast<D>(p.dst_no_expert);
@@ -590,9 +676,10 @@ void commit_rows(const CommitParams& p, bool consume) {
   uint8_t* staged_w = scratch.get<uint8_t>(scratch.staged_w, tile * w_row);
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
   uint8_t** to = scratch.get<uint8_t*>(scratch.to, tile);
-  // A range commit of int16 or u8 ids into u8 without weights: the common
-  // decode and prefill commit, with its own one-pass kernel (u8 device ids
-  // hold at most 255 experts, their 0xff being "no routing").
+  // A range commit of int16 or u8 ids into u8 at top-2, 4 or 8 without
+  // weights: the common decode and prefill commit, with its own one-pass
+  // kernel (u8 device ids hold at most 255 experts, their 0xff being "no
+  // routing").
   const bool range_in_one_pass = use_avx2 && consume && p.mode == kCommitRows && p.src_rows == nullptr &&
                                  w_bytes == 0 && experts >= 1 && experts <= (sizeof(S) == 1 ? 255u : 256u);
   const int64_t written_in_every_layer = range_in_one_pass ? rows_written_in_every_layer(p) : 0;
@@ -616,7 +703,7 @@ void commit_rows(const CommitParams& p, bool consume) {
     const int64_t run_first = std::max<int64_t>(0, p.src_start + first);
     const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
-    if constexpr (TopK == 8 && (std::is_same_v<S, int16_t> || std::is_same_v<S, uint8_t>) &&
+    if constexpr ((TopK == 2 || TopK == 4 || TopK == 8) && (std::is_same_v<S, int16_t> || std::is_same_v<S, uint8_t>) &&
                   std::is_same_v<D, uint8_t>) {
       if (range_in_one_pass && n > 0 && run_rows > 0 && run_first + run_rows <= written_in_every_layer) {
         // The tile's rows are one run: narrowed and consumed in one pass
@@ -631,11 +718,11 @@ void commit_rows(const CommitParams& p, bool consume) {
         for (int64_t i = 0; i < n; ++i) to[srcs[i] - run_first] = host_ids + slots[i] * row;
         std::memset(bad, 0, static_cast<size_t>(run_rows));
         if constexpr (std::is_same_v<S, uint8_t>) {
-          narrow_consume_range_u8_k8_avx2<S, false>(p, run_first, run_rows, to, scratch_row, bad);
+          narrow_consume_range_u8_avx2<TopK, S, false>(p, run_first, run_rows, to, scratch_row, bad);
         } else if (experts == 256) {
-          narrow_consume_range_u8_k8_avx2<S, true>(p, run_first, run_rows, to, scratch_row, bad);
+          narrow_consume_range_u8_avx2<TopK, S, true>(p, run_first, run_rows, to, scratch_row, bad);
         } else {
-          narrow_consume_range_u8_k8_avx2<S, false>(p, run_first, run_rows, to, scratch_row, bad);
+          narrow_consume_range_u8_avx2<TopK, S, false>(p, run_first, run_rows, to, scratch_row, bad);
         }
         for (int64_t i = 0; i < n; ++i) states[slots[i]] = committed_state(bad[srcs[i] - run_first] != 0);
         continue;

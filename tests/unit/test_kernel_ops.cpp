@@ -14,10 +14,10 @@ using namespace moecap;
 
 namespace {
 
-// A commit of device ids (int16 by default, the common pair) into a u8 host
-// cache at top-8 without weights; the caller sets the buffers, rows and slots.
-CommitParams top8_into_u8(int32_t src_elem, int32_t layers, int32_t experts, int64_t count, int64_t device_rows,
-                          int64_t host_slots) {
+// A commit of device ids into a u8 host cache at top-k without weights; the
+// caller sets the buffers, rows and slots.
+CommitParams into_u8(int32_t src_elem, int32_t top_k, int32_t layers, int32_t experts, int64_t count,
+                     int64_t device_rows, int64_t host_slots) {
   CommitParams p{};
   p.count = count;
   p.device_rows = device_rows;
@@ -25,7 +25,7 @@ CommitParams top8_into_u8(int32_t src_elem, int32_t layers, int32_t experts, int
   p.dst_no_expert = invalid_id_code(kU8);
   p.mode = kCommitRows;
   p.num_layers = layers;
-  p.top_k = 8;
+  p.top_k = top_k;
   p.num_experts = experts;
   p.src_id_elem = src_elem;
   p.dst_id_elem = kU8;
@@ -251,7 +251,7 @@ TEST_CASE("commit_on_host: the fused int16 -> u8 top-8 narrowing writes what the
               slots[static_cast<size_t>(j)] = r == 0 ? -1 : r < 3 ? 17 : rng() % host_slots;
               rows[static_cast<size_t>(j)] = static_cast<int64_t>(rng() % device_rows);
             }
-            CommitParams p = top8_into_u8(kI16, layers, experts, count, device_rows, host_slots);
+            CommitParams p = into_u8(kI16, 8, layers, experts, count, device_rows, host_slots);
             p.src_ids = reinterpret_cast<uint8_t*>(src.data());
             p.src_rows = row_list ? rows.data() : nullptr;
             p.dst_slots = slots.data();
@@ -306,7 +306,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     const bool before = allow_host_avx2(avx2);
     for (const Pair pair : {Pair{kI16, kU8, 256}, Pair{kI16, kU8, 255}, Pair{kI16, kU8, 9}, Pair{kI32, kI16, 256},
                             Pair{kU16, kU8, 256}, Pair{kU8, kU8, 200}, Pair{kU8, kU8, 255}, Pair{kU8, kU8, 9}}) {
-      for (int32_t top_k : {8, 3}) {
+      for (int32_t top_k : {8, 4, 2, 3}) {
         for (int32_t layers : {1, 4, 7, 61}) {
           for (const bool row_list : {false, true}) {
             for (const bool weights : {false, true}) {
@@ -394,17 +394,18 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     }
     allow_host_avx2(before);
   }
-  CHECK(cases == 2 * 8 * 2 * 4 * 2 * 2 * 2);
+  CHECK(cases == 2 * 8 * 4 * 4 * 2 * 2 * 2);
   CHECK(unwritten_rows_seen > 0);
   CHECK(wrong == 0);
 }
 
-// The range commit's last rows short of four and its rows sent nowhere:
+// The range commit's last rows short of a block and its rows sent nowhere:
 // a bad id in a row that goes to no slot (-1) is consumed but not counted,
-// one in a row that goes to a slot is counted and marks it INVALID_IDS,
-// in a block of four rows and in the tail, with AVX2 and without, from int16
-// device ids at 200 and 256 experts and from u8 ones at 200, against the
-// per-element operations.
+// one in a row that goes to a slot is counted and marks it INVALID_IDS, in
+// a block (in a pass of layers and in the layers after the last pass) and
+// in the rows after the last block, at top-8, 4 and 2 (blocks of 4, 8 and
+// 16 rows), with AVX2 and without, from int16 device ids at 200 and 256
+// experts and from u8 ones at 200, against the per-element operations.
 TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a slot, in blocks and in the tail") {
   struct Source {
     int32_t elem, experts;
@@ -412,67 +413,92 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
     for (const Source source : {Source{kI16, 200}, Source{kI16, 256}, Source{kU8, 200}}) {
-      const int32_t layers = 5, top_k = 8, experts = source.experts;
-      const int64_t device_rows = 16, host_slots = 32, count = 7;
-      const int64_t elems = layers * device_rows * top_k;
-      std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(source.elem)));
-      for (int64_t e = 0; e < elems; ++e) store_int(src.data(), source.elem, e, e % 97);
-      // Rows 1 (a block, slot -1), 2 (a block, slot 9), 5 (the tail, slot -1), 6 (the tail, slot 11); the
-      // rows going to a slot hold exactly `experts`, the first id outside.
-      for (const int64_t r : {1, 2, 5, 6}) {
-        store_int(src.data(), source.elem, (3 * device_rows + r) * top_k + 4, r % 2 == 0 ? experts : experts + 5);
+      for (const int32_t top_k : {8, 4, 2}) {
+        CAPTURE(avx2);
+        CAPTURE(source.elem);
+        CAPTURE(source.experts);
+        CAPTURE(top_k);
+        // Nine layers: two passes of four at top-8 or one of eight, then one more.
+        const int32_t layers = 9, experts = source.experts;
+        const int64_t block = 32 / top_k, count = block + 3, device_rows = 48, host_slots = 64;
+        const int64_t elems = layers * device_rows * top_k;
+        std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(source.elem)));
+        for (int64_t e = 0; e < elems; ++e) store_int(src.data(), source.elem, e, e % 97 % experts);
+        // Rows 1 (slot -1), 2 (slot 9) and 3 (slot 10) of the first block, and
+        // rows block + 1 (slot -1) and block + 2 (slot 11) after it; those going
+        // to a slot hold exactly `experts`, the first id outside.
+        const auto put = [&](int64_t layer, int64_t r, int64_t k, int64_t id) {
+          store_int(src.data(), source.elem, (layer * device_rows + r) * top_k + k, id);
+        };
+        put(3, 1, top_k - 1, experts + 5);
+        put(3, 2, 0, experts);
+        put(8, 3, top_k / 2, experts);  // in the layer after the last pass
+        put(3, block + 1, 1, experts + 5);
+        put(5, block + 2, 0, experts);
+        put(4, block + 2, 1, invalid_id_code(source.elem));  // no routing: not counted
+        std::vector<int64_t> slots(static_cast<size_t>(count));
+        for (int64_t j = 0; j < count; ++j) slots[static_cast<size_t>(j)] = 20 + j;
+        slots[1] = -1;
+        slots[2] = 9;
+        slots[3] = 10;
+        slots[static_cast<size_t>(block + 1)] = -1;
+        slots[static_cast<size_t>(block + 2)] = 11;
+        CommitParams p = into_u8(source.elem, top_k, layers, experts, count, device_rows, host_slots);
+        p.dst_slots = slots.data();
+        const CommitBesideReference r = commit_beside_reference(p, src);
+        CHECK(r.errors.invalid_ids == 3);  // rows 2, 3 and block + 2
+        CHECK(r.errors.invalid_ids == r.ref_errors.invalid_ids);
+        CHECK(r.states[9] == (kSlotValid | kSlotInvalidIds));
+        CHECK(r.states[10] == (kSlotValid | kSlotInvalidIds));
+        CHECK(r.states[11] == (kSlotValid | kSlotInvalidIds));
+        CHECK(r.states[20] == kSlotValid);
+        CHECK(r.ids == r.ref_ids);
+        CHECK(r.states == r.ref_states);
+        CHECK(r.dev == r.ref_dev);
       }
-      // No routing: not counted.
-      store_int(src.data(), source.elem, (4 * device_rows + 6) * top_k + 1, invalid_id_code(source.elem));
-      const std::vector<int64_t> slots = {3, -1, 9, 4, 5, -1, 11};
-      CommitParams p = top8_into_u8(source.elem, layers, experts, count, device_rows, host_slots);
-      p.dst_slots = slots.data();
-      const CommitBesideReference r = commit_beside_reference(p, src);
-      CHECK(r.errors.invalid_ids == 2);  // rows 2 and 6
-      CHECK(r.errors.invalid_ids == r.ref_errors.invalid_ids);
-      CHECK(r.states[9] == (kSlotValid | kSlotInvalidIds));
-      CHECK(r.states[11] == (kSlotValid | kSlotInvalidIds));
-      CHECK(r.states[3] == kSlotValid);
-      CHECK(r.ids == r.ref_ids);
-      CHECK(r.states == r.ref_states);
-      CHECK(r.dev == r.ref_dev);
     }
     allow_host_avx2(before);
   }
 }
 
 // A range commit where two rows go to one slot keeps the later row, for
-// every pair of positions in and across blocks of four rows, through the
-// four-layer pass and the single layers after it, from int16 and u8 device
-// ids (whose rows lie in a vector register in different orders).
+// every pair of positions in and across blocks of rows (4 at top-8, 8 at
+// top-4, 16 at top-2) and the rows after them, through the passes of layers
+// and the single layers after them, from int16 and u8 device ids (whose
+// rows lie in a vector register in different orders).
 TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds the later row") {
   int cases = 0, wrong = 0;
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
     for (const int32_t elem : {kI16, kU8}) {
-      const int32_t layers = 5, top_k = 8, experts = 200;
-      const int64_t device_rows = 16, host_slots = 16, count = 9;
-      for (int64_t first = 0; first < count; ++first) {
-        for (int64_t second = first + 1; second < count; ++second) {
-          const int64_t elems = layers * device_rows * top_k;
-          std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(elem)));
-          for (int64_t e = 0; e < elems; ++e) store_int(src.data(), elem, e, (e * 7 + e / top_k) % experts);
-          std::vector<int64_t> slots(static_cast<size_t>(count));
-          for (int64_t j = 0; j < count; ++j) slots[static_cast<size_t>(j)] = j;
-          slots[static_cast<size_t>(second)] = first;
-          CommitParams p = top8_into_u8(elem, layers, experts, count, device_rows, host_slots);
-          p.dst_slots = slots.data();
-          const CommitBesideReference r = commit_beside_reference(p, src);
-          if (r.ids != r.ref_ids || r.states != r.ref_states || r.dev != r.ref_dev) {
-            if (wrong++ == 0) MESSAGE("first mismatch: avx2 ", avx2, " device ", elem, " rows ", first, " and ", second);
+      for (const int32_t top_k : {8, 4, 2}) {
+        const int32_t layers = 9, experts = 200;
+        const int64_t count = 2 * (32 / top_k) + 1, device_rows = 40, host_slots = 40;
+        for (int64_t first = 0; first < count; ++first) {
+          for (int64_t second = first + 1; second < count; ++second) {
+            const int64_t elems = layers * device_rows * top_k;
+            std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(elem)));
+            for (int64_t e = 0; e < elems; ++e) store_int(src.data(), elem, e, (e * 7 + e / top_k) % experts);
+            std::vector<int64_t> slots(static_cast<size_t>(count));
+            for (int64_t j = 0; j < count; ++j) slots[static_cast<size_t>(j)] = j;
+            slots[static_cast<size_t>(second)] = first;
+            CommitParams p = into_u8(elem, top_k, layers, experts, count, device_rows, host_slots);
+            p.dst_slots = slots.data();
+            const CommitBesideReference r = commit_beside_reference(p, src);
+            if (r.ids != r.ref_ids || r.states != r.ref_states || r.dev != r.ref_dev) {
+              if (wrong++ == 0) {
+                MESSAGE("first mismatch: avx2 ", avx2, " device ", elem, " top_k ", top_k, " rows ", first, " and ",
+                        second);
+              }
+            }
+            ++cases;
           }
-          ++cases;
         }
       }
     }
     allow_host_avx2(before);
   }
-  CHECK(cases == 2 * 2 * 36);
+  CHECK(cases == 2 * 2 * (9 * 8 + 17 * 16 + 33 * 32) / 2);
   CHECK(wrong == 0);
 }
 
