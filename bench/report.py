@@ -104,6 +104,21 @@ def u8_device_rows(c):
     return rows
 
 
+def top_k_rows(c):
+    """The commit at top-4 (gpt-oss) and top-2 (Mixtral) against its floor, paired call by call (int16
+    device buffer, 48 layers: 192- and 96-byte rows)."""
+    rows = []
+    for k in (4, 2):
+        for n, order, slots in ((4096, 0, SMALL), (512, 0, SMALL), (64, 0, SMALL), (4096, 2, LARGE),
+                                (512, 2, LARGE), (64, 2, LARGE)):
+            b = c.get(f"BM_Commit_AgainstFloor_Top{k}/{n}/{order}/{slots}")
+            if b:
+                kind = ("sequential slots", "", f"fresh random slots of {slots:,}")[order]
+                rows.append((f"top-{k}: commit {n} rows, {kind}", fmt_ns(b["commit_ns"]), fmt_ns(b["floor_ns"]),
+                             f"{b['floor_over_commit']:.2f}x"))
+    return rows
+
+
 def bytes_rate(b):
     return b.get("bytes_per_second", 0.0)
 
@@ -168,6 +183,7 @@ def main():
     print(table(("case", "moecap", "baseline", "ratio"), host_rows(cases)))
     print(table(("u8 device buffer: case", "commit", "memcpy per row", "x memcpy per row", "int16 device buffer"),
                 u8_device_rows(cases)))
+    print(table(("other top-k: case", "commit", "memcpy per row", "x memcpy per row"), top_k_rows(cases)))
     print(table(("case (CUDA)", "moecap", "baseline", "ratio"), cuda_rows(cases)))
     print(table(("model", "dp", "moecap device / host", "int32, old sizing: device / host"), memory_rows(cases)))
 

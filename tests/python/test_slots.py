@@ -75,14 +75,15 @@ def test_a_kernel_writes_the_layer_views_and_commit_reads_them():
         assert torch.equal(cap.read(torch.tensor([10, 11, 12, 13])), routing.transpose(0, 1))
 
 
+@pytest.mark.parametrize("top_k", [8, 4, 2])
 @pytest.mark.parametrize("device_id_dtype, experts", [("auto", 256), ("u8", 255), ("u8", 9)])
-def test_a_top8_decode_commit_reads_back_what_was_captured(device_id_dtype, experts):
-    # The common commit (a row range, top-8, u8 host ids, no weights) with rows and layers enough
-    # for the host kernel's blocks of four and what is left after them.
-    layers, rows = 7, 43
+def test_a_decode_commit_reads_back_what_was_captured(device_id_dtype, experts, top_k):
+    # The common commit (a row range, u8 host ids, no weights) at the top-k of DeepSeek-V3, gpt-oss and
+    # Mixtral, with rows and layers enough for the host kernel's passes and blocks and what is left after them.
+    layers, rows = 9, 43
     gen = torch.Generator().manual_seed(3)
-    routing = torch.randint(0, experts, (layers, rows, 8), dtype=torch.int32, generator=gen)
-    with moecap.Capturer(num_layers=layers, top_k=8, num_experts=experts, host_slots=256, max_running_requests=64,
+    routing = torch.randint(0, experts, (layers, rows, top_k), dtype=torch.int32, generator=gen)
+    with moecap.Capturer(num_layers=layers, top_k=top_k, num_experts=experts, host_slots=256, max_running_requests=64,
                          device_id_dtype=device_id_dtype) as cap:
         assert cap.plan.device_id_dtype == ("i16" if device_id_dtype == "auto" else "u8")
         for layer in range(layers):

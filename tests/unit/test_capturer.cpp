@@ -72,22 +72,24 @@ TEST_CASE("round trip capture -> commit -> read for every stored and output id d
   }
 }
 
-// The decode and prefill commit (a row range, top-8, u8 host ids, no
-// weights) from int16 and u8 device ids, with enough rows and layers for
-// every part of its one-pass kernel (blocks of four layers and of four
+// The decode and prefill commit (a row range, u8 host ids, no weights) at
+// top-8, 4 and 2 from int16 and u8 device ids, with enough rows and layers
+// for every part of its one-pass kernel (passes of layers and blocks of
 // rows, the single layers and rows after them), a slot two rows go to, rows
 // sent nowhere, and a row with an id outside at capture.
-TEST_CASE("a top-8 range commit from int16 or u8 device ids reads back what was captured") {
+TEST_CASE("a top-8, 4 or 2 range commit from int16 or u8 device ids reads back what was captured") {
   struct Case {
-    int32_t device_dtype, experts;
+    int32_t device_dtype, experts, top_k;
   };
-  for (const Case cs : {Case{MOECAP_IDS_AUTO, 200}, Case{MOECAP_IDS_AUTO, 256}, Case{MOECAP_IDS_U8, 200},
-                        Case{MOECAP_IDS_U8, 255}}) {
+  for (const Case cs : {Case{MOECAP_IDS_AUTO, 200, 8}, Case{MOECAP_IDS_AUTO, 256, 8}, Case{MOECAP_IDS_U8, 200, 8},
+                        Case{MOECAP_IDS_U8, 255, 8}, Case{MOECAP_IDS_AUTO, 256, 4}, Case{MOECAP_IDS_U8, 200, 4},
+                        Case{MOECAP_IDS_AUTO, 200, 2}, Case{MOECAP_IDS_U8, 255, 2}}) {
     CAPTURE(cs.device_dtype);
     CAPTURE(cs.experts);
+    CAPTURE(cs.top_k);
     moecap_config c = small_config();
-    c.num_layers = 7;
-    c.top_k = 8;
+    c.num_layers = 9;
+    c.top_k = cs.top_k;
     c.num_experts = cs.experts;
     c.device_id_dtype = cs.device_dtype;
     c.chunked_prefill_size = 64;
@@ -97,12 +99,12 @@ TEST_CASE("a top-8 range commit from int16 or u8 device ids reads back what was 
     HostTensor ids({n, c.top_k}, i32());
     for (int32_t l = 0; l < c.num_layers; ++l) {
       fill_ids(ids, 500, l, c.top_k, c.num_experts);
-      if (l == 5) ids.set(21 * c.top_k + 3, c.num_experts);  // row 21, layer 5: outside, counted at capture
+      if (l == 5) ids.set(21 * c.top_k + c.top_k - 1, c.num_experts);  // row 21, layer 5: outside, counted at capture
       REQUIRE(moecap_capture(cap.h, l, ids.get(), nullptr, nullptr) == MOECAP_OK);
     }
     // Rows 0..36 of the range starting at row 2: row j to slot 3 j + 1, but
     // rows 5 and 30 to no slot, and row 10 to row 9's slot (the later wins;
-    // they are the middle rows of a block of four).
+    // they are middle rows of a block at every top-k).
     const int64_t count = n - 2;
     HostTensor slots({count}, i64());
     for (int64_t j = 0; j < count; ++j) slots.set(j, j == 5 || j == 30 ? -1 : j == 10 ? 3 * 9 + 1 : 3 * j + 1);
@@ -122,7 +124,7 @@ TEST_CASE("a top-8 range commit from int16 or u8 device ids reads back what was 
       for (int32_t l = 0; l < c.num_layers; ++l) {
         for (int32_t k = 0; k < c.top_k; ++k) {
           // With 256 experts a u8 cache has no spare value: the whole token reads -1.
-          const bool bad = token == 21 && (cs.experts == 256 || (l == 5 && k == 3));
+          const bool bad = token == 21 && (cs.experts == 256 || (l == 5 && k == c.top_k - 1));
           const int64_t expected = bad ? -1 : route(500 + token, l, k, c.num_experts);
           CAPTURE(l);
           CAPTURE(k);
