@@ -162,7 +162,7 @@ struct SlotWalk {
 // device_id_dtype: AUTO (int16, what the top-k kernels writing moecap's
 // layer views write) or U8 (what an engine whose routing goes through
 // moecap_capture can choose for <= 255 experts: half the bytes to read).
-// top_k: the model's (8 by default; 4 for gpt-oss, 2 for Mixtral).
+// top_k: the model's (8 by default; 6 for DeepSeek-V2, 4 for gpt-oss, 2 for Mixtral).
 struct CommitCase {
   explicit CommitCase(const benchmark::State& state, int32_t device_id_dtype = MOECAP_IDS_AUTO,
                       int32_t top_k = kTopK)
@@ -324,6 +324,7 @@ void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int3
 void BM_Commit_AgainstFloor(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO); }
 void BM_Commit_AgainstFloor_U8Device(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_U8); }
 // The same at the other top-k the one-pass range commit covers (int16 device ids).
+void BM_Commit_AgainstFloor_Top6(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 6); }
 void BM_Commit_AgainstFloor_Top4(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 4); }
 void BM_Commit_AgainstFloor_Top2(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 2); }
 
@@ -473,6 +474,7 @@ void top_k_commit_args(benchmark::internal::Benchmark* b) {
     b->Args({rows, 2, kLargeHostSlots});
   }
 }
+BENCHMARK(BM_Commit_AgainstFloor_Top6)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top4)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top2)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_Memcpy)->Arg(64)->Arg(512)->Arg(4096);

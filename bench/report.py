@@ -105,10 +105,10 @@ def u8_device_rows(c):
 
 
 def top_k_rows(c):
-    """The commit at top-4 (gpt-oss) and top-2 (Mixtral) against its floor, paired call by call (int16
-    device buffer, 48 layers: 192- and 96-byte rows)."""
+    """The commit at top-6 (DeepSeek-V2), top-4 (gpt-oss) and top-2 (Mixtral) against its floor, paired call
+    by call (int16 device buffer, 48 layers: 288-, 192- and 96-byte rows)."""
     rows = []
-    for k in (4, 2):
+    for k in (6, 4, 2):
         for n, order, slots in ((4096, 0, SMALL), (512, 0, SMALL), (64, 0, SMALL), (4096, 2, LARGE),
                                 (512, 2, LARGE), (64, 2, LARGE)):
             b = c.get(f"BM_Commit_AgainstFloor_Top{k}/{n}/{order}/{slots}")

@@ -292,11 +292,12 @@ void mark_bad_rows(const CommitParams& p, int64_t layer, int64_t layers, int64_t
   }
 }
 
-// The range kernel works on blocks of 32 ids of one layer (32 / K rows at
-// top-K): one vector register of u8 host ids. Which id of its block the
-// register's byte b holds: from u8 the b-th; from int16 the ids were packed
-// per 128-bit half (_mm256_packus_epi16 of ids 0..15 and 16..31), so the
-// halves hold ids 0..7, 16..23 | 8..15, 24..31.
+// The range kernel works on blocks of rows of one layer packed into one
+// vector register of u8 host ids: 32 ids (32 / K rows) at top-8, 4 and 2;
+// at top-6 four rows, each padded to 8 bytes (pack_block_k6). Which id of
+// its block the register's byte b holds: from u8 the b-th; from int16 the
+// ids were packed per 128-bit half (_mm256_packus_epi16 of ids 0..15 and
+// 16..31), so the halves hold ids 0..7, 16..23 | 8..15, 24..31.
 template <class S>
 constexpr int packed_id(int b) {
   if constexpr (std::is_same_v<S, uint8_t>) {
@@ -308,11 +309,16 @@ constexpr int packed_id(int b) {
 
 // Where each row of a block lies in its packed register, in K-byte places.
 template <int K>
-constexpr size_t kBlockRows = 32 / K;
+constexpr size_t kBlockRows = K == 6 ? 4 : 32 / K;
+// Bytes a row's ids of one layer take in a packed block.
+template <int K>
+constexpr int kChunkBytes = K == 6 ? 8 : K;
 template <class S, int K>
 constexpr std::array<int, kBlockRows<K>> places_of_rows() {
   std::array<int, kBlockRows<K>> place_of{};
-  for (int place = 0; place < 32 / K; ++place) place_of[static_cast<size_t>(packed_id<S>(place * K) / K)] = place;
+  for (int place = 0; place < static_cast<int>(kBlockRows<K>); ++place) {
+    place_of[static_cast<size_t>(K == 6 ? place : packed_id<S>(place * K) / K)] = place;  // top-6: in row order
+  }
   return place_of;
 }
 template <class S, int K>
@@ -381,11 +387,91 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void consume_block(S* at) {
   for (size_t half = 0; half < sizeof(S); ++half) _mm256_storeu_si256(reinterpret_cast<__m256i*>(at) + half, ones);
 }
 
+// Top-6 blocks: rows 0, 1 | 2, 3, each row's 6 ids in 8 bytes (the last 2
+// zero), so they transpose as top-8's do. From `at`, exactly the block's 24
+// ids are read; `seen` as pack_block's.
+template <class S, bool kEveryByteAnId>
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_block_k6(const S* at, __m256i* seen) {
+  __m128i x, y;  // ids 0..15 and 16..23 as u8 (y's upper half zero)
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+    y = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 16));
+    *seen = _mm256_max_epu8(*seen, _mm256_inserti128_si256(_mm256_castsi128_si256(x), y, 1));
+  } else {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16));
+    const __m256i ab = _mm256_inserti128_si256(_mm256_setzero_si256(), b, 0);
+    *seen = kEveryByteAnId ? _mm256_or_si256(*seen, _mm256_or_si256(a, ab))
+                           : _mm256_max_epu16(*seen, _mm256_max_epu16(a, ab));
+    x = _mm_packus_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    y = _mm_packus_epi16(b, _mm_setzero_si128());
+  }
+  const __m128i spread = _mm_setr_epi8(0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1);
+  const __m128i rows01 = _mm_shuffle_epi8(x, spread);
+  const __m128i rows23 = _mm_shuffle_epi8(_mm_alignr_epi8(y, x, 12), spread);  // ids 12..23 first
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(rows01), rows23, 1);
+}
+
+// A top-6 block holding an id outside, element by element (rare), laid out
+// as pack_block_k6's, each id clamped as clamp_block does.
+template <class S>
+MOECAP_AVX2 inline __m256i clamp_block_k6(const S* at, uint32_t experts) {
+  alignas(32) uint8_t bytes[32] = {};
+  for (int r = 0; r < 4; ++r) {
+    for (int k = 0; k < 6; ++k) {
+      const auto id = static_cast<std::make_unsigned_t<S>>(at[r * 6 + k]);
+      bytes[r * 8 + k] = id < experts ? static_cast<uint8_t>(id) : uint8_t{0xff};
+    }
+  }
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
+}
+
+template <class S>
+MOECAP_AVX2 inline __attribute__((always_inline)) void consume_block_k6(S* at) {
+  const __m128i ones = _mm_set1_epi8(-1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(at), ones);
+  if constexpr (sizeof(S) == 2) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at) + 1, ones);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at) + 2, ones);
+  } else {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(at) + 1, ones);
+  }
+}
+
+// The block operations at top-K.
+template <int K, class S, bool kEveryByteAnId>
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_rows(const S* at, __m256i* seen) {
+  if constexpr (K == 6) {
+    return pack_block_k6<S, kEveryByteAnId>(at, seen);
+  } else {
+    return pack_block<S, kEveryByteAnId>(at, seen);
+  }
+}
+
+template <int K, class S, bool kEveryByteAnId>
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_rows(const S* at, __m256i limit, __m256i limit_bytes,
+                                                                     uint32_t experts) {
+  if constexpr (K == 6) {
+    return clamp_block_k6(at, kEveryByteAnId ? 256u : experts);
+  } else {
+    return clamp_block<S, kEveryByteAnId>(at, limit, limit_bytes);
+  }
+}
+
+template <int K, class S>
+MOECAP_AVX2 inline __attribute__((always_inline)) void consume_rows(S* at) {
+  if constexpr (K == 6) {
+    consume_block_k6(at);
+  } else {
+    consume_block(at);
+  }
+}
+
 // Layers per pass of the range kernel at top-K: as many as make each row's
 // chunk of a pass 32 bytes (one store per row), but 16 bytes at top-2,
-// whose 16-bit elements transpose within 128-bit halves.
+// whose 16-bit elements transpose within 128-bit halves, and 24 at top-6.
 template <int K>
-constexpr size_t kLayersPerPass = K == 8 ? 4 : 8;
+constexpr size_t kLayersPerPass = K == 8 || K == 6 ? 4 : 8;
 
 // The blocks of kLayersPerPass<K> consecutive layers (`r`, packed) turned
 // into each row's chunk of that pass, written to `to` (the block's rows'
@@ -396,7 +482,7 @@ template <class S, int K>
 MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i* r, uint8_t* const* to,
                                                                   int64_t at) {
   constexpr size_t rows = kBlockRows<K>;
-  if constexpr (K == 8) {
+  if constexpr (K == 8 || K == 6) {
     // Per 128-bit half, places 0, 2 (lo) and 1, 3 (hi) of layers 0, 1 and 2, 3.
     const __m256i lo01 = _mm256_unpacklo_epi64(r[0], r[1]);
     const __m256i hi01 = _mm256_unpackhi_epi64(r[0], r[1]);
@@ -405,9 +491,23 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
     const __m256i place[4] = {
         _mm256_permute2x128_si256(lo01, lo23, 0x20), _mm256_permute2x128_si256(hi01, hi23, 0x20),
         _mm256_permute2x128_si256(lo01, lo23, 0x31), _mm256_permute2x128_si256(hi01, hi23, 0x31)};
+    if constexpr (K == 8) {
 #pragma GCC unroll 4
-    for (size_t row = 0; row < rows; ++row) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[row] + at), place[kPlaceOfRow<S, K>[row]]);
+      for (size_t row = 0; row < rows; ++row) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[row] + at), place[kPlaceOfRow<S, K>[row]]);
+      }
+    } else {
+      // Each layer's 6 ids of its 8 bytes, the halves' 12 bytes joined: 24 bytes, stored as 16 and 8.
+      const __m256i squeeze = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13, -1, -1, -1, -1, 0, 1, 2, 3, 4,
+                                               5, 8, 9, 10, 11, 12, 13, -1, -1, -1, -1);
+      const __m256i join = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, 3, 7);
+#pragma GCC unroll 4
+      for (size_t row = 0; row < rows; ++row) {
+        const __m256i chunk =
+            _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(place[kPlaceOfRow<S, K>[row]], squeeze), join);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(to[row] + at), _mm256_castsi256_si128(chunk));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(to[row] + at + 16), _mm256_extracti128_si256(chunk, 1));
+      }
     }
   } else if constexpr (K == 4) {
     // An 8 x 8 transpose of 4-byte elements: pairs, quads within halves, then halves.
@@ -432,7 +532,7 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[row] + at), place[kPlaceOfRow<S, K>[row]]);
     }
   } else {
-    static_assert(K == 2, "the range kernel's top-k: 2, 4 or 8");
+    static_assert(K == 2, "the range kernel's top-k: 2, 4, 6 or 8");
     // An 8 x 8 transpose of 2-byte elements in each 128-bit half at once:
     // half h of c[j] is place 8h + j.
     __m256i a[8], b[8], c[8];
@@ -477,13 +577,15 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
 template <int K, class S, bool kEveryByteAnId>
 MOECAP_AVX2 void narrow_consume_range_u8_avx2(const CommitParams& p, int64_t first, int64_t n, uint8_t* const* to,
                                               uint8_t* nowhere, uint8_t* row_bad) {
-  constexpr int64_t rows = 32 / K;
+  constexpr int64_t rows = static_cast<int64_t>(kBlockRows<K>);
   constexpr int64_t pass = static_cast<int64_t>(kLayersPerPass<K>);
+
   S* src = reinterpret_cast<S*>(p.src_ids) + first * K;
   const int64_t layer_stride = p.device_rows * K;
   const int64_t layers = p.num_layers;
   const __m256i limit = _mm256_set1_epi16(static_cast<int16_t>(kEveryByteAnId ? 255 : p.num_experts));
   const __m256i limit_bytes = _mm256_set1_epi8(static_cast<char>(p.num_experts));
+  const auto experts = static_cast<uint32_t>(p.num_experts);
   const __m256i top = sizeof(S) == 1 ? _mm256_set1_epi8(static_cast<char>(p.num_experts - 1))
                                      : _mm256_set1_epi16(static_cast<int16_t>(p.num_experts - 1));
   const int64_t blocks = n / rows * rows;
@@ -492,14 +594,14 @@ MOECAP_AVX2 void narrow_consume_range_u8_avx2(const CommitParams& p, int64_t fir
     S* const in = src + l * layer_stride;
     for (int64_t i = 0; i < blocks; i += rows) {
       __m256i r[kLayersPerPass<K>], seen = _mm256_setzero_si256();
-      for (int q = 0; q < pass; ++q) r[q] = pack_block<S, kEveryByteAnId>(in + q * layer_stride + i * K, &seen);
+      for (int q = 0; q < pass; ++q) r[q] = pack_rows<K, S, kEveryByteAnId>(in + q * layer_stride + i * K, &seen);
       if (any_outside<S, kEveryByteAnId>(seen, top)) {  // rare: clamped, and the rows looked at
         for (int q = 0; q < pass; ++q) {
-          r[q] = clamp_block<S, kEveryByteAnId>(in + q * layer_stride + i * K, limit, limit_bytes);
+          r[q] = clamp_rows<K, S, kEveryByteAnId>(in + q * layer_stride + i * K, limit, limit_bytes, experts);
         }
         mark_bad_rows<S>(p, l, pass, first + i, rows, to + i, nowhere, row_bad + i);
       }
-      for (int q = 0; q < pass; ++q) consume_block(in + q * layer_stride + i * K);
+      for (int q = 0; q < pass; ++q) consume_rows<K>(in + q * layer_stride + i * K);
       store_pass<S, K>(r, to + i, l * K);
     }
   }
@@ -507,17 +609,17 @@ MOECAP_AVX2 void narrow_consume_range_u8_avx2(const CommitParams& p, int64_t fir
     S* const in = src + l * layer_stride;
     for (int64_t i = 0; i < blocks; i += rows) {
       __m256i seen = _mm256_setzero_si256();
-      __m256i block = pack_block<S, kEveryByteAnId>(in + i * K, &seen);
+      __m256i block = pack_rows<K, S, kEveryByteAnId>(in + i * K, &seen);
       if (any_outside<S, kEveryByteAnId>(seen, top)) {
-        block = clamp_block<S, kEveryByteAnId>(in + i * K, limit, limit_bytes);
+        block = clamp_rows<K, S, kEveryByteAnId>(in + i * K, limit, limit_bytes, experts);
         mark_bad_rows<S>(p, l, 1, first + i, rows, to + i, nowhere, row_bad + i);
       }
-      consume_block(in + i * K);
+      consume_rows<K>(in + i * K);
       alignas(32) uint8_t bytes[32];
       _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), block);
 #pragma GCC unroll 16
       for (size_t row = 0; row < kBlockRows<K>; ++row) {  // in row order, as above
-        std::memcpy(to[i + static_cast<int64_t>(row)] + l * K, bytes + kPlaceOfRow<S, K>[row] * K, K);
+        std::memcpy(to[i + static_cast<int64_t>(row)] + l * K, bytes + kPlaceOfRow<S, K>[row] * kChunkBytes<K>, K);
       }
     }
   }
@@ -625,6 +727,22 @@ int64_t tile_entries(const CommitParams& params, int64_t first, int64_t last, in
   return n;
 }
 
+// Requests every 64-byte line of [at, at + bytes) ahead of its use, so that
+// the misses of many scattered host rows are in flight together rather than
+// met one at a time: a read's slots and a commit's (a decode step's new
+// tokens, a new request's) lie over a cache larger than the CPU's, rows
+// last touched long ago. Reads into L1; writes into L2 (prefetcht1), since
+// a commit tile's rows alone overflow the 32 KiB L1 (into L1 they gained
+// nothing).
+template <bool kForWriting>
+inline void prefetch_lines(const uint8_t* at, int64_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(at) & ~uintptr_t{63};
+  const uintptr_t end = reinterpret_cast<uintptr_t>(at) + static_cast<uintptr_t>(bytes);
+  for (uintptr_t line = first; line < end; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line), kForWriting ? 1 : 0, kForWriting ? 2 : 3);
+  }
+}
+
 struct CommitScratch {
   std::vector<uint64_t> srcs, slots, bad, gathered, narrowed, staged, staged_w, to;
   // `n` elements of T, 8-byte aligned, contents unspecified.
@@ -703,7 +821,8 @@ void commit_rows(const CommitParams& p, bool consume) {
     const int64_t run_first = std::max<int64_t>(0, p.src_start + first);
     const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
-    if constexpr ((TopK == 2 || TopK == 4 || TopK == 8) && (std::is_same_v<S, int16_t> || std::is_same_v<S, uint8_t>) &&
+    if constexpr ((TopK == 2 || TopK == 4 || TopK == 6 || TopK == 8) &&
+                  (std::is_same_v<S, int16_t> || std::is_same_v<S, uint8_t>) &&
                   std::is_same_v<D, uint8_t>) {
       if (range_in_one_pass && n > 0 && run_rows > 0 && run_first + run_rows <= written_in_every_layer) {
         // The tile's rows are one run: narrowed and consumed in one pass
@@ -715,7 +834,10 @@ void commit_rows(const CommitParams& p, bool consume) {
         }
         uint8_t* const host_ids = reinterpret_cast<uint8_t*>(p.dst_ids);  // held in a register past the stores
         uint8_t* const states = p.dst_states;
-        for (int64_t i = 0; i < n; ++i) to[srcs[i] - run_first] = host_ids + slots[i] * row;
+        for (int64_t i = 0; i < n; ++i) {
+          to[srcs[i] - run_first] = host_ids + slots[i] * row;
+          prefetch_lines<true>(host_ids + slots[i] * row, row);
+        }
         std::memset(bad, 0, static_cast<size_t>(run_rows));
         if constexpr (std::is_same_v<S, uint8_t>) {
           narrow_consume_range_u8_avx2<TopK, S, false>(p, run_first, run_rows, to, scratch_row, bad);
@@ -730,6 +852,11 @@ void commit_rows(const CommitParams& p, bool consume) {
     }
 #endif
     std::memset(bad, 0, static_cast<size_t>(n));
+    const int64_t id_row_bytes = row * static_cast<int64_t>(sizeof(D));
+    for (int64_t i = 0; i < n; ++i) {  // written after the tile's layers are narrowed
+      prefetch_lines<true>(p.dst_ids + slots[i] * id_row_bytes, id_row_bytes);
+      if (w_bytes > 0) prefetch_lines<true>(p.dst_weights + slots[i] * w_row, w_row);
+    }
     bool consecutive = true;
     int64_t last_src = -1;  // the tile's highest source row: most layers wrote every row of a tile
     for (int64_t i = 1; i < n; ++i) consecutive = consecutive && srcs[i] == srcs[0] + i;
@@ -1133,15 +1260,6 @@ RowWeights pick_row_weights(int32_t stored, int32_t dst) {
   }
 }
 
-// Starts loading a cache row (every line it touches) so that it is on its
-// way while the rows before it are widened: a read's slots are scattered
-// over a cache larger than the CPU's, and waiting for each row in turn made
-// the read a chain of memory latencies.
-inline void prefetch_bytes(const uint8_t* at, int64_t bytes) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(at) & ~uintptr_t{63};
-  const uintptr_t end = reinterpret_cast<uintptr_t>(at) + static_cast<uintptr_t>(bytes);
-  for (uintptr_t line = first; line < end; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
-}
 
 // How many slots ahead the rows are requested: enough to cover a miss to
 // memory with a few hundred bytes of rows in flight, few enough that the
@@ -1162,8 +1280,8 @@ void gather_slots(const GatherParams& p, RowWidening widen, RowWeights weights_r
     if (t + kReadAhead < p.count) {
       const int64_t ahead = static_cast<int64_t>(slots[t + kReadAhead]);
       __builtin_prefetch(p.states + ahead, 0, 3);
-      prefetch_bytes(p.src_ids + ahead * id_row_bytes, id_row_bytes);
-      if (weights) prefetch_bytes(p.src_weights + ahead * w_row_bytes, w_row_bytes);
+      prefetch_lines<false>(p.src_ids + ahead * id_row_bytes, id_row_bytes);
+      if (weights) prefetch_lines<false>(p.src_weights + ahead * w_row_bytes, w_row_bytes);
     }
     const int64_t slot = static_cast<int64_t>(slots[t]);
     const uint8_t state = p.states[slot];

@@ -75,11 +75,11 @@ def test_a_kernel_writes_the_layer_views_and_commit_reads_them():
         assert torch.equal(cap.read(torch.tensor([10, 11, 12, 13])), routing.transpose(0, 1))
 
 
-@pytest.mark.parametrize("top_k", [8, 4, 2])
+@pytest.mark.parametrize("top_k", [8, 6, 4, 2])
 @pytest.mark.parametrize("device_id_dtype, experts", [("auto", 256), ("u8", 255), ("u8", 9)])
 def test_a_decode_commit_reads_back_what_was_captured(device_id_dtype, experts, top_k):
-    # The common commit (a row range, u8 host ids, no weights) at the top-k of DeepSeek-V3, gpt-oss and
-    # Mixtral, with rows and layers enough for the host kernel's passes and blocks and what is left after them.
+    # The common commit (a row range, u8 host ids, no weights) at the top-k of DeepSeek-V3, DeepSeek-V2,
+    # gpt-oss and Mixtral, with rows and layers enough for the host kernel's passes and blocks and what is left after them.
     layers, rows = 9, 43
     gen = torch.Generator().manual_seed(3)
     routing = torch.randint(0, experts, (layers, rows, top_k), dtype=torch.int32, generator=gen)

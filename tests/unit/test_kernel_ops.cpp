@@ -111,6 +111,9 @@ CommitBesideReference commit_beside_reference(CommitParams p, const std::vector<
   return r;
 }
 
+// Rows of one block of the host range kernel at top-k (kBlockRows).
+int64_t block_rows(int32_t top_k) { return top_k == 6 ? 4 : 32 / top_k; }
+
 }  // namespace
 
 // The commit kernel's row copy, run on the host lane by lane: for every
@@ -306,7 +309,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     const bool before = allow_host_avx2(avx2);
     for (const Pair pair : {Pair{kI16, kU8, 256}, Pair{kI16, kU8, 255}, Pair{kI16, kU8, 9}, Pair{kI32, kI16, 256},
                             Pair{kU16, kU8, 256}, Pair{kU8, kU8, 200}, Pair{kU8, kU8, 255}, Pair{kU8, kU8, 9}}) {
-      for (int32_t top_k : {8, 4, 2, 3}) {
+      for (int32_t top_k : {8, 6, 4, 2, 3}) {
         for (int32_t layers : {1, 4, 7, 61}) {
           for (const bool row_list : {false, true}) {
             for (const bool weights : {false, true}) {
@@ -394,7 +397,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     }
     allow_host_avx2(before);
   }
-  CHECK(cases == 2 * 8 * 4 * 4 * 2 * 2 * 2);
+  CHECK(cases == 2 * 8 * 5 * 4 * 2 * 2 * 2);
   CHECK(unwritten_rows_seen > 0);
   CHECK(wrong == 0);
 }
@@ -403,8 +406,8 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
 // a bad id in a row that goes to no slot (-1) is consumed but not counted,
 // one in a row that goes to a slot is counted and marks it INVALID_IDS, in
 // a block (in a pass of layers and in the layers after the last pass) and
-// in the rows after the last block, at top-8, 4 and 2 (blocks of 4, 8 and
-// 16 rows), with AVX2 and without, from int16 device ids at 200 and 256
+// in the rows after the last block, at top-8, 6, 4 and 2 (blocks of 4, 4, 8
+// and 16 rows), with AVX2 and without, from int16 device ids at 200 and 256
 // experts and from u8 ones at 200, against the per-element operations.
 TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a slot, in blocks and in the tail") {
   struct Source {
@@ -413,14 +416,14 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
     for (const Source source : {Source{kI16, 200}, Source{kI16, 256}, Source{kU8, 200}}) {
-      for (const int32_t top_k : {8, 4, 2}) {
+      for (const int32_t top_k : {8, 6, 4, 2}) {
         CAPTURE(avx2);
         CAPTURE(source.elem);
         CAPTURE(source.experts);
         CAPTURE(top_k);
-        // Nine layers: two passes of four at top-8 or one of eight, then one more.
+        // Nine layers: two passes of four at top-8 and 6 or one of eight, then one more.
         const int32_t layers = 9, experts = source.experts;
-        const int64_t block = 32 / top_k, count = block + 3, device_rows = 48, host_slots = 64;
+        const int64_t block = block_rows(top_k), count = block + 3, device_rows = 48, host_slots = 64;
         const int64_t elems = layers * device_rows * top_k;
         std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(source.elem)));
         for (int64_t e = 0; e < elems; ++e) store_int(src.data(), source.elem, e, e % 97 % experts);
@@ -462,8 +465,8 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
 }
 
 // A range commit where two rows go to one slot keeps the later row, for
-// every pair of positions in and across blocks of rows (4 at top-8, 8 at
-// top-4, 16 at top-2) and the rows after them, through the passes of layers
+// every pair of positions in and across blocks of rows (4 at top-8 and 6, 8
+// at top-4, 16 at top-2) and the rows after them, through the passes of layers
 // and the single layers after them, from int16 and u8 device ids (whose
 // rows lie in a vector register in different orders).
 TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds the later row") {
@@ -471,9 +474,9 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
     for (const int32_t elem : {kI16, kU8}) {
-      for (const int32_t top_k : {8, 4, 2}) {
+      for (const int32_t top_k : {8, 6, 4, 2}) {
         const int32_t layers = 9, experts = 200;
-        const int64_t count = 2 * (32 / top_k) + 1, device_rows = 40, host_slots = 40;
+        const int64_t count = 2 * block_rows(top_k) + 1, device_rows = 40, host_slots = 40;
         for (int64_t first = 0; first < count; ++first) {
           for (int64_t second = first + 1; second < count; ++second) {
             const int64_t elems = layers * device_rows * top_k;
@@ -498,7 +501,7 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
     }
     allow_host_avx2(before);
   }
-  CHECK(cases == 2 * 2 * (9 * 8 + 17 * 16 + 33 * 32) / 2);
+  CHECK(cases == 2 * 2 * (9 * 8 + 9 * 8 + 17 * 16 + 33 * 32) / 2);
   CHECK(wrong == 0);
 }
 
