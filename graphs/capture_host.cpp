@@ -307,12 +307,13 @@ constexpr int packed_id(int b) {
   }
 }
 
-// Where each row of a block lies in its packed register, in K-byte places.
+// Rows of a block at top-K.
 template <int K>
 constexpr size_t kBlockRows = K == 6 ? 4 : 32 / K;
-// Bytes a row's ids of one layer take in a packed block.
+// Bytes a row's ids of one layer take in a packed block: one place.
 template <int K>
 constexpr int kChunkBytes = K == 6 ? 8 : K;
+// Which place of a packed block holds each of its rows.
 template <class S, int K>
 constexpr std::array<int, kBlockRows<K>> places_of_rows() {
   std::array<int, kBlockRows<K>> place_of{};
@@ -477,7 +478,8 @@ constexpr size_t kLayersPerPass = K == 8 || K == 6 ? 4 : 8;
 // into each row's chunk of that pass, written to `to` (the block's rows'
 // host rows, already offset to the pass's first layer) in row order, so a
 // slot two rows go to keeps the later one. A transpose of a
-// [layers, places] matrix of K-byte elements.
+// [layers, places] matrix of kChunkBytes<K>-byte elements (at top-6 the
+// padding is then squeezed out).
 template <class S, int K>
 MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i* r, uint8_t* const* to,
                                                                   int64_t at) {
@@ -561,8 +563,8 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
 }
 
 // A range commit's whole tile in one pass over the device rows: rows
-// [first, first + n) of every layer, top-K (2, 4 or 8) int16 or u8 ids
-// clamped to u8 (clamp_block) straight into each row's host-cache row
+// [first, first + n) of every layer, top-K (2, 4, 6 or 8) int16 or u8 ids
+// clamped to u8 (clamp_block, clamp_block_k6) straight into each row's host-cache row
 // (to[r], or `nowhere`, a scratch row, for a row that goes to no slot), and
 // consumed (all ones written back) right after they are read.
 // kLayersPerPass<K> layers at a time, so each host row gets one store per
@@ -794,7 +796,7 @@ void commit_rows(const CommitParams& p, bool consume) {
   uint8_t* staged_w = scratch.get<uint8_t>(scratch.staged_w, tile * w_row);
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
   uint8_t** to = scratch.get<uint8_t*>(scratch.to, tile);
-  // A range commit of int16 or u8 ids into u8 at top-2, 4 or 8 without
+  // A range commit of int16 or u8 ids into u8 at top-2, 4, 6 or 8 without
   // weights: the common decode and prefill commit, with its own one-pass
   // kernel (u8 device ids hold at most 255 experts, their 0xff being "no
   // routing").
