@@ -31,14 +31,14 @@ constexpr int64_t kLargeHostSlots = 1 << 18;
 
 // id_dtype: the host cache's; device_id_dtype: what capture (or a kernel) writes.
 moecap_config bench_config(int32_t id_dtype, int32_t device_id_dtype = MOECAP_IDS_AUTO,
-                           int64_t host_slots = kHostSlots, int32_t top_k = kTopK) {
+                           int64_t host_slots = kHostSlots, int32_t top_k = kTopK, int32_t experts = kExperts) {
   moecap_config c{};
   c.struct_size = sizeof c;
   if (moecap_config_init(&c) != MOECAP_OK) std::abort();
   c.flags = MOECAP_FLAG_NO_GUARDS;
   c.num_layers = kLayers;
   c.top_k = top_k;
-  c.num_experts = kExperts;
+  c.num_experts = experts;
   c.max_running_requests = 256;
   c.chunked_prefill_size = kDeviceRows;
   c.host_slots = host_slots;
@@ -49,8 +49,8 @@ moecap_config bench_config(int32_t id_dtype, int32_t device_id_dtype = MOECAP_ID
 
 struct Handle {
   explicit Handle(int32_t id_dtype, int32_t device_id_dtype = MOECAP_IDS_AUTO, int64_t host_slots = kHostSlots,
-                  int32_t top_k = kTopK) {
-    const moecap_config c = bench_config(id_dtype, device_id_dtype, host_slots, top_k);
+                  int32_t top_k = kTopK, int32_t experts = kExperts) {
+    const moecap_config c = bench_config(id_dtype, device_id_dtype, host_slots, top_k, experts);
     if (moecap_create(&c, &h) != MOECAP_OK) std::abort();
   }
   ~Handle() { moecap_destroy(h); }
@@ -162,17 +162,20 @@ struct SlotWalk {
 // device_id_dtype: AUTO (int16, what the top-k kernels writing moecap's
 // layer views write) or U8 (what an engine whose routing goes through
 // moecap_capture can choose for <= 255 experts: half the bytes to read).
-// top_k: the model's (8 by default; 6 for DeepSeek-V2, 4 for gpt-oss, 2 for Mixtral).
+// top_k: the model's (8 by default; 6 for DeepSeek-V2, 4 for gpt-oss, 2 for Mixtral); experts: 128 by
+// default (u8 host ids; 384, Kimi K2's, takes u16 ones).
 struct CommitCase {
   explicit CommitCase(const benchmark::State& state, int32_t device_id_dtype = MOECAP_IDS_AUTO,
-                      int32_t top_k = kTopK)
-      : n(state.range(0)), top_k(top_k), cap(MOECAP_IDS_AUTO, device_id_dtype, state.range(2), top_k),
+                      int32_t top_k = kTopK, int32_t experts = kExperts)
+      : n(state.range(0)), top_k(top_k), cap(MOECAP_IDS_AUTO, device_id_dtype, state.range(2), top_k, experts),
         slots(n, state.range(1), state.range(2)) {
     std::vector<int32_t> ids(static_cast<size_t>(n * top_k));
     int64_t ids_shape[2] = {n, top_k};
     DLTensor it = tensor(ids.data(), 2, ids_shape, kI32);
     for (int32_t layer = 0; layer < kLayers; ++layer) {
-      for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 7 + static_cast<size_t>(layer)) % kExperts);
+      for (size_t i = 0; i < ids.size(); ++i) {
+        ids[i] = static_cast<int32_t>((i * 7 + static_cast<size_t>(layer)) % static_cast<size_t>(experts));
+      }
       if (moecap_capture(cap.h, layer, &it, nullptr, nullptr) != MOECAP_OK) std::abort();
     }
     DLManagedTensorVersioned* v = nullptr;
@@ -286,11 +289,12 @@ void BM_Commit_MemcpyRows(benchmark::State& state) {
 // other jobs land in a few calls and leave the median alone) and
 // floor / commit: interleaved, the two see the same machine state, where
 // the separate cases above run half a minute apart.
-void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int32_t top_k = kTopK) {
+void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int32_t top_k = kTopK,
+                          int32_t experts = kExperts) {
   using Clock = std::chrono::steady_clock;
-  CommitCase c(state, device_id_dtype, top_k);
+  CommitCase c(state, device_id_dtype, top_k, experts);
   const int64_t n = c.n;
-  const int64_t row = int64_t{kLayers} * top_k;  // bytes of a u8 host row
+  const int64_t row = int64_t{kLayers} * top_k * (experts > 256 ? 2 : 1);  // bytes of a host row (u8 or u16 ids)
   std::vector<uint8_t> src(static_cast<size_t>(n * row), 1);
   std::vector<uint8_t> dst(static_cast<size_t>(state.range(2) * row));
   SlotWalk floor_slots(n, state.range(1), state.range(2));
@@ -327,6 +331,10 @@ void BM_Commit_AgainstFloor_U8Device(benchmark::State& state) { commit_against_f
 void BM_Commit_AgainstFloor_Top6(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 6); }
 void BM_Commit_AgainstFloor_Top4(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 4); }
 void BM_Commit_AgainstFloor_Top2(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 2); }
+// Top-8 of 384 experts (Kimi K2): u16 host ids.
+void BM_Commit_AgainstFloor_U16Host(benchmark::State& state) {
+  commit_against_floor(state, MOECAP_IDS_AUTO, kTopK, 384);
+}
 
 // The physical ceiling: one memcpy of the bytes moecap's commit moves (u8 rows).
 void BM_Commit_Memcpy(benchmark::State& state) {
@@ -477,6 +485,7 @@ void top_k_commit_args(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_Commit_AgainstFloor_Top6)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top4)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top2)->Apply(top_k_commit_args);
+BENCHMARK(BM_Commit_AgainstFloor_U16Host)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_Memcpy)->Arg(64)->Arg(512)->Arg(4096);
 BENCHMARK(BM_Read_Moecap)->Arg(128)->Arg(4096)->Arg(32768);
 BENCHMARK(BM_Read_Baseline)->Arg(128)->Arg(4096)->Arg(32768);

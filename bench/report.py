@@ -105,16 +105,17 @@ def u8_device_rows(c):
 
 
 def top_k_rows(c):
-    """The commit at top-6 (DeepSeek-V2), top-4 (gpt-oss) and top-2 (Mixtral) against its floor, paired call
-    by call (int16 device buffer, 48 layers: 288-, 192- and 96-byte rows)."""
+    """The commit at top-6 (DeepSeek-V2), top-4 (gpt-oss) and top-2 (Mixtral), and at top-8 of 384 experts
+    into u16 host ids (Kimi K2), against its floor, paired call by call (int16 device buffer, 48 layers: 288-,
+    192-, 96- and 768-byte host rows)."""
     rows = []
-    for k in (6, 4, 2):
+    for case, what in (("Top6", "top-6"), ("Top4", "top-4"), ("Top2", "top-2"), ("U16Host", "top-8 of 384, u16 ids")):
         for n, order, slots in ((4096, 0, SMALL), (512, 0, SMALL), (64, 0, SMALL), (4096, 2, LARGE),
                                 (512, 2, LARGE), (64, 2, LARGE)):
-            b = c.get(f"BM_Commit_AgainstFloor_Top{k}/{n}/{order}/{slots}")
+            b = c.get(f"BM_Commit_AgainstFloor_{case}/{n}/{order}/{slots}")
             if b:
                 kind = ("sequential slots", "", f"fresh random slots of {slots:,}")[order]
-                rows.append((f"top-{k}: commit {n} rows, {kind}", fmt_ns(b["commit_ns"]), fmt_ns(b["floor_ns"]),
+                rows.append((f"{what}: commit {n} rows, {kind}", fmt_ns(b["commit_ns"]), fmt_ns(b["floor_ns"]),
                              f"{b['floor_over_commit']:.2f}x"))
     return rows
 

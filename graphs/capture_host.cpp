@@ -641,6 +641,78 @@ MOECAP_AVX2 void narrow_consume_range_u8_avx2(const CommitParams& p, int64_t fir
     }
   }
 }
+
+// int16 ids as u16 host ids: kept below `limit` (experts), else all ones.
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_u16(__m256i ids, __m256i limit) {
+  const __m256i kept = _mm256_min_epu16(ids, limit);
+  return _mm256_or_si256(kept, _mm256_cmpeq_epi16(kept, limit));
+}
+
+// Whether a lane of `largest` is above `top` (experts - 1) as unsigned.
+MOECAP_AVX2 inline __attribute__((always_inline)) bool any_above_u16(__m256i largest, __m256i top) {
+  const __m256i above = _mm256_subs_epu16(largest, top);
+  return !_mm256_testz_si256(above, above);
+}
+
+// The same pass for top-8 int16 device ids into a u16 host cache (257 to
+// 32768 experts: Kimi K2's 384): no narrowing, each id kept or, outside
+// [0, experts), made all ones (`min(id, experts)` as unsigned, then the
+// lanes equal to experts). Blocks of two rows (16 ids) of one layer, passes
+// of two layers: a row's 32 bytes of a pass are the two layers' 16-byte
+// halves of their blocks.
+MOECAP_AVX2 void consume_range_i16_u16_k8_avx2(const CommitParams& p, int64_t first, int64_t n, uint8_t* const* to,
+                                               uint8_t* nowhere, uint8_t* row_bad) {
+  int16_t* src = reinterpret_cast<int16_t*>(p.src_ids) + first * 8;
+  const int64_t layer_stride = p.device_rows * 8;
+  const int64_t layers = p.num_layers;
+  const auto experts = static_cast<uint32_t>(p.num_experts);
+  const __m256i limit = _mm256_set1_epi16(static_cast<int16_t>(experts));
+  const __m256i top = _mm256_set1_epi16(static_cast<int16_t>(experts - 1));
+  const __m256i ones = _mm256_set1_epi8(-1);
+  const int64_t blocks = n / 2 * 2;
+  int64_t l = 0;
+  for (; l + 2 <= layers; l += 2) {
+    int16_t* const in = src + l * layer_stride;
+    for (int64_t i = 0; i < blocks; i += 2) {
+      __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 8));
+      __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + layer_stride + i * 8));
+      if (any_above_u16(_mm256_max_epu16(a, b), top)) {  // rare
+        a = clamp_u16(a, limit);
+        b = clamp_u16(b, limit);
+        mark_bad_rows<int16_t>(p, l, 2, first + i, 2, to + i, nowhere, row_bad + i);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(in + i * 8), ones);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(in + layer_stride + i * 8), ones);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i] + l * 16), _mm256_permute2x128_si256(a, b, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[i + 1] + l * 16), _mm256_permute2x128_si256(a, b, 0x31));
+    }
+  }
+  for (; l < layers; ++l) {  // the last layer short of a pass: 16 bytes per row
+    int16_t* const in = src + l * layer_stride;
+    for (int64_t i = 0; i < blocks; i += 2) {
+      __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 8));
+      if (any_above_u16(a, top)) {
+        a = clamp_u16(a, limit);
+        mark_bad_rows<int16_t>(p, l, 1, first + i, 2, to + i, nowhere, row_bad + i);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(in + i * 8), ones);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(to[i] + l * 16), _mm256_castsi256_si128(a));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(to[i + 1] + l * 16), _mm256_extracti128_si256(a, 1));
+    }
+  }
+  for (int64_t i = blocks; i < n; ++i) {  // a last row short of a block, element by element
+    mark_bad_rows<int16_t>(p, 0, layers, first + i, 1, to + i, nowhere, row_bad + i);
+    for (l = 0; l < layers; ++l) {
+      int16_t* in = src + l * layer_stride + i * 8;
+      uint16_t* out = reinterpret_cast<uint16_t*>(to[i] + l * 16);
+      for (int k = 0; k < 8; ++k) {
+        const auto id = static_cast<uint16_t>(in[k]);
+        out[k] = id < experts ? id : uint16_t{0xffff};
+        in[k] = -1;
+      }
+    }
+  }
+}
 #define MOECAP_HAVE_RANGE_NARROW_CONSUME 1
 
 // Rows [0, result) hold routing written this step in every layer.
@@ -800,8 +872,9 @@ void commit_rows(const CommitParams& p, bool consume) {
   // weights: the common decode and prefill commit, with its own one-pass
   // kernel (u8 device ids hold at most 255 experts, their 0xff being "no
   // routing").
+  const uint32_t most_experts = std::is_same_v<D, uint16_t> ? 32768u : sizeof(S) == 1 ? 255u : 256u;
   const bool range_in_one_pass = use_avx2 && consume && p.mode == kCommitRows && p.src_rows == nullptr &&
-                                 w_bytes == 0 && experts >= 1 && experts <= (sizeof(S) == 1 ? 255u : 256u);
+                                 w_bytes == 0 && experts >= 1 && experts <= most_experts;
   const int64_t written_in_every_layer = range_in_one_pass ? rows_written_in_every_layer(p) : 0;
 #endif
   for (int64_t first = 0; first < p.count; first += tile) {
@@ -823,9 +896,10 @@ void commit_rows(const CommitParams& p, bool consume) {
     const int64_t run_first = std::max<int64_t>(0, p.src_start + first);
     const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
-    if constexpr ((TopK == 2 || TopK == 4 || TopK == 6 || TopK == 8) &&
-                  (std::is_same_v<S, int16_t> || std::is_same_v<S, uint8_t>) &&
-                  std::is_same_v<D, uint8_t>) {
+    constexpr bool into_u8 = (TopK == 2 || TopK == 4 || TopK == 6 || TopK == 8) &&
+                             (std::is_same_v<S, int16_t> || std::is_same_v<S, uint8_t>) && std::is_same_v<D, uint8_t>;
+    constexpr bool into_u16 = TopK == 8 && std::is_same_v<S, int16_t> && std::is_same_v<D, uint16_t>;
+    if constexpr (into_u8 || into_u16) {
       if (range_in_one_pass && n > 0 && run_rows > 0 && run_first + run_rows <= written_in_every_layer) {
         // The tile's rows are one run: narrowed and consumed in one pass
         // straight into their slots' rows (a row that goes nowhere into a
@@ -836,12 +910,15 @@ void commit_rows(const CommitParams& p, bool consume) {
         }
         uint8_t* const host_ids = reinterpret_cast<uint8_t*>(p.dst_ids);  // held in a register past the stores
         uint8_t* const states = p.dst_states;
+        const int64_t row_bytes = row * static_cast<int64_t>(sizeof(D));
         for (int64_t i = 0; i < n; ++i) {
-          to[srcs[i] - run_first] = host_ids + slots[i] * row;
-          prefetch_lines<true>(host_ids + slots[i] * row, row);
+          to[srcs[i] - run_first] = host_ids + slots[i] * row_bytes;
+          prefetch_lines<true>(host_ids + slots[i] * row_bytes, row_bytes);
         }
         std::memset(bad, 0, static_cast<size_t>(run_rows));
-        if constexpr (std::is_same_v<S, uint8_t>) {
+        if constexpr (into_u16) {
+          consume_range_i16_u16_k8_avx2(p, run_first, run_rows, to, scratch_row, bad);
+        } else if constexpr (std::is_same_v<S, uint8_t>) {
           narrow_consume_range_u8_avx2<TopK, S, false>(p, run_first, run_rows, to, scratch_row, bad);
         } else if (experts == 256) {
           narrow_consume_range_u8_avx2<TopK, S, true>(p, run_first, run_rows, to, scratch_row, bad);

@@ -76,10 +76,11 @@ def test_a_kernel_writes_the_layer_views_and_commit_reads_them():
 
 
 @pytest.mark.parametrize("top_k", [8, 6, 4, 2])
-@pytest.mark.parametrize("device_id_dtype, experts", [("auto", 256), ("u8", 255), ("u8", 9)])
+@pytest.mark.parametrize("device_id_dtype, experts", [("auto", 256), ("u8", 255), ("u8", 9), ("auto", 384)])
 def test_a_decode_commit_reads_back_what_was_captured(device_id_dtype, experts, top_k):
-    # The common commit (a row range, u8 host ids, no weights) at the top-k of DeepSeek-V3, DeepSeek-V2,
-    # gpt-oss and Mixtral, with rows and layers enough for the host kernel's passes and blocks and what is left after them.
+    # The common commit (a row range, no weights) at the top-k of DeepSeek-V3, DeepSeek-V2, gpt-oss and
+    # Mixtral, into u8 host ids and (384 experts, Kimi K2's) u16 ones, with rows and layers enough for the
+    # host kernel's passes and blocks and what is left after them.
     layers, rows = 9, 43
     gen = torch.Generator().manual_seed(3)
     routing = torch.randint(0, experts, (layers, rows, top_k), dtype=torch.int32, generator=gen)

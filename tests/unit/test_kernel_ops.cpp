@@ -14,21 +14,21 @@ using namespace moecap;
 
 namespace {
 
-// A commit of device ids into a u8 host cache at top-k without weights; the
-// caller sets the buffers, rows and slots.
-CommitParams into_u8(int32_t src_elem, int32_t top_k, int32_t layers, int32_t experts, int64_t count,
-                     int64_t device_rows, int64_t host_slots) {
+// A commit of device ids into a host cache of `dst_elem` ids at top-k
+// without weights; the caller sets the buffers, rows and slots.
+CommitParams commit_into(int32_t src_elem, int32_t top_k, int32_t layers, int32_t experts, int64_t count,
+                         int64_t device_rows, int64_t host_slots, int32_t dst_elem = kU8) {
   CommitParams p{};
   p.count = count;
   p.device_rows = device_rows;
   p.host_slots = host_slots;
-  p.dst_no_expert = invalid_id_code(kU8);
+  p.dst_no_expert = invalid_id_code(dst_elem);
   p.mode = kCommitRows;
   p.num_layers = layers;
   p.top_k = top_k;
   p.num_experts = experts;
   p.src_id_elem = src_elem;
-  p.dst_id_elem = kU8;
+  p.dst_id_elem = dst_elem;
   p.weight_elem = -1;
   p.src_rows_elem = kI64;
   p.dst_slots_elem = kI64;
@@ -254,7 +254,7 @@ TEST_CASE("commit_on_host: the fused int16 -> u8 top-8 narrowing writes what the
               slots[static_cast<size_t>(j)] = r == 0 ? -1 : r < 3 ? 17 : rng() % host_slots;
               rows[static_cast<size_t>(j)] = static_cast<int64_t>(rng() % device_rows);
             }
-            CommitParams p = into_u8(kI16, 8, layers, experts, count, device_rows, host_slots);
+            CommitParams p = commit_into(kI16, 8, layers, experts, count, device_rows, host_slots);
             p.src_ids = reinterpret_cast<uint8_t*>(src.data());
             p.src_rows = row_list ? rows.data() : nullptr;
             p.dst_slots = slots.data();
@@ -308,7 +308,8 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
     for (const Pair pair : {Pair{kI16, kU8, 256}, Pair{kI16, kU8, 255}, Pair{kI16, kU8, 9}, Pair{kI32, kI16, 256},
-                            Pair{kU16, kU8, 256}, Pair{kU8, kU8, 200}, Pair{kU8, kU8, 255}, Pair{kU8, kU8, 9}}) {
+                            Pair{kU16, kU8, 256}, Pair{kU8, kU8, 200}, Pair{kU8, kU8, 255}, Pair{kU8, kU8, 9},
+                            Pair{kI16, kU16, 384}, Pair{kI16, kU16, 32768}}) {
       for (int32_t top_k : {8, 6, 4, 2, 3}) {
         for (int32_t layers : {1, 4, 7, 61}) {
           for (const bool row_list : {false, true}) {
@@ -397,7 +398,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     }
     allow_host_avx2(before);
   }
-  CHECK(cases == 2 * 8 * 5 * 4 * 2 * 2 * 2);
+  CHECK(cases == 2 * 10 * 5 * 4 * 2 * 2 * 2);
   CHECK(unwritten_rows_seen > 0);
   CHECK(wrong == 0);
 }
@@ -411,15 +412,16 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
 // experts and from u8 ones at 200, against the per-element operations.
 TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a slot, in blocks and in the tail") {
   struct Source {
-    int32_t elem, experts;
+    int32_t elem, experts, host = kU8;
   };
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
-    for (const Source source : {Source{kI16, 200}, Source{kI16, 256}, Source{kU8, 200}}) {
+    for (const Source source : {Source{kI16, 200}, Source{kI16, 256}, Source{kU8, 200}, Source{kI16, 384, kU16}}) {
       for (const int32_t top_k : {8, 6, 4, 2}) {
         CAPTURE(avx2);
         CAPTURE(source.elem);
         CAPTURE(source.experts);
+        CAPTURE(source.host);
         CAPTURE(top_k);
         // Nine layers: two passes of four at top-8 and 6 or one of eight, then one more.
         const int32_t layers = 9, experts = source.experts;
@@ -446,7 +448,7 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
         slots[3] = 10;
         slots[static_cast<size_t>(block + 1)] = -1;
         slots[static_cast<size_t>(block + 2)] = 11;
-        CommitParams p = into_u8(source.elem, top_k, layers, experts, count, device_rows, host_slots);
+        CommitParams p = commit_into(source.elem, top_k, layers, experts, count, device_rows, host_slots, source.host);
         p.dst_slots = slots.data();
         const CommitBesideReference r = commit_beside_reference(p, src);
         CHECK(r.errors.invalid_ids == 3);  // rows 2, 3 and block + 2
@@ -466,16 +468,21 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
 
 // A range commit where two rows go to one slot keeps the later row, for
 // every pair of positions in and across blocks of rows (4 at top-8 and 6, 8
-// at top-4, 16 at top-2) and the rows after them, through the passes of layers
-// and the single layers after them, from int16 and u8 device ids (whose
-// rows lie in a vector register in different orders).
+// at top-4, 16 at top-2; 2 into u16 host ids) and the rows after them,
+// through the passes of layers and the single layers after them, from int16
+// and u8 device ids (whose rows lie in a vector register in different
+// orders) into u8, and from int16 into u16.
 TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds the later row") {
+  struct Pair {
+    int32_t device, host, experts;
+  };
   int cases = 0, wrong = 0;
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
-    for (const int32_t elem : {kI16, kU8}) {
+    for (const Pair pair : {Pair{kI16, kU8, 200}, Pair{kU8, kU8, 200}, Pair{kI16, kU16, 384}}) {
+      const int32_t elem = pair.device;
       for (const int32_t top_k : {8, 6, 4, 2}) {
-        const int32_t layers = 9, experts = 200;
+        const int32_t layers = 9, experts = pair.experts;
         const int64_t count = 2 * block_rows(top_k) + 1, device_rows = 40, host_slots = 40;
         for (int64_t first = 0; first < count; ++first) {
           for (int64_t second = first + 1; second < count; ++second) {
@@ -485,13 +492,13 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
             std::vector<int64_t> slots(static_cast<size_t>(count));
             for (int64_t j = 0; j < count; ++j) slots[static_cast<size_t>(j)] = j;
             slots[static_cast<size_t>(second)] = first;
-            CommitParams p = into_u8(elem, top_k, layers, experts, count, device_rows, host_slots);
+            CommitParams p = commit_into(elem, top_k, layers, experts, count, device_rows, host_slots, pair.host);
             p.dst_slots = slots.data();
             const CommitBesideReference r = commit_beside_reference(p, src);
             if (r.ids != r.ref_ids || r.states != r.ref_states || r.dev != r.ref_dev) {
               if (wrong++ == 0) {
-                MESSAGE("first mismatch: avx2 ", avx2, " device ", elem, " top_k ", top_k, " rows ", first, " and ",
-                        second);
+                MESSAGE("first mismatch: avx2 ", avx2, " device ", elem, " host ", pair.host, " top_k ", top_k, " rows ",
+                        first, " and ", second);
               }
             }
             ++cases;
@@ -501,7 +508,7 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
     }
     allow_host_avx2(before);
   }
-  CHECK(cases == 2 * 2 * (9 * 8 + 9 * 8 + 17 * 16 + 33 * 32) / 2);
+  CHECK(cases == 2 * 3 * (9 * 8 + 9 * 8 + 17 * 16 + 33 * 32) / 2);
   CHECK(wrong == 0);
 }
 
