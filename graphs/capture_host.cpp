@@ -292,6 +292,25 @@ void mark_bad_rows(const CommitParams& p, int64_t layer, int64_t layers, int64_t
   }
 }
 
+// Rows [from, n) of a range starting at device row `first`, fewer than a
+// block, element by element: checked as a block is (before they are
+// consumed), narrowed by the plain rule (narrow_ids) into their host rows of
+// D ids, then consumed.
+template <class S, class D>
+void narrow_consume_rows_by_element(const CommitParams& p, int64_t first, int64_t from, int64_t n,
+                                    uint8_t* const* to, const uint8_t* nowhere, uint8_t* row_bad) {
+  S* const src = reinterpret_cast<S*>(p.src_ids);
+  const int64_t k = p.top_k;
+  for (int64_t i = from; i < n; ++i) {
+    mark_bad_rows<S>(p, 0, p.num_layers, first + i, 1, to + i, nowhere, row_bad + i);
+    for (int64_t l = 0; l < p.num_layers; ++l) {
+      S* const in = src + (l * p.device_rows + first + i) * k;
+      narrow_ids(in, reinterpret_cast<D*>(to[i]) + l * k, k, static_cast<uint32_t>(p.num_experts));
+      std::memset(in, 0xff, static_cast<size_t>(k) * sizeof(S));
+    }
+  }
+}
+
 // The range kernel works on blocks of rows of one layer packed into one
 // vector register of u8 host ids: 32 ids (32 / K rows) at top-8, 4 and 2;
 // at top-6 four rows, each padded to 8 bytes (pack_block_k6). Which id of
@@ -413,17 +432,12 @@ MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_block_k6(const S*
   return _mm256_inserti128_si256(_mm256_castsi128_si256(rows01), rows23, 1);
 }
 
-// A top-6 block holding an id outside, element by element (rare), laid out
-// as pack_block_k6's, each id clamped as clamp_block does.
+// A top-6 block holding an id outside (rare), laid out as pack_block_k6's,
+// each row narrowed by the plain rule (narrow_ids), as clamp_block clamps.
 template <class S>
 MOECAP_AVX2 inline __m256i clamp_block_k6(const S* at, uint32_t experts) {
   alignas(32) uint8_t bytes[32] = {};
-  for (int r = 0; r < 4; ++r) {
-    for (int k = 0; k < 6; ++k) {
-      const auto id = static_cast<std::make_unsigned_t<S>>(at[r * 6 + k]);
-      bytes[r * 8 + k] = id < experts ? static_cast<uint8_t>(id) : uint8_t{0xff};
-    }
-  }
+  for (int r = 0; r < 4; ++r) narrow_ids(at + r * 6, bytes + r * 8, 6, experts);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
 }
 
@@ -626,32 +640,14 @@ MOECAP_AVX2 void narrow_consume_range_u8_avx2(const CommitParams& p, int64_t fir
     }
   }
   // The last rows short of a block (tiles are multiples of 16 rows, so only
-  // at a range's end or where it was clipped to the device rows), element
-  // by element: checked as a block is, then narrowed.
-  for (int64_t i = blocks; i < n; ++i) {
-    mark_bad_rows<S>(p, 0, layers, first + i, 1, to + i, nowhere, row_bad + i);
-    for (l = 0; l < layers; ++l) {
-      S* in = src + l * layer_stride + i * K;
-      uint8_t* out = to[i] + l * K;
-      for (int k = 0; k < K; ++k) {
-        const auto id = static_cast<std::make_unsigned_t<S>>(in[k]);
-        out[k] = id < static_cast<uint32_t>(p.num_experts) ? static_cast<uint8_t>(id) : uint8_t{0xff};
-        in[k] = static_cast<S>(-1);
-      }
-    }
-  }
+  // at a range's end or where it was clipped to the device rows).
+  narrow_consume_rows_by_element<S, uint8_t>(p, first, blocks, n, to, nowhere, row_bad);
 }
 
 // int16 ids as u16 host ids: kept below `limit` (experts), else all ones.
 MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_u16(__m256i ids, __m256i limit) {
   const __m256i kept = _mm256_min_epu16(ids, limit);
   return _mm256_or_si256(kept, _mm256_cmpeq_epi16(kept, limit));
-}
-
-// Whether a lane of `largest` is above `top` (experts - 1) as unsigned.
-MOECAP_AVX2 inline __attribute__((always_inline)) bool any_above_u16(__m256i largest, __m256i top) {
-  const __m256i above = _mm256_subs_epu16(largest, top);
-  return !_mm256_testz_si256(above, above);
 }
 
 // The same pass for top-8 int16 device ids into a u16 host cache (257 to
@@ -676,7 +672,7 @@ MOECAP_AVX2 void consume_range_i16_u16_k8_avx2(const CommitParams& p, int64_t fi
     for (int64_t i = 0; i < blocks; i += 2) {
       __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 8));
       __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + layer_stride + i * 8));
-      if (any_above_u16(_mm256_max_epu16(a, b), top)) {  // rare
+      if (any_outside<int16_t, false>(_mm256_max_epu16(a, b), top)) {  // rare
         a = clamp_u16(a, limit);
         b = clamp_u16(b, limit);
         mark_bad_rows<int16_t>(p, l, 2, first + i, 2, to + i, nowhere, row_bad + i);
@@ -691,7 +687,7 @@ MOECAP_AVX2 void consume_range_i16_u16_k8_avx2(const CommitParams& p, int64_t fi
     int16_t* const in = src + l * layer_stride;
     for (int64_t i = 0; i < blocks; i += 2) {
       __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * 8));
-      if (any_above_u16(a, top)) {
+      if (any_outside<int16_t, false>(a, top)) {
         a = clamp_u16(a, limit);
         mark_bad_rows<int16_t>(p, l, 1, first + i, 2, to + i, nowhere, row_bad + i);
       }
@@ -700,18 +696,7 @@ MOECAP_AVX2 void consume_range_i16_u16_k8_avx2(const CommitParams& p, int64_t fi
       _mm_storeu_si128(reinterpret_cast<__m128i*>(to[i + 1] + l * 16), _mm256_extracti128_si256(a, 1));
     }
   }
-  for (int64_t i = blocks; i < n; ++i) {  // a last row short of a block, element by element
-    mark_bad_rows<int16_t>(p, 0, layers, first + i, 1, to + i, nowhere, row_bad + i);
-    for (l = 0; l < layers; ++l) {
-      int16_t* in = src + l * layer_stride + i * 8;
-      uint16_t* out = reinterpret_cast<uint16_t*>(to[i] + l * 16);
-      for (int k = 0; k < 8; ++k) {
-        const auto id = static_cast<uint16_t>(in[k]);
-        out[k] = id < experts ? id : uint16_t{0xffff};
-        in[k] = -1;
-      }
-    }
-  }
+  narrow_consume_rows_by_element<int16_t, uint16_t>(p, first, blocks, n, to, nowhere, row_bad);  // a last odd row
 }
 #define MOECAP_HAVE_RANGE_NARROW_CONSUME 1
 

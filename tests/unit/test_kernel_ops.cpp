@@ -90,21 +90,20 @@ CommitBesideReference commit_beside_reference(CommitParams p, const std::vector<
     r.w = r.ref_w = std::vector<uint8_t>(static_cast<size_t>(p.host_slots * row * elem_bytes(p.weight_elem)), 0x5A);
   }
   if (step != nullptr) r.step = r.ref_step = *step;
-  p.src_ids = r.dev.data();
-  p.src_weights = weights ? r.dev_w.data() : nullptr;
-  p.dst_ids = r.ids.data();
-  p.dst_weights = weights ? r.w.data() : nullptr;
-  p.dst_states = r.states.data();
-  p.errors = &r.errors;
-  p.step = step != nullptr ? &r.step : nullptr;
+  // Points p at one side's copies.
+  const auto aim = [&](std::vector<uint8_t>& dev, std::vector<uint8_t>& dev_w, std::vector<uint8_t>& ids,
+                       std::vector<uint8_t>& w, std::vector<uint8_t>& states, ErrorWord& errors, StepWord& side_step) {
+    p.src_ids = dev.data();
+    p.src_weights = weights ? dev_w.data() : nullptr;
+    p.dst_ids = ids.data();
+    p.dst_weights = weights ? w.data() : nullptr;
+    p.dst_states = states.data();
+    p.errors = &errors;
+    p.step = step != nullptr ? &side_step : nullptr;
+  };
+  aim(r.dev, r.dev_w, r.ids, r.w, r.states, r.errors, r.step);
   commit_and_release_on_host(p);
-  p.src_ids = r.ref_dev.data();
-  p.src_weights = weights ? r.ref_dev_w.data() : nullptr;
-  p.dst_ids = r.ref_ids.data();
-  p.dst_weights = weights ? r.ref_w.data() : nullptr;
-  p.dst_states = r.ref_states.data();
-  p.errors = &r.ref_errors;
-  p.step = step != nullptr ? &r.ref_step : nullptr;
+  aim(r.ref_dev, r.ref_dev_w, r.ref_ids, r.ref_w, r.ref_states, r.ref_errors, r.ref_step);
   reference_commit(p, unwritten);
   for (int64_t e = 0; e < row * p.count; ++e) consume_element(p, e);
   finish_commit(p);
