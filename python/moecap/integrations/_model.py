@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What an adapter reads from a model's Hugging Face config: the routed
-expert count, and which model layers are MoE layers (the layer map)."""
+expert count, and which model layers are MoE layers (the layer map); and
+the device id dtype that count calls for."""
 
 _EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
 
@@ -14,6 +15,13 @@ def num_experts(config):
             return value
     raise ValueError(f"the model config names no routed expert count (looked for {', '.join(_EXPERT_KEYS)}); "
                      "pass num_experts")
+
+
+def device_id_dtype(num_experts):
+    """The device buffer's id dtype for an adapter, whose routing reaches the
+    buffer only through moecap's capture: u8 up to 255 experts (0xff is
+    "none"; a commit and a snapshot read half the bytes of int16), else AUTO."""
+    return "u8" if num_experts <= 255 else "auto"
 
 
 def moe_layers_from_config(config):

@@ -104,7 +104,7 @@ class MoecapRoutedExpertsCapturer:
         batch_tokens = int(max_batch_tokens if max_batch_tokens is not None else ctx["max_batch_tokens"])
         self.device = str(device)
         if device_id_dtype is None:
-            device_id_dtype = "u8" if self.num_experts <= 255 else "auto"
+            device_id_dtype = _model.device_id_dtype(self.num_experts)
         self.capturer = Capturer(
             num_layers=len(self.moe_layers), top_k=self.topk_size, num_experts=self.num_experts,
             extra_columns=self.num_fused_shared_experts, host_slots=int(num_tokens),

@@ -88,10 +88,9 @@ class MoecapRoutedExpertsCapturer:
                                                   f"cuda:{torch.cuda.current_device()}")
         # vLLM restores this DP rank's rows before writing, so the buffer holds
         # one rank's batch: max_num_batched_tokens rows (spec-decode tokens included).
-        # u8 ids up to 255 experts (0xff is "none"): half the bytes to snapshot and consume.
         self.capturer = Capturer(num_layers=len(layers), top_k=self.shape_per_token[1], num_experts=self.num_experts,
                                  host_slots=1, max_running_requests=1, max_batch_tokens=self.max_num_batched_tokens,
-                                 device_id_dtype="u8" if self.num_experts <= 255 else "auto", device=dev)
+                                 device_id_dtype=_model.device_id_dtype(self.num_experts), device=dev)
         self.moe_layers = layers
         self.capturer.layer_map = LayerMap(layers, self.shape_per_token[0])
         self._ordinal = {layer: i for i, layer in enumerate(layers)}
