@@ -12,8 +12,8 @@ a strided slice copy; and commit against its floor, a memcpy of each
 finished row to a fresh slot, timed call by call beside it by the monotonic
 clock (BM_Commit_AgainstFloor's floor_over_commit: run as separate cases,
 the two drift apart on a shared machine). On a loaded 2-core machine moecap
-is normally 9-15x the copy-out-and-scatter and the gather, 2-3x the slice
-copy, and 0.9-1.2x the memcpy floor (the narrowest margin). The 0.5x floor is wide
+is normally 8-18x the copy-out-and-scatter and the gather, 1.7-1.9x the
+memcpy floor, and 2-3x the slice copy (the narrowest margin). The 0.5x floor is wide
 (noisy shared machines pass) and narrow enough to catch a loss of several
 times, like a second slow pass over every committed row (which made commit
 0.3x of the copy-out-and-scatter).
