@@ -4,6 +4,8 @@
 // through a view seen by moecap (zero copy).
 #include <doctest/doctest.h>
 
+#include <cstdint>
+
 #include "moecap.h"
 #include "tests/support/tensors.h"
 
@@ -76,6 +78,27 @@ TEST_CASE("versioned and legacy views describe the buffers exactly") {
   dev->deleter(dev);
   layer->deleter(layer);
   w->deleter(w);
+}
+
+// Commits and reads touch host rows at random all over the cache: a cache of
+// a huge page or more starts on one, so the kernel can back it with huge
+// pages and a random row is not a TLB miss.
+TEST_CASE("the host backend starts a cache of 2 MB or more on a huge page, a small one on a cache line") {
+  for (const int64_t slots : {int64_t{32}, int64_t{1} << 20}) {
+    CAPTURE(slots);
+    moecap_config c = small_config();
+    c.host_slots = slots;
+    moecap_capturer* h = nullptr;
+    REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
+    DLManagedTensorVersioned* host = nullptr;
+    REQUIRE(moecap_export(h, MOECAP_BUFFER_HOST_IDS, 0, &host) == MOECAP_OK);
+    const auto at = reinterpret_cast<uintptr_t>(host->dl_tensor.data);
+    const uintptr_t bytes = static_cast<uintptr_t>(slots * c.num_layers * c.top_k);  // u8 ids
+    CHECK(at % 64 == 0);
+    if (bytes >= (uintptr_t{2} << 20)) CHECK(at % (uintptr_t{2} << 20) == 0);
+    host->deleter(host);
+    REQUIRE(moecap_destroy(h) == MOECAP_OK);
+  }
 }
 
 TEST_CASE("moecap_get_api fills a table of the same functions") {
