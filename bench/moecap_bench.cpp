@@ -335,6 +335,14 @@ void BM_Commit_AgainstFloor_Top2(benchmark::State& state) { commit_against_floor
 void BM_Commit_AgainstFloor_U16Host(benchmark::State& state) {
   commit_against_floor(state, MOECAP_IDS_AUTO, kTopK, 384);
 }
+// The staged path at a width fixed at compile time: top-1 of 128 experts
+// (Llama 4 Maverick) and top-10 of 512 into u16 host ids (Qwen3-Next); and
+// at a width known only at run time, top-3 of 64.
+void BM_Commit_AgainstFloor_Top1(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 1, 128); }
+void BM_Commit_AgainstFloor_Top10U16Host(benchmark::State& state) {
+  commit_against_floor(state, MOECAP_IDS_AUTO, 10, 512);
+}
+void BM_Commit_AgainstFloor_Top3(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 3, 64); }
 
 // The physical ceiling: one memcpy of the bytes moecap's commit moves (u8 rows).
 void BM_Commit_Memcpy(benchmark::State& state) {
@@ -486,6 +494,9 @@ BENCHMARK(BM_Commit_AgainstFloor_Top6)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top4)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top2)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_U16Host)->Apply(top_k_commit_args);
+BENCHMARK(BM_Commit_AgainstFloor_Top1)->Apply(top_k_commit_args);
+BENCHMARK(BM_Commit_AgainstFloor_Top10U16Host)->Apply(top_k_commit_args);
+BENCHMARK(BM_Commit_AgainstFloor_Top3)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_Memcpy)->Arg(64)->Arg(512)->Arg(4096);
 BENCHMARK(BM_Read_Moecap)->Arg(128)->Arg(4096)->Arg(32768);
 BENCHMARK(BM_Read_Baseline)->Arg(128)->Arg(4096)->Arg(32768);

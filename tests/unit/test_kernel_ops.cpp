@@ -152,7 +152,7 @@ TEST_CASE("commit_on_host writes what the per-element kernel operations write, e
   int cases = 0, wrong = 0;
   for (int32_t s_elem : device_elems) {
     for (int32_t d_elem : host_elems) {
-      for (int32_t top_k : {1, 3, 6, 8}) {
+      for (int32_t top_k : {1, 3, 6, 8, 10, 12, 20}) {
         for (int32_t experts : {7, 200, 256}) {
           if (s_elem == kU8 && experts > 255) continue;  // the plan keeps num_experts within the device dtype
           const int32_t layers = top_k == 8 ? 48 : 5;
@@ -220,7 +220,7 @@ TEST_CASE("commit_on_host writes what the per-element kernel operations write, e
       }
     }
   }
-  CHECK(cases > 150);
+  CHECK(cases == 308);
   CHECK(wrong == 0);
 }
 
@@ -309,7 +309,9 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     for (const Pair pair : {Pair{kI16, kU8, 256}, Pair{kI16, kU8, 255}, Pair{kI16, kU8, 9}, Pair{kI32, kI16, 256},
                             Pair{kU16, kU8, 256}, Pair{kU8, kU8, 200}, Pair{kU8, kU8, 255}, Pair{kU8, kU8, 9},
                             Pair{kI16, kU16, 384}, Pair{kI16, kU16, 32768}}) {
-      for (int32_t top_k : {8, 6, 4, 2, 3}) {
+      // The one-pass widths, fixed-width staging (1, 10) and run-time widths
+      // (3, 12, 20: ids of a layer in one 16-byte move or in a sized copy).
+      for (int32_t top_k : {8, 6, 4, 2, 1, 10, 3, 12, 20}) {
         for (int32_t layers : {1, 4, 7, 61}) {
           for (const bool row_list : {false, true}) {
             for (const bool weights : {false, true}) {
@@ -397,7 +399,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     }
     allow_host_avx2(before);
   }
-  CHECK(cases == 2 * 10 * 5 * 4 * 2 * 2 * 2);
+  CHECK(cases == 2 * 10 * 9 * 4 * 2 * 2 * 2);
   CHECK(unwritten_rows_seen > 0);
   CHECK(wrong == 0);
 }
