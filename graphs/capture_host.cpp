@@ -819,15 +819,17 @@ inline void copy_ends(uint8_t* dst, const uint8_t* src, size_t b) {
 }
 
 // A few bytes (one row of one layer: its top_k ids or weights), copied
-// inline. Where the width is known only at run time a memcpy call per row
-// and layer cost several times the copy (top-3 and top-12 commits ran at
-// 0.03-0.14x a memcpy per row); where it is fixed at compile time this folds
-// to one or two moves.
+// inline up to 64. Where the width is known only at run time a memcpy call
+// per row and layer cost several times the copy (4096-row commits at top-3
+// ran at 0.03x a memcpy per row); where it is fixed at compile time this
+// folds to one or two moves.
 inline void copy_few_bytes(void* dst_v, const void* src_v, size_t b) {
   auto* dst = static_cast<uint8_t*>(dst_v);
   const auto* src = static_cast<const uint8_t*>(src_v);
-  if (b > 32) {
+  if (b > 64) {
     std::memcpy(dst, src, b);
+  } else if (b >= 32) {
+    copy_ends<32>(dst, src, b);
   } else if (b >= 16) {
     copy_ends<16>(dst, src, b);
   } else if (b >= 8) {
@@ -862,8 +864,9 @@ struct CommitScratch {
 // twice keeps its last row. With `consume`, a row range is consumed layer by
 // layer right after it was read (rows of a range are distinct, so each is
 // read once before it is consumed). TopK > 0 fixes the width at compile time
-// (the common top-k values), so the per-row copies are single moves; other
-// widths move 16 bytes into padded staging rows (spill_moves below).
+// (the common top-k values), so the per-row copies are single moves; at
+// other widths a row's ids of a layer of up to 16 bytes move as 16 bytes
+// into padded staging rows (spill_moves below), longer ones by copy_few_bytes.
 template <int TopK, class S, class D>
 void commit_rows(const CommitParams& p, bool consume) {
   const int64_t top_k = TopK > 0 ? TopK : p.top_k;
@@ -888,10 +891,10 @@ void commit_rows(const CommitParams& p, bool consume) {
   int64_t* slots = scratch.get<int64_t>(scratch.slots, tile);
   uint8_t* bad = scratch.get<uint8_t>(scratch.bad, tile);
   S* gathered = scratch.get<S>(scratch.gathered, tile * top_k);
-  // At a width fixed only at run time, each row's ids of a layer go to its
-  // staging row as one 16-byte move (up to 16 bytes of ids), spilling into
-  // the next layer's place, written next, or into the row's padding: a
-  // moved copy per row and layer rather than a sized one.
+  // At a width fixed only at run time with up to 16 bytes of ids per row and
+  // layer, each row's ids of a layer go to its staging row as one 16-byte
+  // move, spilling into the places of the layers after it, written later, or
+  // into the row's padding: a move per row and layer rather than a sized copy.
   constexpr int64_t kSpill = TopK > 0 ? 0 : 16 / static_cast<int64_t>(sizeof(D));
   const bool spill_moves = TopK == 0 && id_chunk <= 16;
   const int64_t srow = row + kSpill;  // elements from one staged row to the next

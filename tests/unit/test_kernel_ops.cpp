@@ -370,7 +370,8 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
                 p.num_experts = experts;
                 p.src_id_elem = pair.s;
                 p.dst_id_elem = pair.d;
-                p.weight_elem = weights ? kF32 : -1;
+                // f32 or bf16 weights: rows of 4 or 2 bytes a weight (copied as bytes).
+                p.weight_elem = weights ? (rng() % 2 == 0 ? kF32 : kBF16) : -1;
                 p.src_rows_elem = kI64;
                 p.dst_slots_elem = int32_slots ? kI32 : kI64;
                 p.stamps = stamps.data();
