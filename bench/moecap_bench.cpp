@@ -63,26 +63,28 @@ DLTensor tensor(void* data, int ndim, int64_t* shape, DLDataType dtype) {
   return DLTensor{data, {kDLCPU, 0}, ndim, dtype, shape, nullptr, 0};
 }
 
-// The floor's host rows on the pages moecap's host backend gives its cache
-// (2 MB ones where transparent huge pages are allowed), so the floor
-// differs from a commit only in the work, not in TLB misses.
-class HugePageBytes {
+// Host rows for a floor, page-aligned like moecap's cache (a std::vector
+// this large starts 16 bytes into a page, so every row straddled one more
+// line: that alone made the floor 20-30 % slower): on 2 MB pages as moecap's
+// host backend gives its cache (where transparent huge pages are allowed),
+// so the floor differs from a commit only in the work; or on 4 KB pages, as
+// a framework tensor an engine would scatter into has them by default.
+class FloorBytes {
  public:
-  explicit HugePageBytes(int64_t bytes) : bytes_(static_cast<size_t>(bytes)) {
-    constexpr size_t kHugePage = size_t{2} << 20;
-    const size_t rounded = (bytes_ + kHugePage - 1) / kHugePage * kHugePage;
-    data_ = static_cast<uint8_t*>(std::aligned_alloc(kHugePage, rounded));
+  FloorBytes(int64_t bytes, bool huge_pages) {
+    const size_t page = huge_pages ? size_t{2} << 20 : size_t{4096};
+    const size_t rounded = (static_cast<size_t>(bytes) + page - 1) / page * page;
+    data_ = static_cast<uint8_t*>(std::aligned_alloc(page, rounded));
     if (data_ == nullptr) std::abort();
-    madvise(data_, rounded, MADV_HUGEPAGE);
+    madvise(data_, rounded, huge_pages ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
     std::memset(data_, 0, rounded);
   }
-  ~HugePageBytes() { std::free(data_); }
-  HugePageBytes(const HugePageBytes&) = delete;
-  HugePageBytes& operator=(const HugePageBytes&) = delete;
+  ~FloorBytes() { std::free(data_); }
+  FloorBytes(const FloorBytes&) = delete;
+  FloorBytes& operator=(const FloorBytes&) = delete;
   uint8_t* data() { return data_; }
 
  private:
-  size_t bytes_;
   uint8_t* data_;
 };
 
@@ -297,7 +299,7 @@ void BM_Commit_MemcpyRows(benchmark::State& state) {
   const int64_t n = c.n;
   const int64_t host_slots = state.range(2);
   std::vector<uint8_t> src(static_cast<size_t>(n * kRowElems), 1);
-  HugePageBytes dst(host_slots * kRowElems);
+  FloorBytes dst(host_slots * kRowElems, true);
   for (auto _ : state) {
     c.rewrite();
     const int64_t* slots = c.slots.next();
@@ -309,11 +311,13 @@ void BM_Commit_MemcpyRows(benchmark::State& state) {
 
 // Commit and its floor paired: every iteration rewrites the rows and
 // commits them, then rewrites them again and scatters the floor's rows to
-// the same walk of slots, each timed alone by the monotonic clock (a vDSO
-// call, about 20 ns). Reports the median of each per call (preemptions by
-// other jobs land in a few calls and leave the median alone) and
-// floor / commit: interleaved, the two see the same machine state, where
-// the separate cases above run half a minute apart.
+// the same walk of slots on 2 MB pages (the floor, floor_over_commit), and
+// once more on 4 KB pages (small_pages_floor_over_commit: what scattering
+// into a framework tensor costs), each timed alone by the monotonic clock
+// (a vDSO call, about 20 ns). Reports the median of each per call
+// (preemptions by other jobs land in a few calls and leave the median
+// alone) and floor / commit: interleaved, they see the same machine state,
+// where the separate cases above run half a minute apart.
 void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int32_t top_k = kTopK,
                           int32_t experts = kExperts) {
   using Clock = std::chrono::steady_clock;
@@ -321,32 +325,37 @@ void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int3
   const int64_t n = c.n;
   const int64_t row = int64_t{kLayers} * top_k * (experts > 256 ? 2 : 1);  // bytes of a host row (u8 or u16 ids)
   std::vector<uint8_t> src(static_cast<size_t>(n * row), 1);
-  HugePageBytes dst(state.range(2) * row);
-  SlotWalk floor_slots(n, state.range(1), state.range(2));
-  std::vector<double> commit_ns, floor_ns;
+  FloorBytes dst(state.range(2) * row, true), small_pages_dst(state.range(2) * row, false);
+  SlotWalk floor_slots(n, state.range(1), state.range(2)), small_pages_slots(n, state.range(1), state.range(2));
+  std::vector<double> commit_ns, floor_ns, small_pages_ns;
+  const auto scatter = [&](FloorBytes& to, SlotWalk& walk) {
+    c.rewrite();
+    const int64_t* slots = walk.next();
+    const auto t0 = Clock::now();
+    for (int64_t i = 0; i < n; ++i) std::memcpy(to.data() + slots[i] * row, src.data() + i * row, static_cast<size_t>(row));
+    benchmark::ClobberMemory();
+    return std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
+  };
   for (auto _ : state) {
     c.rewrite();
     const auto t0 = Clock::now();
     c.commit();
     const auto t1 = Clock::now();
-    c.rewrite();
-    const int64_t* slots = floor_slots.next();
-    const auto t2 = Clock::now();
-    for (int64_t i = 0; i < n; ++i) std::memcpy(dst.data() + slots[i] * row, src.data() + i * row, static_cast<size_t>(row));
-    benchmark::ClobberMemory();
-    const auto t3 = Clock::now();
     commit_ns.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count());
-    floor_ns.push_back(std::chrono::duration<double, std::nano>(t3 - t2).count());
+    floor_ns.push_back(scatter(dst, floor_slots));
+    small_pages_ns.push_back(scatter(small_pages_dst, small_pages_slots));
   }
   if (!c.committed_routing()) state.SkipWithError("commit stored no routing");
   auto median = [](std::vector<double>& v) {
     std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
     return v[v.size() / 2];
   };
-  const double commit = median(commit_ns), floor = median(floor_ns);
+  const double commit = median(commit_ns), floor = median(floor_ns), small_pages = median(small_pages_ns);
   state.counters["commit_ns"] = commit;
   state.counters["floor_ns"] = floor;
   state.counters["floor_over_commit"] = floor / commit;
+  state.counters["small_pages_floor_ns"] = small_pages;
+  state.counters["small_pages_floor_over_commit"] = small_pages / commit;
   state.SetItemsProcessed(state.iterations() * n);
 }
 
@@ -373,7 +382,7 @@ void BM_Commit_AgainstFloor_Top3(benchmark::State& state) { commit_against_floor
 void BM_Commit_Memcpy(benchmark::State& state) {
   const int64_t n = state.range(0);
   std::vector<uint8_t> src(static_cast<size_t>(n * kRowElems), 1);
-  HugePageBytes dst(kHostSlots * kRowElems);
+  FloorBytes dst(kHostSlots * kRowElems, true);
   for (auto _ : state) {
     std::memcpy(dst.data() + 1000 * kRowElems, src.data(), src.size());
     benchmark::ClobberMemory();
