@@ -11,9 +11,10 @@ CPU time per call: commit against copying the rows out and scattering them
 a strided slice copy; and commit against its floor, a memcpy of each
 finished row to a fresh slot, timed call by call beside it by the monotonic
 clock (BM_Commit_AgainstFloor's floor_over_commit: run as separate cases,
-the two drift apart on a shared machine). On a loaded 2-core machine moecap
-is normally 8-18x the copy-out-and-scatter and the gather, 1.7-1.9x the
-memcpy floor, and 2-3x the slice copy (the narrowest margin). The 0.5x floor is wide
+the two drift apart on a shared machine; the floor page-aligned on 2 MB
+pages, as moecap's cache). On a loaded 2-core machine moecap is normally
+8-22x the copy-out-and-scatter and the gather, 1.2-1.6x the memcpy floor,
+and 2-3x the slice copy (the narrowest margin). The 0.5x floor is wide
 (noisy shared machines pass) and narrow enough to catch a loss of several
 times, like a second slow pass over every committed row (which made commit
 0.3x of the copy-out-and-scatter).
