@@ -75,17 +75,24 @@ def test_a_kernel_writes_the_layer_views_and_commit_reads_them():
         assert torch.equal(cap.read(torch.tensor([10, 11, 12, 13])), routing.transpose(0, 1))
 
 
-@pytest.mark.parametrize("top_k", [8, 6, 4, 2])
-@pytest.mark.parametrize("device_id_dtype, experts", [("auto", 256), ("u8", 255), ("u8", 9), ("auto", 384)])
+@pytest.mark.parametrize("top_k", [8, 6, 4, 2, 1, 10, 3])
+@pytest.mark.parametrize("device_id_dtype, experts",
+                         [("auto", 256), ("u8", 255), ("u8", 9), ("auto", 384), ("auto", 512)])
 def test_a_decode_commit_reads_back_what_was_captured(device_id_dtype, experts, top_k):
     # The common commit (a row range, no weights) at the top-k of DeepSeek-V3, DeepSeek-V2, gpt-oss and
-    # Mixtral, into u8 host ids and (384 experts, Kimi K2's) u16 ones, with rows and layers enough for the
-    # host kernel's passes and blocks and what is left after them.
+    # Mixtral (the one-pass kernels), of Llama 4 and Qwen3-Next and a width fixed only at run time (the
+    # staged path), into u8 host ids and (384 and 512 experts: Kimi K2's, Qwen3-Next's) u16 ones, with rows
+    # and layers enough for the host kernel's passes and blocks and what is left after them.
     layers, rows = 9, 43
+    config = dict(num_layers=layers, top_k=top_k, num_experts=experts, host_slots=256, max_running_requests=64,
+                  device_id_dtype=device_id_dtype)
+    if top_k > experts:  # top-10 of 9 experts
+        with pytest.raises(moecap.MoecapError, match="top_k is 10; it must be <= num_experts"):
+            moecap.Capturer(**config)
+        return
     gen = torch.Generator().manual_seed(3)
     routing = torch.randint(0, experts, (layers, rows, top_k), dtype=torch.int32, generator=gen)
-    with moecap.Capturer(num_layers=layers, top_k=top_k, num_experts=experts, host_slots=256, max_running_requests=64,
-                         device_id_dtype=device_id_dtype) as cap:
+    with moecap.Capturer(**config) as cap:
         assert cap.plan.device_id_dtype == ("i16" if device_id_dtype == "auto" else "u8")
         for layer in range(layers):
             cap.capture(layer, routing[layer])
