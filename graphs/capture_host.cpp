@@ -553,8 +553,34 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
     for (size_t row = 0; row < rows; ++row) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[row] + at), place[kPlaceOfRow<S, K>[row]]);
     }
+  } else if constexpr (K == 1) {
+    // A 16 x 8 transpose of bytes in each 128-bit half at once: layer
+    // pairs, then quads, then all eight, so that qword w of half h of c[j]
+    // is place 16h + 2j + w (a row's 8 bytes of the pass).
+    __m256i a[8], b[8], c[8];
+    for (int q = 0; q < 4; ++q) {
+      a[2 * q] = _mm256_unpacklo_epi8(r[2 * q], r[2 * q + 1]);      // in-half places 0-7
+      a[2 * q + 1] = _mm256_unpackhi_epi8(r[2 * q], r[2 * q + 1]);  // in-half places 8-15
+    }
+    for (int g = 0; g < 4; ++g) {  // in-half places 4g..4g+3: layers 0-3 (b[g]) and 4-7 (b[4 + g])
+      const int h = g / 2;
+      b[g] = g % 2 == 0 ? _mm256_unpacklo_epi16(a[h], a[2 + h]) : _mm256_unpackhi_epi16(a[h], a[2 + h]);
+      b[4 + g] = g % 2 == 0 ? _mm256_unpacklo_epi16(a[4 + h], a[6 + h]) : _mm256_unpackhi_epi16(a[4 + h], a[6 + h]);
+    }
+    for (int g = 0; g < 4; ++g) {
+      c[2 * g] = _mm256_unpacklo_epi32(b[g], b[4 + g]);      // in-half places 4g, 4g + 1
+      c[2 * g + 1] = _mm256_unpackhi_epi32(b[g], b[4 + g]);  // in-half places 4g + 2, 4g + 3
+    }
+#pragma GCC unroll 32
+    for (size_t row = 0; row < rows; ++row) {
+      const int place = kPlaceOfRow<S, K>[row];
+      const __m256i v = c[place % 16 / 2];
+      const __m128i half = place < 16 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+      const int64_t bytes = place % 2 == 0 ? _mm_cvtsi128_si64(half) : _mm_extract_epi64(half, 1);
+      std::memcpy(to[row] + at, &bytes, 8);
+    }
   } else {
-    static_assert(K == 2, "the range kernel's top-k: 2, 4, 6 or 8");
+    static_assert(K == 2, "the range kernel's top-k: 1, 2, 4, 6 or 8");
     // An 8 x 8 transpose of 2-byte elements in each 128-bit half at once:
     // half h of c[j] is place 8h + j.
     __m256i a[8], b[8], c[8];
@@ -583,7 +609,7 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
 }
 
 // A range commit's whole tile in one pass over the device rows: rows
-// [first, first + n) of every layer, top-K (2, 4, 6 or 8) int16 or u8 ids
+// [first, first + n) of every layer, top-K (1, 2, 4, 6 or 8) int16 or u8 ids
 // clamped to u8 (clamp_block, clamp_block_k6) straight into each row's host-cache row
 // (to[r], or `nowhere`, a scratch row, for a row that goes to no slot), and
 // consumed (all ones written back) right after they are read.
@@ -903,7 +929,7 @@ void commit_rows(const CommitParams& p, bool consume) {
   uint8_t* staged_w = scratch.get<uint8_t>(scratch.staged_w, tile * w_row);
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
   uint8_t** to = scratch.get<uint8_t*>(scratch.to, tile);
-  // A range commit of int16 or u8 ids into u8 at top-2, 4, 6 or 8 without
+  // A range commit of int16 or u8 ids into u8 at top-1, 2, 4, 6 or 8 without
   // weights: the common decode and prefill commit, with its own one-pass
   // kernel (u8 device ids hold at most 255 experts, their 0xff being "no
   // routing").
@@ -931,7 +957,7 @@ void commit_rows(const CommitParams& p, bool consume) {
     const int64_t run_first = std::max<int64_t>(0, p.src_start + first);
     const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
-    constexpr bool into_u8 = (TopK == 2 || TopK == 4 || TopK == 6 || TopK == 8) &&
+    constexpr bool into_u8 = (TopK == 1 || TopK == 2 || TopK == 4 || TopK == 6 || TopK == 8) &&
                              (std::is_same_v<S, int16_t> || std::is_same_v<S, uint8_t>) && std::is_same_v<D, uint8_t>;
     constexpr bool into_u16 = TopK == 8 && std::is_same_v<S, int16_t> && std::is_same_v<D, uint16_t>;
     if constexpr (into_u8 || into_u16) {

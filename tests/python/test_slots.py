@@ -79,10 +79,10 @@ def test_a_kernel_writes_the_layer_views_and_commit_reads_them():
 @pytest.mark.parametrize("device_id_dtype, experts",
                          [("auto", 256), ("u8", 255), ("u8", 9), ("auto", 384), ("auto", 512)])
 def test_a_decode_commit_reads_back_what_was_captured(device_id_dtype, experts, top_k):
-    # The common commit (a row range, no weights) at the top-k of DeepSeek-V3, DeepSeek-V2, gpt-oss and
-    # Mixtral (the one-pass kernels), of Llama 4 and Qwen3-Next and a width fixed only at run time (the
-    # staged path), into u8 host ids and (384 and 512 experts: Kimi K2's, Qwen3-Next's) u16 ones, with rows
-    # and layers enough for the host kernel's passes and blocks and what is left after them.
+    # The common commit (a row range, no weights) at the top-k of DeepSeek-V3, DeepSeek-V2, gpt-oss, Mixtral
+    # and Llama 4 (the one-pass kernels), of Qwen3-Next and a width fixed only at run time (the staged path),
+    # into u8 host ids and (384 and 512 experts: Kimi K2's, Qwen3-Next's) u16 ones, with rows and layers
+    # enough for the host kernel's passes and blocks and what is left after them.
     layers, rows = 9, 43
     config = dict(num_layers=layers, top_k=top_k, num_experts=experts, host_slots=256, max_running_requests=64,
                   device_id_dtype=device_id_dtype)

@@ -3,6 +3,7 @@
 // and the host commit checked against them.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -409,8 +410,8 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
 // a bad id in a row that goes to no slot (-1) is consumed but not counted,
 // one in a row that goes to a slot is counted and marks it INVALID_IDS, in
 // a block (in a pass of layers and in the layers after the last pass) and
-// in the rows after the last block, at top-8, 6, 4 and 2 (blocks of 4, 4, 8
-// and 16 rows), with AVX2 and without, from int16 device ids at 200 and 256
+// in the rows after the last block, at top-8, 6, 4, 2 and 1 (blocks of 4,
+// 4, 8, 16 and 32 rows), with AVX2 and without, from int16 device ids at 200 and 256
 // experts and from u8 ones at 200, against the per-element operations.
 TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a slot, in blocks and in the tail") {
   struct Source {
@@ -419,7 +420,7 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
     for (const Source source : {Source{kI16, 200}, Source{kI16, 256}, Source{kU8, 200}, Source{kI16, 384, kU16}}) {
-      for (const int32_t top_k : {8, 6, 4, 2}) {
+      for (const int32_t top_k : {8, 6, 4, 2, 1}) {
         CAPTURE(avx2);
         CAPTURE(source.elem);
         CAPTURE(source.experts);
@@ -440,9 +441,10 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
         put(3, 1, top_k - 1, experts + 5);
         put(3, 2, 0, experts);
         put(8, 3, top_k / 2, experts);  // in the layer after the last pass
-        put(3, block + 1, 1, experts + 5);
+        const int32_t second = std::min(1, top_k - 1);  // a row's second id, or its only one at top-1
+        put(3, block + 1, second, experts + 5);
         put(5, block + 2, 0, experts);
-        put(4, block + 2, 1, invalid_id_code(source.elem));  // no routing: not counted
+        put(4, block + 2, second, invalid_id_code(source.elem));  // no routing: not counted
         std::vector<int64_t> slots(static_cast<size_t>(count));
         for (int64_t j = 0; j < count; ++j) slots[static_cast<size_t>(j)] = 20 + j;
         slots[1] = -1;
@@ -470,7 +472,7 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
 
 // A range commit where two rows go to one slot keeps the later row, for
 // every pair of positions in and across blocks of rows (4 at top-8 and 6, 8
-// at top-4, 16 at top-2; 2 into u16 host ids) and the rows after them,
+// at top-4, 16 at top-2, 32 at top-1; 2 into u16 host ids) and the rows after them,
 // through the passes of layers and the single layers after them, from int16
 // and u8 device ids (whose rows lie in a vector register in different
 // orders) into u8, and from int16 into u16.
@@ -483,9 +485,9 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
     const bool before = allow_host_avx2(avx2);
     for (const Pair pair : {Pair{kI16, kU8, 200}, Pair{kU8, kU8, 200}, Pair{kI16, kU16, 384}}) {
       const int32_t elem = pair.device;
-      for (const int32_t top_k : {8, 6, 4, 2}) {
+      for (const int32_t top_k : {8, 6, 4, 2, 1}) {
         const int32_t layers = 9, experts = pair.experts;
-        const int64_t count = 2 * block_rows(top_k) + 1, device_rows = 40, host_slots = 40;
+        const int64_t count = 2 * block_rows(top_k) + 1, device_rows = count + 7, host_slots = count + 7;
         for (int64_t first = 0; first < count; ++first) {
           for (int64_t second = first + 1; second < count; ++second) {
             const int64_t elems = layers * device_rows * top_k;
@@ -510,7 +512,7 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
     }
     allow_host_avx2(before);
   }
-  CHECK(cases == 2 * 3 * (9 * 8 + 9 * 8 + 17 * 16 + 33 * 32) / 2);
+  CHECK(cases == 2 * 3 * (9 * 8 + 9 * 8 + 17 * 16 + 33 * 32 + 65 * 64) / 2);
   CHECK(wrong == 0);
 }
 
