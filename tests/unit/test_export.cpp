@@ -81,7 +81,7 @@ TEST_CASE("versioned and legacy views describe the buffers exactly") {
 }
 
 // Commits and reads touch host rows at random all over the cache: a cache of
-// a huge page or more starts on one, so the kernel can back it with huge
+// a huge page or more starts on one, so Linux can back it with huge
 // pages and a random row is not a TLB miss.
 TEST_CASE("the host backend starts a cache of 2 MB or more on a huge page, a small one on a cache line") {
   for (const int64_t slots : {int64_t{32}, int64_t{1} << 20}) {
