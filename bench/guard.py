@@ -13,7 +13,7 @@ finished row to a fresh slot, timed call by call beside it by the monotonic
 clock (BM_Commit_AgainstFloor's floor_over_commit: run as separate cases,
 the two drift apart on a shared machine; the floor page-aligned on 2 MB
 pages, as moecap's cache). On a loaded 2-core machine moecap is normally
-8-22x the copy-out-and-scatter and the gather, 1.2-1.6x the memcpy floor,
+8-22x the copy-out-and-scatter and the gather, 1.1-1.6x the memcpy floor,
 and 2-3x the slice copy (the narrowest margin). The 0.5x floor is wide
 (noisy shared machines pass) and narrow enough to catch a loss of several
 times, like a second slow pass over every committed row (which made commit
