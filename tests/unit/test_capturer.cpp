@@ -72,20 +72,21 @@ TEST_CASE("round trip capture -> commit -> read for every stored and output id d
   }
 }
 
-// The decode and prefill commit (a row range, no weights) at top-8, 6, 4
-// and 2 from int16 and u8 device ids into u8 host ids, and at top-8 from
+// The decode and prefill commit (a row range, no weights) at top-8, 6, 4,
+// 2 and 1 from int16 and u8 device ids into u8 host ids, and at top-8 from
 // int16 into u16 ones (384 experts), with enough rows and layers
 // for every part of its one-pass kernel (passes of layers and blocks of
 // rows, the single layers and rows after them), a slot two rows go to, rows
 // sent nowhere, and a row with an id outside at capture.
-TEST_CASE("a top-8, 6, 4 or 2 range commit from int16 or u8 device ids reads back what was captured") {
+TEST_CASE("a top-8, 6, 4, 2 or 1 range commit from int16 or u8 device ids reads back what was captured") {
   struct Case {
     int32_t device_dtype, experts, top_k;
   };
   for (const Case cs : {Case{MOECAP_IDS_AUTO, 200, 8}, Case{MOECAP_IDS_AUTO, 256, 8}, Case{MOECAP_IDS_U8, 200, 8},
                         Case{MOECAP_IDS_U8, 255, 8}, Case{MOECAP_IDS_AUTO, 256, 4}, Case{MOECAP_IDS_U8, 200, 4},
                         Case{MOECAP_IDS_AUTO, 200, 2}, Case{MOECAP_IDS_U8, 255, 2}, Case{MOECAP_IDS_AUTO, 160, 6},
-                        Case{MOECAP_IDS_U8, 64, 6}, Case{MOECAP_IDS_AUTO, 384, 8}}) {
+                        Case{MOECAP_IDS_U8, 64, 6}, Case{MOECAP_IDS_AUTO, 128, 1}, Case{MOECAP_IDS_U8, 16, 1},
+                        Case{MOECAP_IDS_AUTO, 384, 8}}) {
     CAPTURE(cs.device_dtype);
     CAPTURE(cs.experts);
     CAPTURE(cs.top_k);
