@@ -369,9 +369,9 @@ void BM_Commit_AgainstFloor_Top2(benchmark::State& state) { commit_against_floor
 void BM_Commit_AgainstFloor_U16Host(benchmark::State& state) {
   commit_against_floor(state, MOECAP_IDS_AUTO, kTopK, 384);
 }
-// Top-1 of 128 experts (Llama 4 Maverick; the one-pass kernel), and the
-// staged path at a width fixed at compile time, top-10 of 512 into u16 host
-// ids (Qwen3-Next), and at a width known only at run time, top-3 of 64.
+// Top-1 of 128 experts (Llama 4 Maverick) and top-10 of 512 into u16 host
+// ids (Qwen3-Next), and the staged path at a width known only at run time,
+// top-3 of 64.
 void BM_Commit_AgainstFloor_Top1(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 1, 128); }
 void BM_Commit_AgainstFloor_Top10U16Host(benchmark::State& state) {
   commit_against_floor(state, MOECAP_IDS_AUTO, 10, 512);

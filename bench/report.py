@@ -108,8 +108,8 @@ def u8_device_rows(c):
 
 def top_k_rows(c):
     """The commit at top-6 (DeepSeek-V2), top-4 (gpt-oss) and top-2 (Mixtral), at top-8 of 384 experts into
-    u16 host ids (Kimi K2), at top-1 (Llama 4), and on the staged path at top-10 of 512 into u16
-    (Qwen3-Next) and top-3 (a width fixed only at run time), against its floor, paired call by call (int16 device
+    u16 host ids (Kimi K2), at top-1 (Llama 4), at top-10 of 512 into u16 (Qwen3-Next), and on the
+    staged path at top-3 (a width fixed only at run time), against its floor, paired call by call (int16 device
     buffer, 48 layers: 288-, 192-, 96-, 768-, 48-, 960- and 144-byte host rows)."""
     rows = []
     for case, what in (("Top6", "top-6"), ("Top4", "top-4"), ("Top2", "top-2"), ("U16Host", "top-8 of 384, u16 ids"),

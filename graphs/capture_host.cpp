@@ -730,6 +730,46 @@ MOECAP_AVX2 void consume_range_i16_u16_k8_avx2(const CommitParams& p, int64_t fi
   }
   narrow_consume_rows_by_element<int16_t, uint16_t, 8>(p, first, blocks, n, to, nowhere, row_bad);  // a last odd row
 }
+
+// Top-K int16 ids into u16 host ids at the other widths (top-10 of 512
+// experts: Qwen3-Next): a layer at a time, its n rows checked as one run of
+// n * K ids (their largest once), each row's 2K bytes moved straight into
+// its host row, in row order, then the run consumed. Only a layer holding an
+// id outside is looked at and clamped element by element. Against the
+// staged path it skips the narrowed copy and the staging tile's copy.
+template <int K>
+MOECAP_AVX2 void consume_range_i16_u16_avx2(const CommitParams& p, int64_t first, int64_t n, uint8_t* const* to,
+                                            uint8_t* nowhere, uint8_t* row_bad) {
+  int16_t* const src = reinterpret_cast<int16_t*>(p.src_ids) + first * K;
+  const int64_t layer_stride = p.device_rows * K;
+  const auto experts = static_cast<uint32_t>(p.num_experts);
+  const __m256i top = _mm256_set1_epi16(static_cast<int16_t>(experts - 1));
+  const int64_t ids = n * K;
+  constexpr size_t kRowBytes = 2 * K;  // one row's ids of one layer
+  for (int64_t l = 0; l < p.num_layers; ++l) {
+    int16_t* const in = src + l * layer_stride;
+    __m256i seen = _mm256_setzero_si256();
+    int64_t e = 0;
+    for (; e + 16 <= ids; e += 16) seen = _mm256_max_epu16(seen, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + e)));
+    bool outside = any_outside<int16_t, false>(seen, top);
+    for (; e < ids; ++e) outside = outside || static_cast<uint16_t>(in[e]) >= experts;
+    const int64_t at = l * static_cast<int64_t>(kRowBytes);
+    if (!outside) {
+      for (int64_t i = 0; i < n; ++i) std::memcpy(to[i] + at, in + i * K, kRowBytes);
+    } else {  // rare
+      mark_bad_rows<int16_t>(p, l, 1, first, n, to, nowhere, row_bad);
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t row[static_cast<size_t>(K)];
+        for (int k = 0; k < K; ++k) {
+          const auto id = static_cast<uint16_t>(in[i * K + k]);
+          row[k] = id < experts ? id : uint16_t{0xffff};
+        }
+        std::memcpy(to[i] + at, row, kRowBytes);
+      }
+    }
+    std::memset(in, 0xff, static_cast<size_t>(ids) * 2);
+  }
+}
 #define MOECAP_HAVE_RANGE_NARROW_CONSUME 1
 
 // Rows [0, result) hold routing written this step in every layer.
@@ -929,10 +969,10 @@ void commit_rows(const CommitParams& p, bool consume) {
   uint8_t* staged_w = scratch.get<uint8_t>(scratch.staged_w, tile * w_row);
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
   uint8_t** to = scratch.get<uint8_t*>(scratch.to, tile);
-  // A range commit of int16 or u8 ids into u8 at top-1, 2, 4, 6 or 8 without
-  // weights: the common decode and prefill commit, with its own one-pass
-  // kernel (u8 device ids hold at most 255 experts, their 0xff being "no
-  // routing").
+  // A range commit of int16 or u8 ids into u8 at top-1, 2, 4, 6 or 8, or of
+  // int16 ids into u16 at those widths and 10, without weights: the common
+  // decode and prefill commit, with its own one-pass kernels (u8 device ids
+  // hold at most 255 experts, their 0xff being "no routing").
   const uint32_t most_experts = std::is_same_v<D, uint16_t> ? 32768u : sizeof(S) == 1 ? 255u : 256u;
   const bool range_in_one_pass = use_avx2 && consume && p.mode == kCommitRows && p.src_rows == nullptr &&
                                  w_bytes == 0 && experts >= 1 && experts <= most_experts;
@@ -959,7 +999,7 @@ void commit_rows(const CommitParams& p, bool consume) {
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
     constexpr bool into_u8 = (TopK == 1 || TopK == 2 || TopK == 4 || TopK == 6 || TopK == 8) &&
                              (std::is_same_v<S, int16_t> || std::is_same_v<S, uint8_t>) && std::is_same_v<D, uint8_t>;
-    constexpr bool into_u16 = TopK == 8 && std::is_same_v<S, int16_t> && std::is_same_v<D, uint16_t>;
+    constexpr bool into_u16 = TopK > 0 && std::is_same_v<S, int16_t> && std::is_same_v<D, uint16_t>;
     if constexpr (into_u8 || into_u16) {
       if (range_in_one_pass && n > 0 && run_rows > 0 && run_first + run_rows <= written_in_every_layer) {
         // The tile's rows are one run: narrowed and consumed in one pass
@@ -977,8 +1017,10 @@ void commit_rows(const CommitParams& p, bool consume) {
           prefetch_lines<true>(host_ids + slots[i] * row_bytes, row_bytes);
         }
         std::memset(bad, 0, static_cast<size_t>(run_rows));
-        if constexpr (into_u16) {
+        if constexpr (into_u16 && TopK == 8) {
           consume_range_i16_u16_k8_avx2(p, run_first, run_rows, to, scratch_row, bad);
+        } else if constexpr (into_u16) {
+          consume_range_i16_u16_avx2<TopK>(p, run_first, run_rows, to, scratch_row, bad);
         } else if constexpr (std::is_same_v<S, uint8_t>) {
           narrow_consume_range_u8_avx2<TopK, S, false>(p, run_first, run_rows, to, scratch_row, bad);
         } else if (experts == 256) {
