@@ -735,7 +735,7 @@ MOECAP_AVX2 void consume_range_i16_u16_k8_avx2(const CommitParams& p, int64_t fi
 // experts: Qwen3-Next): a layer at a time, its n rows checked as one run of
 // n * K ids (their largest once), each row's 2K bytes moved straight into
 // its host row, in row order, then the run consumed. Only a layer holding an
-// id outside is looked at and clamped element by element. Against the
+// id outside is looked at and clamped row by row (narrow_ids). Against the
 // staged path it skips the narrowed copy and the staging tile's copy.
 template <int K>
 MOECAP_AVX2 void consume_range_i16_u16_avx2(const CommitParams& p, int64_t first, int64_t n, uint8_t* const* to,
@@ -758,14 +758,7 @@ MOECAP_AVX2 void consume_range_i16_u16_avx2(const CommitParams& p, int64_t first
       for (int64_t i = 0; i < n; ++i) std::memcpy(to[i] + at, in + i * K, kRowBytes);
     } else {  // rare
       mark_bad_rows<int16_t>(p, l, 1, first, n, to, nowhere, row_bad);
-      for (int64_t i = 0; i < n; ++i) {
-        uint16_t row[static_cast<size_t>(K)];
-        for (int k = 0; k < K; ++k) {
-          const auto id = static_cast<uint16_t>(in[i * K + k]);
-          row[k] = id < experts ? id : uint16_t{0xffff};
-        }
-        std::memcpy(to[i] + at, row, kRowBytes);
-      }
+      for (int64_t i = 0; i < n; ++i) narrow_ids(in + i * K, reinterpret_cast<uint16_t*>(to[i] + at), K, experts);
     }
     std::memset(in, 0xff, static_cast<size_t>(ids) * 2);
   }
@@ -1447,7 +1440,6 @@ RowWeights pick_row_weights(int32_t stored, int32_t dst) {
     default: return weights_from<kF32>(dst);
   }
 }
-
 
 // How many slots ahead the rows are requested: enough to cover a miss to
 // memory with a few hundred bytes of rows in flight, few enough that the
