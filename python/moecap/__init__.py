@@ -54,6 +54,9 @@ DEVICE_HOST, DEVICE_CUDA = DeviceType.HOST, DeviceType.CUDA
 #: What a host-cache slot holds (Capturer.slot_states): bits of MOECAP_SLOT_*.
 SLOT_EMPTY, SLOT_VALID, SLOT_INVALID_IDS = SlotState.EMPTY, SlotState.VALID, SlotState.INVALID_IDS
 
+#: This package's version ("MAJOR.MINOR.PATCH"), as pip reports it; abi_version() is the loaded library's.
+__version__: str = _moecap.VERSION
+
 if _moecap.abi_version() >> 16 != _moecap.ABI_VERSION >> 16:  # pragma: no cover - a mismatched install
     raise ImportError(f"libmoecap.so implements ABI {_moecap.abi_version() >> 16}.x; "
                       f"moecap._moecap was built for {_moecap.ABI_VERSION >> 16}.x")

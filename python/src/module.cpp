@@ -390,6 +390,9 @@ using namespace moecap_python;
 NB_MODULE(_moecap, m) {
   m.doc() = "libmoecap.so's C ABI, called directly (the moecap package wraps it).";
   m.attr("ABI_VERSION") = MOECAP_ABI_VERSION;
+  // The package's version as the wheel's metadata spells it (pyproject.toml reads the same three macros).
+  m.attr("VERSION") = std::to_string(MOECAP_ABI_VERSION_MAJOR) + "." + std::to_string(MOECAP_ABI_VERSION_MINOR) + "." +
+                      std::to_string(MOECAP_VERSION_PATCH);
   m.def("abi_version", &moecap_abi_version, "MOECAP_ABI_VERSION of the loaded library (major << 16 | minor).");
   m.def("status_name", [](int status) { return std::string(moecap_status_name(static_cast<moecap_status>(status))); });
   m.def(

@@ -117,6 +117,15 @@ def test_statuses_are_the_libraries_own():
     assert moecap.Status is _moecap.Status and moecap.MoecapError(15, "x").status is moecap.Status.NO_ROUTING
 
 
+def test_the_version_is_the_libraries_major_and_minor_and_the_headers_patch():
+    import pathlib
+    import re
+
+    header = (pathlib.Path(__file__).resolve().parents[2] / "abi" / "moecap.h").read_text()
+    patch = re.search(r"#define MOECAP_VERSION_PATCH +([0-9]+)", header).group(1)
+    assert moecap.__version__ == "{}.{}.{}".format(*moecap.abi_version(), patch)
+
+
 def test_buffers_and_slot_states_are_the_extensions_constants():
     assert moecap.BUFFERS == {b.name.lower(): b for b in moecap.Buffer}
     assert (moecap.SLOT_EMPTY, moecap.SLOT_VALID, moecap.SLOT_INVALID_IDS) == (0, 1, 2)

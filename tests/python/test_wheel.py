@@ -41,9 +41,12 @@ def test_pip_install_then_import_anywhere(tmp_path):
     clean_env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no PYTHONPATH, no MOECAP_*
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    out = run(str(python), "-c", "import moecap; print(moecap.__file__, moecap.abi_version())",
+    out = run(str(python), "-c", "import importlib.metadata as m, moecap; "
+              "print(moecap.__file__, moecap.__version__, m.version('moecap'), moecap.abi_version())",
               cwd=elsewhere, env=clean_env)
     assert out.startswith(str(fresh)), out  # the installed package, not the source tree
+    _, version, installed_version, _ = out.split(" ", 3)
+    assert version == installed_version, out  # __version__ is what pip installed
 
     # The quick start needs NumPy and PyTorch: lend them from this venv by a .pth file, not an env var.
     (fresh_site,) = (fresh / "lib").glob("python3*/site-packages")
