@@ -33,7 +33,8 @@ constexpr int64_t kLargeHostSlots = 1 << 18;
 
 // id_dtype: the host cache's; device_id_dtype: what capture (or a kernel) writes.
 moecap_config bench_config(int32_t id_dtype, int32_t device_id_dtype = MOECAP_IDS_AUTO,
-                           int64_t host_slots = kHostSlots, int32_t top_k = kTopK, int32_t experts = kExperts) {
+                           int64_t host_slots = kHostSlots, int32_t top_k = kTopK, int32_t experts = kExperts,
+                           int32_t weight_dtype = MOECAP_WEIGHTS_NONE) {
   moecap_config c{};
   c.struct_size = sizeof c;
   if (moecap_config_init(&c) != MOECAP_OK) std::abort();
@@ -46,13 +47,14 @@ moecap_config bench_config(int32_t id_dtype, int32_t device_id_dtype = MOECAP_ID
   c.host_slots = host_slots;
   c.id_dtype = id_dtype;
   c.device_id_dtype = device_id_dtype;
+  c.weight_dtype = weight_dtype;
   return c;
 }
 
 struct Handle {
   explicit Handle(int32_t id_dtype, int32_t device_id_dtype = MOECAP_IDS_AUTO, int64_t host_slots = kHostSlots,
-                  int32_t top_k = kTopK, int32_t experts = kExperts) {
-    const moecap_config c = bench_config(id_dtype, device_id_dtype, host_slots, top_k, experts);
+                  int32_t top_k = kTopK, int32_t experts = kExperts, int32_t weight_dtype = MOECAP_WEIGHTS_NONE) {
+    const moecap_config c = bench_config(id_dtype, device_id_dtype, host_slots, top_k, experts, weight_dtype);
     if (moecap_create(&c, &h) != MOECAP_OK) std::abort();
   }
   ~Handle() { moecap_destroy(h); }
@@ -104,6 +106,7 @@ std::vector<int64_t> sequential_slots(int64_t n) {
 
 const DLDataType kI32{kDLInt, 32, 1};
 const DLDataType kI64{kDLInt, 64, 1};
+const DLDataType kF32{kDLFloat, 32, 1};
 
 // Whether every slot reads as real routing (a strict read): what the timed
 // commits stored was routing, not rows an earlier commit consumed.
@@ -190,33 +193,28 @@ struct SlotWalk {
 // layer views write) or U8 (what an engine whose routing goes through
 // moecap_capture can choose for <= 255 experts: half the bytes to read).
 // top_k: the model's (8 by default; 6 for DeepSeek-V2, 4 for gpt-oss, 2 for Mixtral); experts: 128 by
-// default (u8 host ids; 384, Kimi K2's, takes u16 ones).
+// default (u8 host ids; 384, Kimi K2's, takes u16 ones). weight_dtype: the
+// routing weights stored beside the ids (none by default), rewritten too.
 struct CommitCase {
   explicit CommitCase(const benchmark::State& state, int32_t device_id_dtype = MOECAP_IDS_AUTO,
-                      int32_t top_k = kTopK, int32_t experts = kExperts)
-      : n(state.range(0)), top_k(top_k), cap(MOECAP_IDS_AUTO, device_id_dtype, state.range(2), top_k, experts),
+                      int32_t top_k = kTopK, int32_t experts = kExperts, int32_t weight_dtype = MOECAP_WEIGHTS_NONE)
+      : n(state.range(0)), top_k(top_k),
+        cap(MOECAP_IDS_AUTO, device_id_dtype, state.range(2), top_k, experts, weight_dtype),
         slots(n, state.range(1), state.range(2)) {
     std::vector<int32_t> ids(static_cast<size_t>(n * top_k));
+    std::vector<float> weights(ids.size());
     int64_t ids_shape[2] = {n, top_k};
-    DLTensor it = tensor(ids.data(), 2, ids_shape, kI32);
+    DLTensor it = tensor(ids.data(), 2, ids_shape, kI32), wt = tensor(weights.data(), 2, ids_shape, kF32);
     for (int32_t layer = 0; layer < kLayers; ++layer) {
       for (size_t i = 0; i < ids.size(); ++i) {
         ids[i] = static_cast<int32_t>((i * 7 + static_cast<size_t>(layer)) % static_cast<size_t>(experts));
+        weights[i] = 1.0f / static_cast<float>(1 + i % static_cast<size_t>(top_k));
       }
-      if (moecap_capture(cap.h, layer, &it, nullptr, nullptr) != MOECAP_OK) std::abort();
+      const DLTensor* w = weight_dtype == MOECAP_WEIGHTS_NONE ? nullptr : &wt;
+      if (moecap_capture(cap.h, layer, &it, w, nullptr) != MOECAP_OK) std::abort();
     }
-    DLManagedTensorVersioned* v = nullptr;
-    if (moecap_export(cap.h, MOECAP_BUFFER_DEVICE_IDS, 0, &v) != MOECAP_OK) std::abort();
-    device = static_cast<uint8_t*>(v->dl_tensor.data);
-    device_rows = v->dl_tensor.shape[1];
-    layer_bytes = n * top_k * v->dl_tensor.dtype.bits / 8;
-    device_layer_bytes = device_rows * top_k * v->dl_tensor.dtype.bits / 8;
-    v->deleter(v);  // the capturer keeps the memory
-    routing.resize(static_cast<size_t>(kLayers * layer_bytes));
-    for (int32_t layer = 0; layer < kLayers; ++layer) {
-      std::memcpy(routing.data() + layer * layer_bytes, device + layer * device_layer_bytes,
-                  static_cast<size_t>(layer_bytes));
-    }
+    ids_rows = DeviceRows(cap.h, MOECAP_BUFFER_DEVICE_IDS, n, top_k);
+    if (weight_dtype != MOECAP_WEIGHTS_NONE) weight_rows = DeviceRows(cap.h, MOECAP_BUFFER_DEVICE_WEIGHTS, n, top_k);
     shape[0] = n;
     st = tensor(nullptr, 1, shape, kI64);
     args = moecap_commit_args{sizeof args, 0, nullptr, &st};
@@ -232,22 +230,45 @@ struct CommitCase {
     return holds_routing(cap.h, s, top_k);
   }
   void rewrite() {
-    for (int32_t layer = 0; layer < kLayers; ++layer) {
-      std::memcpy(device + layer * device_layer_bytes, routing.data() + layer * layer_bytes,
-                  static_cast<size_t>(layer_bytes));
-    }
+    ids_rows.rewrite();
+    weight_rows.rewrite();
     benchmark::ClobberMemory();
   }
+  // The first n rows of every layer of one device buffer (ids or weights),
+  // and what they hold before each commit.
+  struct DeviceRows {
+    DeviceRows() = default;
+    DeviceRows(moecap_capturer* h, int32_t buffer, int64_t n, int32_t top_k) {
+      DLManagedTensorVersioned* v = nullptr;
+      if (moecap_export(h, buffer, 0, &v) != MOECAP_OK) std::abort();
+      device = static_cast<uint8_t*>(v->dl_tensor.data);
+      layer_bytes = n * top_k * v->dl_tensor.dtype.bits / 8;
+      device_layer_bytes = v->dl_tensor.shape[1] * top_k * v->dl_tensor.dtype.bits / 8;
+      v->deleter(v);  // the capturer keeps the memory
+      routing.resize(static_cast<size_t>(kLayers * layer_bytes));
+      for (int32_t layer = 0; layer < kLayers; ++layer) {
+        std::memcpy(routing.data() + layer * layer_bytes, device + layer * device_layer_bytes,
+                    static_cast<size_t>(layer_bytes));
+      }
+    }
+    void rewrite() {
+      if (device == nullptr) return;
+      for (int32_t layer = 0; layer < kLayers; ++layer) {
+        std::memcpy(device + layer * device_layer_bytes, routing.data() + layer * layer_bytes,
+                    static_cast<size_t>(layer_bytes));
+      }
+    }
+    std::vector<uint8_t> routing;    // [layers, n, top_k]: what the rows hold before each commit
+    uint8_t* device = nullptr;       // the device buffer, [layers, device_rows, top_k]
+    int64_t layer_bytes = 0;         // n rows of one layer
+    int64_t device_layer_bytes = 0;  // all device rows of one layer
+  };
   int64_t n;
   int32_t top_k;
   Handle cap;
   SlotWalk slots;
   const int64_t* last = nullptr;  // the slots of the last commit
-  std::vector<uint8_t> routing;  // [layers, n, top_k] ids: what the rows hold before each commit
-  uint8_t* device = nullptr;     // the device buffer, [layers, device_rows, top_k] ids
-  int64_t device_rows = 0;
-  int64_t layer_bytes = 0;         // n rows of one layer
-  int64_t device_layer_bytes = 0;  // all device rows of one layer
+  DeviceRows ids_rows, weight_rows;  // weight_rows holds nothing without weights
   int64_t shape[1] = {0};
   DLTensor st{};
   moecap_commit_args args{};
@@ -318,21 +339,34 @@ void BM_Commit_MemcpyRows(benchmark::State& state) {
 // (preemptions by other jobs land in a few calls and leave the median
 // alone) and floor / commit: interleaved, they see the same machine state,
 // where the separate cases above run half a minute apart.
+// With weights (weight_bytes per weight), the floor scatters each row's
+// weights too, into host weights of their own as moecap's are.
 void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int32_t top_k = kTopK,
-                          int32_t experts = kExperts) {
+                          int32_t experts = kExperts, int32_t weight_dtype = MOECAP_WEIGHTS_NONE,
+                          int64_t weight_bytes = 0) {
   using Clock = std::chrono::steady_clock;
-  CommitCase c(state, device_id_dtype, top_k, experts);
+  CommitCase c(state, device_id_dtype, top_k, experts, weight_dtype);
   const int64_t n = c.n;
+  const int64_t slots = state.range(2);
   const int64_t row = int64_t{kLayers} * top_k * (experts > 256 ? 2 : 1);  // bytes of a host row (u8 or u16 ids)
-  std::vector<uint8_t> src(static_cast<size_t>(n * row), 1);
-  FloorBytes dst(state.range(2) * row, true), small_pages_dst(state.range(2) * row, false);
-  SlotWalk floor_slots(n, state.range(1), state.range(2)), small_pages_slots(n, state.range(1), state.range(2));
+  const int64_t weight_row = int64_t{kLayers} * top_k * weight_bytes;    // bytes of a host row's weights
+  std::vector<uint8_t> src(static_cast<size_t>(n * row), 1), weight_src(static_cast<size_t>(n * weight_row), 1);
+  FloorBytes dst(slots * row, true), small_pages_dst(slots * row, false);
+  FloorBytes weight_dst(std::max<int64_t>(slots * weight_row, 1), true);
+  FloorBytes small_pages_weight_dst(std::max<int64_t>(slots * weight_row, 1), false);
+  SlotWalk floor_slots(n, state.range(1), slots), small_pages_slots(n, state.range(1), slots);
   std::vector<double> commit_ns, floor_ns, small_pages_ns;
-  const auto scatter = [&](FloorBytes& to, SlotWalk& walk) {
+  const auto scatter = [&](FloorBytes& to, FloorBytes& weights_to, SlotWalk& walk) {
     c.rewrite();
-    const int64_t* slots = walk.next();
+    const int64_t* at = walk.next();
     const auto t0 = Clock::now();
-    for (int64_t i = 0; i < n; ++i) std::memcpy(to.data() + slots[i] * row, src.data() + i * row, static_cast<size_t>(row));
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(to.data() + at[i] * row, src.data() + i * row, static_cast<size_t>(row));
+      if (weight_row > 0) {
+        std::memcpy(weights_to.data() + at[i] * weight_row, weight_src.data() + i * weight_row,
+                    static_cast<size_t>(weight_row));
+      }
+    }
     benchmark::ClobberMemory();
     return std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
   };
@@ -342,8 +376,8 @@ void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int3
     c.commit();
     const auto t1 = Clock::now();
     commit_ns.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count());
-    floor_ns.push_back(scatter(dst, floor_slots));
-    small_pages_ns.push_back(scatter(small_pages_dst, small_pages_slots));
+    floor_ns.push_back(scatter(dst, weight_dst, floor_slots));
+    small_pages_ns.push_back(scatter(small_pages_dst, small_pages_weight_dst, small_pages_slots));
   }
   if (!c.committed_routing()) state.SkipWithError("commit stored no routing");
   auto median = [](std::vector<double>& v) {
@@ -377,6 +411,10 @@ void BM_Commit_AgainstFloor_Top10U16Host(benchmark::State& state) {
   commit_against_floor(state, MOECAP_IDS_AUTO, 10, 512);
 }
 void BM_Commit_AgainstFloor_Top3(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 3, 64); }
+// Routing weights beside the ids, stored as bf16 (2 bytes each).
+void BM_Commit_AgainstFloor_Bf16Weights(benchmark::State& state) {
+  commit_against_floor(state, MOECAP_IDS_AUTO, kTopK, kExperts, MOECAP_WEIGHTS_BF16, 2);
+}
 
 // The physical ceiling: one memcpy of the bytes moecap's commit moves (u8 rows).
 void BM_Commit_Memcpy(benchmark::State& state) {
@@ -531,6 +569,7 @@ BENCHMARK(BM_Commit_AgainstFloor_U16Host)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top1)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top10U16Host)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top3)->Apply(top_k_commit_args);
+BENCHMARK(BM_Commit_AgainstFloor_Bf16Weights)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_Memcpy)->Arg(64)->Arg(512)->Arg(4096);
 BENCHMARK(BM_Read_Moecap)->Arg(128)->Arg(4096)->Arg(32768);
 BENCHMARK(BM_Read_Baseline)->Arg(128)->Arg(4096)->Arg(32768);
