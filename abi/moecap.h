@@ -55,6 +55,9 @@
  *   commit never waits behind a monitoring thread's get_errors. Calls racing
  *   on the same slots from several threads are ordered by the engine, not
  *   by the lock.
+ *   moecap_destroy is the exception: it frees the handle, so the caller
+ *   makes sure no other call on that capturer is in progress or follows
+ *   (the Python package's close() waits for its other threads' calls).
  *   Using a capturer after moecap_destroy is undefined behaviour (debug builds
  *   detect it and return MOECAP_ERROR_INVALID_ARGUMENT).
  */

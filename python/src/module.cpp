@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "binding.h"
@@ -110,6 +111,21 @@ class Capturer {
     return elapsed.count() / static_cast<double>(iterations);
   }
 
+  // A call that releases the GIL around the C call holds one of these
+  // (made and dropped with the GIL held) so that close() on another thread
+  // waits for it: moecap_destroy must not run while a call on the same
+  // capturer is in progress.
+  class InFlight {
+   public:
+    explicit InFlight(Capturer& c) : c_(c) { ++c_.in_flight_; }
+    InFlight(const InFlight&) = delete;
+    InFlight& operator=(const InFlight&) = delete;
+    ~InFlight() { --c_.in_flight_; }
+
+   private:
+    Capturer& c_;
+  };
+
   void commit(Tensor dst_slots, int64_t src_start, Tensor src_rows, nb::handle stream) {
     Borrowed slots, rows;
     borrow(dst_slots, "dst_slots", false, slots);
@@ -119,6 +135,7 @@ class Capturer {
     moecap_capturer* h = live();
     moecap_status status;
     {
+      InFlight busy(*this);
       nb::gil_scoped_release unlocked;
       status = moecap_commit(h, &args, s);
     }
@@ -136,6 +153,7 @@ class Capturer {
     moecap_capturer* h = live();
     moecap_status status;
     {
+      InFlight busy(*this);
       nb::gil_scoped_release unlocked;
       const uint32_t flags = (nonblocking ? MOECAP_READ_NONBLOCKING : 0u) | (strict ? MOECAP_READ_STRICT : 0u);
       status = moecap_read(h, s.get(), ids.get_mut(), w, flags, st);
@@ -152,6 +170,7 @@ class Capturer {
     moecap_capturer* h = live();
     moecap_status status;
     {
+      InFlight busy(*this);
       nb::gil_scoped_release unlocked;
       status = moecap_write(h, s.get(), i.get(), wp, st);
     }
@@ -177,6 +196,7 @@ class Capturer {
     moecap_capturer* h = live();
     moecap_status status;
     {
+      InFlight busy(*this);
       nb::gil_scoped_release unlocked;
       status = moecap_synchronize(h);
     }
@@ -239,8 +259,17 @@ class Capturer {
     return new Graph(graph, std::move(keep), device_type_, device_id_);
   }
 
+  // Waits for calls in progress on other threads (they released the GIL),
+  // refusing new ones meanwhile, then destroys the handle.
   void close() {
-    check(moecap_destroy(handle_));
+    if (handle_ == nullptr) return;
+    closing_ = true;
+    while (in_flight_ > 0) {
+      nb::gil_scoped_release unlocked;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    closing_ = false;
+    check(moecap_destroy(handle_));  // refused while recording a graph: the handle stays live
     handle_ = nullptr;
   }
 
@@ -250,7 +279,7 @@ class Capturer {
 
  private:
   moecap_capturer* live() {
-    if (handle_ == nullptr) closed();
+    if (handle_ == nullptr || closing_) closed();
     return handle_;
   }
   nb::list* recording() { return recording_on_ ? &recording_ : nullptr; }
@@ -261,6 +290,8 @@ class Capturer {
   nb::list* held() { return recording_on_ ? &recording_ : side_stream_ ? &forked_ : nullptr; }
 
   moecap_capturer* handle_ = nullptr;
+  int in_flight_ = 0;     // calls between InFlight's constructor and destructor (the GIL guards it)
+  bool closing_ = false;  // close() waits for in_flight_: no new calls
   int32_t device_type_, device_id_;
   nb::list recording_;
   bool recording_on_ = false;
@@ -455,7 +486,8 @@ NB_MODULE(_moecap, m) {
       .def("get_plan", &Capturer::plan)
       .def("graph_begin", &Capturer::graph_begin, nb::arg("stream") = nb::none())
       .def("graph_end", &Capturer::graph_end, nb::rv_policy::take_ownership)
-      .def("close", &Capturer::close, "Release the handle (views and graphs keep the memory alive).")
+      .def("close", &Capturer::close, "Release the handle (views and graphs keep the memory alive). Waits for calls in progress on "
+           "other threads; later calls raise ValueError.")
       .def_prop_ro("closed", &Capturer::is_closed)
       .def_prop_ro("device_type", &Capturer::device_type)
       .def_prop_ro("device_id", &Capturer::device_id);

@@ -126,6 +126,47 @@ def test_the_version_is_the_libraries_major_and_minor_and_the_headers_patch():
     assert moecap.__version__ == "{}.{}.{}".format(*moecap.abi_version(), patch)
 
 
+def test_close_waits_for_calls_in_progress_on_other_threads():
+    # read, commit, write and synchronize release the GIL inside the library:
+    # a close() on another thread must not free the capturer under them.
+    import threading
+    import time
+
+    outcomes = []
+    for trial in range(200):
+        cap = moecap.Capturer(**CONFIG)
+        cap.capture(0, np.array([[1, 2]], dtype=np.int32))
+        cap.capture(1, np.array([[3, 4]], dtype=np.int32))
+        cap.commit(np.array([5]))
+        started = threading.Barrier(4)
+        slots = np.array([5])
+
+        def reader():
+            out = np.empty((1, 2, 2), np.int32)
+            started.wait()
+            try:
+                for _ in range(200):
+                    cap.read(slots, out=out)
+                    cap.synchronize()
+                assert out.tolist() == [[[1, 2], [3, 4]]]
+                outcomes.append("finished")
+            except ValueError as e:
+                assert "closed" in str(e)
+                outcomes.append("closed")
+
+        threads = [threading.Thread(target=reader) for _ in range(3)]
+        for t in threads:
+            t.start()
+        started.wait()
+        time.sleep(0.0002 * (trial % 10))  # close at different points of the readers' loops
+        cap.close()
+        for t in threads:
+            t.join()
+        with pytest.raises(ValueError, match="closed"):
+            cap.read(np.array([5]))
+    assert len(outcomes) == 600 and "closed" in outcomes
+
+
 def test_buffers_and_slot_states_are_the_extensions_constants():
     assert moecap.BUFFERS == {b.name.lower(): b for b in moecap.Buffer}
     assert (moecap.SLOT_EMPTY, moecap.SLOT_VALID, moecap.SLOT_INVALID_IDS) == (0, 1, 2)
