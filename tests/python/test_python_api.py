@@ -220,3 +220,15 @@ def test_every_dtype_enum_member_names_its_own_dtype_and_never_the_other_kinds()
             None if member == moecap.WeightDtype.NONE else member.name.lower())
         with pytest.raises(ValueError, match="id_dtype must be one of"):
             moecap.Config(**CONFIG, id_dtype=member)
+
+
+def test_the_readmes_python_example_runs_and_reads_what_it_says():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (example,) = re.findall(r"## From Python\n\n```python\n(.*?)```", readme, re.S)
+    scope: dict = {}
+    exec(compile(example, "README.md", "exec"), scope)
+    assert scope["ids"].shape == (2, 2, 2) and scope["ids"].dtype == np.int32
+    assert ((scope["ids"] >= 0) & (scope["ids"] < 8)).all()  # both tokens' routing, padding dropped
