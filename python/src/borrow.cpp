@@ -12,6 +12,7 @@
 //  4. nanobind's ndarray import: any other __dlpack__ producer (JAX, CuPy, ...).
 #include <cstring>
 #include <string>
+#include <string_view>
 
 #include "binding.h"
 #include "plugin/tensor_args.h"
@@ -248,6 +249,17 @@ void check(moecap_status status) {
   throw nb::python_error();
 }
 
+namespace {
+
+bool is_jax_array(PyTypeObject* type) {
+  nb::object module = nb::getattr(nb::handle(reinterpret_cast<PyObject*>(type)), "__module__", nb::none());
+  if (!nb::isinstance<nb::str>(module)) return false;
+  const std::string_view name = nb::str(module).c_str();
+  return name.substr(0, 4) == "jax." || name.substr(0, 7) == "jaxlib." || name == "jax" || name == "jaxlib";
+}
+
+}  // namespace
+
 void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out) {
   out.keep = nb::borrow(obj);
   out.dl.byte_offset = 0;
@@ -265,9 +277,16 @@ void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out) {
   }
   if (PyObject_CheckBuffer(obj.ptr()) && borrow_buffer(obj, name, writable, out)) return;
   if (writable) {
+    // JAX arrays are immutable, but their DLPack capsules are legacy ones,
+    // which have no read-only flag: moecap would write into an array that
+    // jitted code holds as a constant.
+    if (is_jax_array(type)) {
+      type_error(name, obj, "must be a writable tensor, and JAX arrays are immutable (read into NumPy or torch, "
+                            "then jax.numpy.asarray)");
+    }
     nb::ndarray<> array;
     if (!nb::try_cast(obj, array, false)) {
-      type_error(name, obj, "must be a writable tensor (NumPy, PyTorch, JAX, CuPy or any DLPack producer)");
+      type_error(name, obj, "must be a writable tensor (NumPy, PyTorch, CuPy or any DLPack producer)");
     }
     borrow_ndarray(array, out, name, obj);
     out.array = nb::ndarray<nb::ro>(array);

@@ -246,3 +246,18 @@ def test_jax_both_ways():
         assert host[7, 0].tolist() == [3, 4]
         # Zero-copy: JAX took moecap's (64-byte aligned) memory instead of copying it.
         assert host.unsafe_buffer_pointer() == np.from_dlpack(cap.export("host_ids")).ctypes.data
+
+
+def test_a_jax_array_is_refused_as_an_output_and_left_as_it_was():
+    # JAX arrays are immutable and their capsules carry no read-only flag: jitted code holding one as a
+    # constant would see moecap's write.
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.capture(0, np.array([[1, 2]], dtype=np.int32))
+        cap.commit(np.array([6]))
+        out = jnp.zeros((1, 3, 2), dtype=jnp.int32)
+        with pytest.raises(TypeError, match="'out' must be a writable tensor, and JAX arrays are immutable"):
+            cap.read(np.array([6]), out=out)
+        assert out.tolist() == [[[0, 0], [0, 0], [0, 0]]]
+        assert jnp.asarray(cap.read(np.array([6])))[0, 0].tolist() == [1, 2]  # the way to get it into JAX
