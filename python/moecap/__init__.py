@@ -152,6 +152,20 @@ def _library_defaults() -> dict[str, int]:
 _C_DEFAULTS = _library_defaults()
 
 
+# The integer fields of moecap_config and their C types' widths (all signed).
+_INT_FIELD_BITS = {"num_layers": 32, "top_k": 32, "num_experts": 32, "host_slots": 64, "max_running_requests": 64,
+                   "extra_columns": 32, "dp_size": 32, "verify_tokens": 32, "chunked_prefill_size": 64,
+                   "max_graph_batch": 64, "max_batch_tokens": 64}
+
+
+def _check_fits(what: str, value: int, bits: int) -> None:
+    """Refuses, as the library refuses a bad value (MoecapError INVALID_ARGUMENT naming it), an int that its
+    C field (int32 or int64) cannot hold, so that the library's own limits decide the rest."""
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if not low <= value <= high:
+        raise MoecapError(Status.INVALID_ARGUMENT, f"{what} is {value}; it must fit in int{bits} [{low}, {high}]")
+
+
 @dataclasses.dataclass(frozen=True, eq=True)
 class Config(_Fields):
     """Everything a Capturer is sized by (``moecap_config``, abi/moecap.h documents every
@@ -198,15 +212,16 @@ class Config(_Fields):
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__  # frozen: normalizing happens once, here
-        for name in ("num_layers", "top_k", "num_experts", "host_slots", "max_running_requests", "extra_columns",
-                     "dp_size", "verify_tokens", "chunked_prefill_size", "max_graph_batch", "max_batch_tokens"):
+        for name, bits in _INT_FIELD_BITS.items():
             value = getattr(self, name)
             if isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, not bool")
             try:
-                set_field(self, name, operator.index(value))
+                value = operator.index(value)
             except TypeError:
                 raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+            _check_fits(f"config: {name}", value, bits)
+            set_field(self, name, value)
         set_field(self, "id_dtype", _checked_dtype("id_dtype", self.id_dtype, ID_DTYPES))
         set_field(self, "device_id_dtype", _checked_dtype("device_id_dtype", self.device_id_dtype, ID_DTYPES))
         set_field(self, "weight_dtype", _checked_dtype("weight_dtype", self.weight_dtype, WEIGHT_DTYPES))
@@ -215,6 +230,8 @@ class Config(_Fields):
             device = "cuda:0"
         if device != "cpu" and not (device.startswith("cuda:") and device[len("cuda:"):].isdigit()):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', not {self.device!r}")
+        if device != "cpu":
+            _check_fits("config: device's ordinal", int(device[len("cuda:"):]), 32)
         set_field(self, "device", device)
         if self.guards is not None:
             set_field(self, "guards", bool(self.guards))

@@ -25,8 +25,16 @@ class Tensor : public nb::object {
   NB_OBJECT_DEFAULT(Tensor, nb::object, "moecap.DLPackArray", any_object)
 };
 
+// Raises moecap.MoecapError(status, message).
+[[noreturn]] void raise_error(moecap_status status, const std::string& message);
+
 // Raises moecap.MoecapError(status, moecap_last_error()) unless status is OK.
 void check(moecap_status status);
+
+// `value` for a C argument of type int32_t; a Python int beyond it is
+// refused as the library refuses a value out of range (OUT_OF_RANGE, naming
+// `function` and the argument `name`), not by nanobind's TypeError.
+int32_t as_int32(int64_t value, const char* function, const char* name);
 
 // A DLTensor describing a Python tensor's memory in place (no copy). `keep`
 // holds the Python object, so the memory lives at least as long as this.

@@ -240,13 +240,23 @@ void Borrowed::release_buffer() {
   has_buffer = false;
 }
 
-void check(moecap_status status) {
-  if (status == MOECAP_OK) return;
-  std::string message = moecap_last_error();
+void raise_error(moecap_status status, const std::string& message) {
   nb::object cls = nb::module_::import_("moecap._errors").attr("MoecapError");
   nb::object error = cls(static_cast<int>(status), message);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
   throw nb::python_error();
+}
+
+void check(moecap_status status) {
+  if (status != MOECAP_OK) raise_error(status, moecap_last_error());
+}
+
+int32_t as_int32(int64_t value, const char* function, const char* name) {
+  if (value < INT32_MIN || value > INT32_MAX) {
+    raise_error(MOECAP_ERROR_OUT_OF_RANGE, std::string(function) + ": " + name + " is " + std::to_string(value) +
+                                               "; it must fit in int32 [-2147483648, 2147483647]");
+  }
+  return static_cast<int32_t>(value);
 }
 
 namespace {

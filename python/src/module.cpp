@@ -90,12 +90,12 @@ class Capturer {
   Capturer& operator=(const Capturer&) = delete;
   ~Capturer() { moecap_destroy(handle_); }
 
-  void capture(int32_t layer, Tensor topk_ids, Tensor topk_weights, nb::handle stream) {
+  void capture(int64_t layer, Tensor topk_ids, Tensor topk_weights, nb::handle stream) {
     Borrowed ids, weights;
     borrow(topk_ids, "topk_ids", false, ids);
     const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights);
     void* s = resolve_stream(stream, device_type_, device_id_, &ids);
-    check(moecap_capture(live(), layer, ids.get(), w, s));
+    check(moecap_capture(live(), as_int32(layer, "moecap_capture", "layer"), ids.get(), w, s));
     keep_alive(held(), ids, weights);
   }
 
@@ -216,13 +216,13 @@ class Capturer {
     check(moecap_histogram_reset(live(), resolve_stream(stream, device_type_, device_id_)));
   }
 
-  std::tuple<int64_t, int64_t, int64_t> local_rows(int32_t dp_rank, const std::vector<int64_t>& tokens_per_rank,
+  std::tuple<int64_t, int64_t, int64_t> local_rows(int64_t dp_rank, const std::vector<int64_t>& tokens_per_rank,
                                                    nb::handle padded_tokens_per_rank) {
     const bool graph = !padded_tokens_per_rank.is_none();
     moecap_batch batch{sizeof(moecap_batch),
                        graph ? MOECAP_BATCH_GRAPH : MOECAP_BATCH_EAGER,
-                       dp_rank,
-                       static_cast<int32_t>(tokens_per_rank.size()),
+                       as_int32(dp_rank, "moecap_local_rows", "batch->dp_rank"),
+                       as_int32(static_cast<int64_t>(tokens_per_rank.size()), "moecap_local_rows", "batch->num_ranks"),
                        0,
                        tokens_per_rank.data(),
                        graph ? nb::cast<int64_t>(padded_tokens_per_rank) : 0};
@@ -231,9 +231,10 @@ class Capturer {
     return {rows.start, rows.count, rows.total};
   }
 
-  nb::object export_view(int32_t which, int32_t layer) {
+  nb::object export_view(int64_t which, int64_t layer) {
     DLManagedTensorVersioned* managed = nullptr;
-    check(moecap_export(live(), which, layer, &managed));
+    check(moecap_export(live(), as_int32(which, "moecap_export", "which"), as_int32(layer, "moecap_export", "layer"),
+                        &managed));
     return make_dlpack_view(managed);
   }
 

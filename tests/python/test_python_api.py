@@ -42,6 +42,30 @@ def test_ints_and_devices_are_checked_before_the_library_sees_them():
     assert moecap.Config(**CONFIG, device=torch.device("cuda", 1)).device == "cuda:1"
 
 
+@pytest.mark.parametrize("field, value, bits", [
+    ("num_layers", 2**31, 32), ("top_k", -2**31 - 1, 32), ("host_slots", 2**63, 64), ("max_graph_batch", -2**64, 64)])
+def test_an_int_its_c_field_cannot_hold_is_refused_naming_the_field_and_the_range(field, value, bits):
+    for call in (moecap.plan, moecap.Capturer):
+        with pytest.raises(moecap.MoecapError, match=rf"config: {field} is {value}; it must fit in int{bits} \[") as e:
+            call(**dict(CONFIG, **{field: value}))
+        assert e.value.status == moecap.Status.INVALID_ARGUMENT
+    with pytest.raises(moecap.MoecapError, match=r"config: device's ordinal is 4294967296; it must fit in int32"):
+        moecap.Config(**CONFIG, device="cuda:4294967296")
+
+
+def test_an_int_argument_beyond_int32_is_out_of_range_not_a_binding_type_error():
+    with moecap.Capturer(**CONFIG) as cap:
+        ids = np.array([[1, 2]], dtype=np.int32)
+        for call, name in ((lambda: cap.capture(2**31, ids), "moecap_capture: layer"),
+                           (lambda: cap.capture(-2**40, ids), "moecap_capture: layer"),
+                           (lambda: cap.export("layer_ids", 2**32), "moecap_export: layer"),
+                           (lambda: cap.local_rows(2**31, [1]), r"moecap_local_rows: batch->dp_rank")):
+            with pytest.raises(moecap.MoecapError, match=rf"{name} is -?\d+; it must fit in int32") as e:
+                call()
+            assert e.value.status == moecap.Status.OUT_OF_RANGE
+        cap.capture(1, ids)  # and the capturer goes on
+
+
 @pytest.mark.parametrize("given, name", [
     ("u8", "u8"), (np.uint8, "u8"), (np.dtype("uint16"), "u16"), (torch.int16, "i16"), (torch.int32, "i32"),
     ("int16", "i16"), (moecap.IdDtype.U16, "u16")])
