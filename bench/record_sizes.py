@@ -6,7 +6,6 @@ the bytes each encoder writes (docs/CONSUMERS.md's record table).
     PYTHONPATH=build/python ~/.cache/moecap/venv/bin/python bench/record_sizes.py [layers top_k experts tokens]
 """
 import base64
-import io
 import sys
 
 import numpy as np
@@ -20,11 +19,9 @@ def main(layers=61, top_k=8, experts=256, tokens=4096):
     weights = rng.random((tokens, layers, top_k), dtype=np.float32)
     r = RoutedExperts(ids, experts, weights=weights)
     ids_only = RoutedExperts(ids, experts)
-    npy = io.BytesIO()
-    np.save(npy, ids.astype(np.int32))
     rows = [
         ("SGLang: base64 of int32 (the baseline)", len(ids_only.to_sglang())),
-        ("vLLM: base64 of np.save int32", len(base64.b64encode(npy.getvalue()))),
+        ("vLLM OpenAI: base64 of np.save, uint8 up to 256 experts, else uint16", len(ids_only.to_vllm_openai())),
         ("SGLang newer: base64 of uint8 (no room for 'none')", len(base64.b64encode(ids.astype(np.uint8).tobytes()))
          if experts <= 256 else None),
         ("moecap record, plain ids", len(ids_only.to_bytes(packed=False))),
