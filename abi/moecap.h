@@ -357,7 +357,7 @@ typedef struct moecap_batch {
   int32_t mode;                   /* moecap_batch_mode */
   int32_t dp_rank;                /* this process's rank, [0, dp_size) */
   int32_t num_ranks;              /* entries in tokens_per_rank; must equal dp_size */
-  int32_t reserved;               /* 0 */
+  int32_t reserved;               /* 0; anything else is INVALID_ARGUMENT */
   const int64_t* tokens_per_rank; /* host array [num_ranks]: real tokens per rank */
   int64_t padded_tokens_per_rank; /* GRAPH: rows each rank occupies (the graph's
                                      token count); every real count <= it. EAGER: 0 */

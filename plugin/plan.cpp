@@ -259,6 +259,7 @@ moecap_rows locate_rows(const Plan& p, const moecap_batch* batch) {
   if (b.num_ranks != dp) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "batch->num_ranks is ", b.num_ranks, "; it must equal dp_size (", dp, ")");
   }
+  if (b.reserved != 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, "batch->reserved is ", b.reserved, "; it must be 0");
   if (b.tokens_per_rank == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, "batch->tokens_per_rank is NULL");
   // Every term below is bounded by device_rows before it is added, so no sum overflows.
   const int64_t limit = p.device_rows;

@@ -277,6 +277,10 @@ TEST_CASE("local_rows rejects bad descriptors") {
   bad.tokens_per_rank = nullptr;
   CHECK(moecap_local_rows(h, &bad, &out) == MOECAP_ERROR_INVALID_ARGUMENT);
   bad = b;
+  bad.reserved = 1;  // kept 0, so that a later version may give it a meaning
+  CHECK(moecap_local_rows(h, &bad, &out) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(moecap_last_error()).find("batch->reserved is 1; it must be 0") != std::string::npos);
+  bad = b;
   bad.mode = 5;
   CHECK(moecap_local_rows(h, &bad, &out) == MOECAP_ERROR_INVALID_ARGUMENT);
   bad = b;
