@@ -408,10 +408,11 @@ class Capturer(_moecap.Capturer):
             shape = (_moecap.leading_dim(slots), self.config.num_layers, self.config.top_k)
             torch = _torch_if_imported()
             if torch is not None and isinstance(slots, torch.Tensor):
-                out = torch.empty(shape, dtype=dtype or torch.int32)
+                out = torch.empty(shape, dtype=_torch_dtype(torch, dtype or torch.int32))
             else:
                 import numpy as np
-                out = np.empty(shape, dtype=dtype or np.int32)
+                is_torch_dtype = torch is not None and isinstance(dtype, torch.dtype)
+                out = np.empty(shape, dtype=str(dtype).removeprefix("torch.") if is_torch_dtype else dtype or np.int32)
         self.read_into(slots, out, weights_out, nonblocking, strict, stream)
         return out if weights_out is None else (out, weights_out)
 
@@ -480,6 +481,17 @@ def _host_slots(slots: Any, host_slots: int) -> Any:
 
 def _torch_if_imported() -> Any:
     return sys.modules.get("torch")
+
+
+def _torch_dtype(torch: Any, dtype: Any) -> Any:
+    """``dtype`` (a torch dtype, or a NumPy dtype or its name) as torch's."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    import numpy as np
+    try:
+        return getattr(torch, np.dtype(dtype).name)
+    except (TypeError, AttributeError):
+        raise TypeError(f"dtype {dtype!r} has no torch equivalent for a read into a torch tensor") from None
 
 
 # The consumers' layer (engine-step helpers, the routing record, transformers models) is

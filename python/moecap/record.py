@@ -125,8 +125,10 @@ class RoutedExperts:
         num_experts = int(num_experts)
         if num_experts < 1:
             raise ValueError(f"num_experts is {num_experts}; must be >= 1")
-        ids = ids.astype(np.int64)
-        out_of_range = (ids < -1) | (ids >= num_experts)
+        # Unsigned ids are checked as given: as int64, a uint64 2**64 - 1 would pass for -1.
+        unsigned = ids.dtype.kind == "u"
+        ids = ids if unsigned else ids.astype(np.int64)
+        out_of_range = ids >= num_experts if unsigned else (ids < -1) | (ids >= num_experts)
         if out_of_range.any():
             bad = tuple(int(i) for i in np.argwhere(out_of_range)[0])
             raise ValueError(f"ids[{', '.join(map(str, bad))}] is {ids[bad]}; expected [0, {num_experts}) or -1")

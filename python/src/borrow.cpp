@@ -150,7 +150,7 @@ int copy_tuple(PyObject* tuple, int64_t* out, const char* name, nb::handle obj) 
 void borrow_torch_attributes(nb::handle obj, const char* name, Borrowed& out) {
   static PyObject *data_ptr = PyUnicode_InternFromString("data_ptr"), *shape = PyUnicode_InternFromString("shape"),
                   *stride = PyUnicode_InternFromString("stride"), *dtype = PyUnicode_InternFromString("dtype"),
-                  *is_cuda = PyUnicode_InternFromString("is_cuda"),
+                  *is_cuda = PyUnicode_InternFromString("is_cuda"), *is_cpu = PyUnicode_InternFromString("is_cpu"),
                   *get_device = PyUnicode_InternFromString("get_device");
   nb::object dt = nb::steal(PyObject_GetAttr(obj.ptr(), dtype));
   const TorchTypes::Dtype* found = nullptr;
@@ -170,7 +170,12 @@ void borrow_torch_attributes(nb::handle obj, const char* name, Borrowed& out) {
   out.dl.strides = out.strides;
   out.dl.data = reinterpret_cast<void*>(static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(address.ptr())));
   out.dl.device = DLDevice{kDLCPU, 0};
-  if (cuda.ptr() == Py_True) {
+  if (cuda.ptr() != Py_True) {
+    // Memory on another device (meta, MPS, XPU, ...) must not pass for host memory.
+    nb::object cpu = nb::steal(PyObject_GetAttr(obj.ptr(), is_cpu));
+    if (!cpu.is_valid()) throw nb::python_error();
+    if (cpu.ptr() != Py_True) type_error(name, obj, "is on a device moecap does not take (CPU and CUDA tensors only)");
+  } else {
     nb::object index = nb::steal(PyObject_CallMethodNoArgs(obj.ptr(), get_device));
     if (!index.is_valid()) throw nb::python_error();
     out.dl.device = DLDevice{kDLCUDA, static_cast<int32_t>(PyLong_AsLong(index.ptr()))};

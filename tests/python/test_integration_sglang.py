@@ -447,6 +447,9 @@ def test_sglang_payload_from_a_start_and_empty():
                                      layers=MOE_LAYERS) == r
     empty = routing(tokens=0, start=3)
     assert empty.to_sglang() == "" and sglang_format.sglext(empty) == {}
+    # A start_len past the sequence: SGLang clamps it to T-1 and sends "", and the decoder does the same.
+    clamped = RoutedExperts.from_sglang("", NUM_EXPERTS, NUM_LAYERS, TOP_K, start=7, layers=MOE_LAYERS, num_tokens=5)
+    assert (len(clamped.ids), clamped.start) == (0, 4) and clamped.to_sglang(num_tokens=5) == ""
 
 
 def test_sglang_payload_refuses_tokens_without_routing_unless_told():

@@ -152,6 +152,19 @@ def test_every_torch_path_describes_the_same_tensor(exchange_api, torch_attribut
         _moecap._fast_paths(True, True)
 
 
+@pytest.mark.parametrize("exchange_api,torch_attributes", [(True, True), (False, True), (False, False)])
+def test_a_tensor_on_a_device_moecap_does_not_take_is_refused_not_read_as_host_memory(exchange_api,
+                                                                                     torch_attributes):
+    try:
+        _moecap._fast_paths(exchange_api, torch_attributes)
+        with moecap.Capturer(**CONFIG) as cap:
+            with pytest.raises(TypeError, match="argument 'topk_ids'"):
+                cap.capture(0, torch.zeros((1, 2), dtype=torch.int32, device="meta"))
+            assert cap.errors().invalid_ids == 0
+    finally:
+        _moecap._fast_paths(True, True)
+
+
 def test_view_outlives_close():
     cap = moecap.Capturer(**CONFIG)
     cap.capture(0, np.array([[3, 4]], dtype=np.int32))

@@ -256,3 +256,18 @@ def test_the_readmes_python_example_runs_and_reads_what_it_says():
     exec(compile(example, "README.md", "exec"), scope)
     assert scope["ids"].shape == (2, 2, 2) and scope["ids"].dtype == np.int32
     assert ((scope["ids"] >= 0) & (scope["ids"] < 8)).all()  # both tokens' routing, padding dropped
+
+
+@pytest.mark.parametrize("slots, dtype, expected", [
+    (np.array([5]), torch.int64, np.int64), (np.array([5]), "int16", np.int16),
+    (torch.tensor([5]), np.int64, torch.int64), (torch.tensor([5]), np.dtype("int16"), torch.int16),
+    (torch.tensor([5]), "int8", torch.int8)])
+def test_a_read_takes_its_dtype_from_either_library_whichever_allocates(slots, dtype, expected):
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.capture(0, np.array([[1, 2]], dtype=np.int32))
+        cap.capture(1, np.array([[3, 4]], dtype=np.int32))
+        cap.commit(np.array([5]))
+        got = cap.read(slots, dtype=dtype)
+        assert got.dtype == expected and got.tolist() == [[[1, 2], [3, 4]]]
+    with pytest.raises(TypeError, match="no torch equivalent"):
+        moecap.Capturer(**CONFIG).read(torch.tensor([5]), dtype=object)

@@ -223,6 +223,14 @@ def test_from_read_marks_empty_slots_invalid():
     assert r.ids[2].tolist() == [[3, -1]]
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_unsigned_ids_past_the_experts_are_refused_even_where_int64_would_make_them_minus_one(dtype):
+    top = np.iinfo(dtype).max
+    with pytest.raises(ValueError, match=rf"ids\[0, 0, 1\] is {top}; expected \[0, 8\) or -1"):
+        RoutedExperts(np.array([[[1, top]]], dtype=dtype), 8)
+    assert RoutedExperts(np.array([[[1, 7]]], dtype=dtype), 8).ids.tolist() == [[[1, 7]]]
+
+
 def test_bf16_rounding_matches_torch():
     torch = pytest.importorskip("torch")
     w = np.random.default_rng(5).standard_normal((10000, 1, 1)).astype(np.float32)

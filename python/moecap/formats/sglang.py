@@ -80,8 +80,8 @@ def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None,
     """A RoutedExperts from meta_info["routed_experts"] (the base64 string, its
     raw bytes, or the int32 array / tensor itself). num_hidden_layers and top_k
     reshape it, as every SGLang client must; start is the request's
-    routed_experts_start_len; num_tokens=T, when given, is checked against the
-    rows; layers: the MoE layers' model indices (dense layers must read 0)."""
+    routed_experts_start_len; num_tokens=T, when given, clamps start to T-1 as
+    SGLang does and is checked against the rows; layers: the MoE layers' model indices (dense layers must read 0)."""
     if hasattr(payload, "detach"):
         payload = payload.detach().cpu().numpy()
     if isinstance(payload, str):
@@ -101,6 +101,8 @@ def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None,
         raise ValueError(f"the SGLang payload has {flat.size} values, not a whole number of rows of "
                          f"{num_hidden_layers} layers x top-{top_k}")
     rows = flat.size // per_row
+    if num_tokens is not None:
+        start = min(int(start), max(0, int(num_tokens) - 1))  # SGLang's clamp of routed_experts_start_len
     if num_tokens is not None and rows != max(0, int(num_tokens) - 1 - int(start)):
         raise ValueError(f"the SGLang payload has {rows} rows; a {num_tokens}-token sequence from position {start} "
                          f"has {max(0, int(num_tokens) - 1 - int(start))} (T-1-start_len)")
