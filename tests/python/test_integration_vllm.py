@@ -54,12 +54,18 @@ def vl(tmp_path_factory):
     from vllm.utils.serial_utils import numpy2base64
     from moecap.integrations import vllm as adapter
 
-    path = tmp_path_factory.mktemp("qwen3_moe")
-    (path / "config.json").write_text(json.dumps(CONFIG))
-    model_config = ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256)
+    model_configs = {}
 
-    def config(dp_size=1, dp_rank=0):
-        return VllmConfig(model_config=model_config,
+    def model_config(num_experts):
+        if num_experts not in model_configs:
+            path = tmp_path_factory.mktemp(f"qwen3_moe_{num_experts}")
+            (path / "config.json").write_text(json.dumps(dict(CONFIG, num_experts=num_experts)))
+            model_configs[num_experts] = ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="float32",
+                                                     max_model_len=256)
+        return model_configs[num_experts]
+
+    def config(dp_size=1, dp_rank=0, num_experts=NUM_EXPERTS):
+        return VllmConfig(model_config=model_config(num_experts),
                           scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8,
                                                            max_model_len=256, is_encoder_decoder=False),
                           parallel_config=ParallelConfig(data_parallel_size=dp_size, data_parallel_rank=dp_rank))
@@ -111,6 +117,17 @@ def test_snapshots_equal_vllms_at_dp1_with_verify_rows(vl):
         assert vl.torch.equal(a, b)
         assert not b[:, [0, 3]].any()  # dense layers 0, as vLLM's
     assert ours.moe_layers == MOE_LAYERS and ours.capturer.config["num_layers"] == len(MOE_LAYERS)
+
+
+@pytest.mark.parametrize("experts, dtype", [(256, "uint8"), (257, "uint16"), (384, "uint16")])
+def test_snapshots_equal_vllms_past_256_experts_in_uint16(vl, experts, dtype):
+    cfg = vl.config(num_experts=experts)
+    theirs, ours = pair(vl, cfg)
+    rows = np.random.default_rng(1).integers(0, experts, size=(9, len(MOE_LAYERS), TOP_K))
+    rows[0, :, 0] = experts - 1
+    a, b = step(vl, cfg, (theirs, ours), rows, 9)
+    assert a.dtype == b.dtype == getattr(vl.torch, dtype) and vl.torch.equal(a, b)
+    assert b[0, list(MOE_LAYERS), 0].tolist() == [experts - 1] * len(MOE_LAYERS)
 
 
 @pytest.mark.parametrize("tokens", [[3, 5], [4, 0], [0, 2]])

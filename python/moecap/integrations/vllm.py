@@ -165,9 +165,10 @@ class MoecapRoutedExpertsCapturer:
                                "id was out of range; vLLM's uint8/uint16 output has no value for 'none' "
                                "(invalid='zero' sends 0)")
         moe = moe.masked_fill(bad[:, None, None], 0)
-        out = torch.zeros((n, *self.shape_per_token), dtype=self.output_dtype, device=moe.device)
-        out[:, self._layer_index, :] = moe.to(self.output_dtype)
-        return out
+        # Placed as int32, narrowed last: torch's CPU index_put has no uint16 kernel.
+        out = torch.zeros((n, *self.shape_per_token), dtype=moe.dtype, device=moe.device)
+        out[:, self._layer_index, :] = moe
+        return out.to(self.output_dtype)
 
     # vLLM's name for its buffer, for code that reads it: the rows as vLLM lays them out.
     @property
