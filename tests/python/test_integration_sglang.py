@@ -121,11 +121,14 @@ class Scheduler:
         self.reqs[rid][1] += len(slots)
 
 
-def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=None, shared_cols=0, overlap=False):
+def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=None, shared_cols=0, overlap=False,
+                verify_width=None):
     """One forward: every MoE layer's top-k through SGLang's capture site for
     each capturer (the global one), then on_forward_end on each.
     rows_ids: [rows, moe_layers, top_k] of the gathered batch (graph-padded
-    rows included). capturers: (capturer, its out_cache_loc) pairs."""
+    rows included). capturers: (capturer, its out_cache_loc) pairs.
+    verify_width: a target-verify forward of that many tokens per request
+    (spec_info.num_tokens_per_req, as SGLang's verify inputs carry it)."""
     torch = sgl.torch
     config = types.SimpleNamespace(allow_routed_experts_capture=True)
     for cap, loc in capturers:
@@ -143,6 +146,9 @@ def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=
                                   seq_lens_sum=len(loc))
             if tokens_per_rank is not None:
                 fb.global_num_tokens_cpu = list(tokens_per_rank)
+            if verify_width is not None:
+                fb.forward_mode = sgl.ForwardMode.TARGET_VERIFY
+                fb.spec_info = types.SimpleNamespace(num_tokens_per_req=verify_width)
             out = cap.on_forward_end(forward_batch=fb, can_run_graph=graph_bs is not None, cuda_graph_batch=graph_bs,
                                      no_copy_to_cpu=overlap)
             if out is not None:  # SGLang's overlap path: GenerationBatchResult.copy_to_cpu, then the processor's finalize
@@ -307,6 +313,50 @@ def test_payloads_equal_sglangs_at_dp2(sgl, graph):
             slots = scheds[r].pool.req_to_token[rid, :seqlen - 1].tolist()
             got = RoutedExperts.from_sglang(b, NUM_EXPERTS, NUM_LAYERS, TOP_K, layers=MOE_LAYERS).ids
             assert np.array_equal(got, np.stack([expected[r][s] for s in slots]))  # this rank's own rows
+
+
+def test_graph_padded_verify_rows_at_dp2_are_found_a_verify_graph_apart(sgl):
+    """Under DP attention a verify CUDA graph of bs requests x W draft tokens
+    gives each rank bs * W rows of the gathered batch; SGLang passes bs. (Its
+    own capturer offsets by bs and reads rank 0's rows for rank 1.)"""
+    rng = np.random.default_rng(8)
+    width, graph_bs, requests = 3, 2, [2, 1]
+    tokens = [r * width for r in requests]
+    rows = rng.integers(0, NUM_EXPERTS, size=(2 * graph_bs * width, len(MOE_LAYERS), TOP_K))
+    for rank in range(2):
+        with server(sgl, dp_size=2, dp_rank=rank):
+            _, ours = create_pair(sgl, num_tokens=200, max_running=4, verify_tokens=width)
+            sched = Scheduler(sgl, 200, 3, np.random.default_rng(20 + rank))
+            sched.reqs[0] = [0, 0, 0]
+            loc = sched.alloc(tokens[rank])
+            sched.keep(0, loc)
+            run_forward(sgl, [(ours, loc)], rows, loc, tokens_per_rank=tokens, graph_bs=graph_bs,
+                        verify_width=width)
+            got = RoutedExperts.from_sglang(payloads(sgl, ours, sched, 0, len(loc) + 1, 0)[0], NUM_EXPERTS,
+                                            NUM_LAYERS, TOP_K, layers=MOE_LAYERS).ids
+            first = rank * graph_bs * width
+            assert np.array_equal(got, rows[first:first + len(loc)])
+
+
+def test_a_column_slice_of_the_top_k_is_captured_as_sglangs_own_capturer_takes_it(sgl):
+    # SGLang's aiter path hands over topk_ids[:, :-num_shared]: strided, not compact.
+    rows = np.random.default_rng(9).integers(0, NUM_EXPERTS, size=(3, len(MOE_LAYERS), TOP_K))
+    with server(sgl):
+        caps = create_pair(sgl, num_tokens=200, max_running=4)
+        for cap in caps:
+            for i, layer in enumerate(MOE_LAYERS):
+                full = sgl.torch.from_numpy(np.concatenate([rows[:, i], np.zeros((3, 1), np.int64)], 1)).to(
+                    sgl.torch.int32)
+                cap.capture(layer, full[:, :TOP_K])
+            fb = sgl.ForwardBatch(forward_mode=sgl.ForwardMode.DECODE, batch_size=1,
+                                  input_ids=sgl.torch.zeros(3, dtype=sgl.torch.long),
+                                  req_pool_indices=sgl.torch.zeros(1, dtype=sgl.torch.long),
+                                  seq_lens=sgl.torch.tensor([3]), out_cache_loc=sgl.torch.tensor([5, 6, 7]),
+                                  seq_lens_sum=3)
+            cap.on_forward_end(forward_batch=fb, can_run_graph=False, cuda_graph_batch=None)
+        theirs, ours = caps
+        assert np.array_equal(ours.read([5, 6, 7]).ids, rows)
+        assert np.array_equal(theirs.host_cache.buffer[[5, 6, 7]][:, list(MOE_LAYERS)].numpy(), rows)
 
 
 def test_dp_replicas_without_dp_attention_commit_their_own_batch(sgl):

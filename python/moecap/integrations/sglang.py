@@ -66,6 +66,16 @@ def _moe_layers_of(model):
     return tuple(ids) or None
 
 
+def _graph_rows_per_rank(forward_batch, cuda_graph_batch):
+    """The rows each DP rank occupies in a CUDA-graph forward. SGLang passes its decode graph runner's
+    batch size, in requests; a speculative verify graph gives each request spec_info.num_tokens_per_req
+    rows (the draft tokens), so the ranks' rows are that many times further apart. (SGLang's own
+    capturer offsets by the request count and reads another rank's rows there.)"""
+    spec = getattr(forward_batch, "spec_info", None)
+    width = int(getattr(spec, "num_tokens_per_req", -1) or -1) if spec is not None else -1
+    return int(cuda_graph_batch) * (width if width > 0 else 1)
+
+
 class MoecapRoutedExpertsCapturer:
     """SGLang's RoutedExpertsCapturer interface over a moecap.Capturer.
 
@@ -144,6 +154,9 @@ class MoecapRoutedExpertsCapturer:
             raise ValueError(f"layer {layer_id} is not one of the MoE layers this capturer was built for "
                              f"({list(self.moe_layers)}); pass moe_layers to install()")
         torch = _torch()
+        # A column slice (SGLang's aiter path drops fused shared columns so) is taken as SGLang's own
+        # capturer takes it; contiguous() is the tensor itself when it already is.
+        topk_indices = topk_indices.contiguous()
         compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
         if compiling:
             self.capturer.ops.capture(ordinal, topk_indices)
@@ -161,7 +174,7 @@ class MoecapRoutedExpertsCapturer:
         if self.dp_size > 1 and tokens_per_rank is not None and len(tokens_per_rank) > 1:
             tokens_per_rank = [int(t) for t in tokens_per_rank]
             rank = self._local_rank(tokens_per_rank)
-            padded = int(cuda_graph_batch) if can_run_graph and cuda_graph_batch else None
+            padded = _graph_rows_per_rank(forward_batch, cuda_graph_batch) if can_run_graph and cuda_graph_batch else None
             start, count, _ = self.capturer.local_rows(rank, tokens_per_rank, padded)
         else:
             start, count = 0, int(forward_batch.out_cache_loc.shape[0])
