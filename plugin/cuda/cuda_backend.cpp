@@ -119,10 +119,15 @@ struct GraphHold {
 // The user object's destructor. The driver calls it on its own thread, where
 // no CUDA call is allowed: it only marks the graph gone, and the capturer
 // (whose destruction frees driver memory) is released on a thread of moecap's.
-void release_graph_hold(void* held) {
+// If no thread can be started (thread limits, process teardown) the hold is
+// leaked rather than let an exception out of the driver's C callback.
+void release_graph_hold(void* held) noexcept {
   auto* hold = static_cast<GraphHold*>(held);
   hold->commits->graph_alive = false;
-  std::thread([hold] { delete hold; }).detach();
+  try {
+    std::thread([hold] { delete hold; }).detach();
+  } catch (...) {
+  }
 }
 
 class CudaBackend final : public Backend {
