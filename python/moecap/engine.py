@@ -68,6 +68,9 @@ def batch_slots(attention_mask: ArrayLike, slots_per_row: Sequence[ArrayLike]) -
     layers see it: row b's real tokens (mask 1) take slots_per_row[b] in
     order, padding (mask 0) takes -1."""
     mask = np.asarray(attention_mask.cpu() if hasattr(attention_mask, "cpu") else attention_mask).astype(bool)
+    if mask.ndim != 2 or len(slots_per_row) != mask.shape[0]:
+        raise ValueError(f"slots_per_row has {len(slots_per_row)} rows; attention_mask is {list(mask.shape)} "
+                         "([batch, seq]): one slot list per row")
     out = np.full(mask.shape, -1, dtype=np.int64)
     for b, given in enumerate(slots_per_row):
         row_slots = np.asarray(given, dtype=np.int64)
@@ -82,7 +85,10 @@ class RequestTable:
 
     finish(rid) reads the request's routing (a RoutedExperts) and invalidates
     its slots where the capturer can (moecap_invalidate), so the engine may
-    hand them to the next request; abort(rid) only invalidates.
+    hand them to the next request; abort(rid) only invalidates. With a prefix
+    (radix) cache, whose slots outlive the request and are shared with later
+    ones, pass ``free=``: only the slots the engine frees now are invalidated,
+    and the cache invalidates the rest when it evicts them.
     """
 
     def __init__(self, capturer: Capturer, num_experts: Optional[int] = None) -> None:
@@ -116,8 +122,8 @@ class RequestTable:
         parts = self._slots[rid]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
-    def finish(self, rid: Any) -> RoutedExperts:
-        """Reads the request's routing, invalidates its slots, forgets it."""
+    def finish(self, rid: Any, free: Optional[ArrayLike] = None) -> RoutedExperts:
+        """Reads the request's routing, invalidates its slots (or only `free`: see abort), forgets it."""
         slots = self.slots(rid)
         shape = (slots.shape[0], self.num_layers, self.top_k)
         ids = np.empty(shape, dtype=np.int32)
@@ -137,12 +143,22 @@ class RequestTable:
             valid = (np.asarray(slot_states(slots)) & SLOT_VALID) != 0
             routed = RoutedExperts(ids, self.num_experts, weights=weights, valid=valid, start=self._start[rid],
                                    layers=layer_map[0], num_hidden_layers=layer_map[1])
-        self.abort(rid)
+        self.abort(rid, free)
         return routed
 
-    def abort(self, rid: Any) -> None:
-        """Frees the request's slots' routing without reading it."""
+    def abort(self, rid: Any, free: Optional[ArrayLike] = None) -> None:
+        """Forgets the request and invalidates the routing of its slots, without reading it.
+
+        free: the slots the engine frees with the request (default: all of
+        them); those a prefix cache keeps for later requests (a shared prefix)
+        keep their routing. Each must be one of the request's slots."""
         slots = self.slots(rid)
+        if free is not None:
+            free = np.asarray(free, dtype=np.int64).reshape(-1)
+            foreign = free[~np.isin(free, slots)]
+            if foreign.size:
+                raise ValueError(f"free holds slot {int(foreign[0])}, which is not one of request {rid!r}'s slots")
+            slots = free
         invalidate = getattr(self.capturer, "invalidate", None)
         if invalidate is not None and slots.shape[0]:
             invalidate(slots)
@@ -156,6 +172,10 @@ def write_routed(capturer: Capturer, slots: Slots, routed: RoutedExperts) -> Non
     index = _index_array(slots)
     if _length(index) != routed.shape[0]:
         raise ValueError(f"slots has {_length(index)} entries; the routing has {routed.shape[0]} tokens")
+    layers = (getattr(capturer, "layer_map", None) or (None, None))[0]
+    if layers is not None and tuple(layers) != tuple(routed.layers):
+        raise ValueError(f"the routing holds model layers {list(routed.layers)}; the capturer captures "
+                         f"{list(layers)} (its layer map)")
     ids = np.where(routed.valid[:, None, None], routed.ids, -1).astype(np.int32)
     config = getattr(capturer, "config", {})
     weights = None

@@ -76,6 +76,9 @@ def test_batch_slots_flattens_a_left_padded_batch():
     assert batch_slots(mask, [[7, 3], [1, 2, 9, 4]]).tolist() == [-1, -1, 7, 3, 1, 2, 9, 4]
     with pytest.raises(ValueError, match="row 0 has 2 real tokens but 3 slots"):
         batch_slots(mask, [[7, 3, 5], [1, 2, 9, 4]])
+    for lists in ([[7, 3]], [[7, 3], [1, 2, 9, 4], [5]]):  # a row's tokens would be dropped, or slots left over
+        with pytest.raises(ValueError, match=rf"slots_per_row has {len(lists)} rows; attention_mask is \[2, 4\]"):
+            batch_slots(mask, lists)
 
 
 def test_request_table_reads_a_finished_request_in_token_order():
@@ -116,6 +119,31 @@ def test_finished_slots_are_invalidated():
     assert (stale.read(np.array([9])) >= 0).all()
 
 
+def test_slots_a_prefix_cache_keeps_keep_their_routing_for_the_requests_that_share_them():
+    cap = capturer()
+    table = RequestTable(cap)
+    table.start("a")
+    capture_rows(cap, 4)
+    commit_batch(cap, [1, 2, 3, 4])
+    table.append("a", [1, 2, 3, 4])
+    table.start("b")  # a prefix-cache hit on a's first three slots, then its own token
+    table.append("b", [1, 2, 3])
+    capture_rows(cap, 1)
+    commit_batch(cap, [7])
+    table.append("b", [7])
+    with pytest.raises(ValueError, match="free holds slot 7, which is not one of request 'a'"):
+        table.finish("a", free=[4, 7])
+    assert table.finish("a", free=[4]).valid.all()  # the cache keeps 1-3, the engine frees 4
+    assert cap.slot_states([4]).tolist() == [moecap.SLOT_EMPTY]
+    assert table.finish("b", free=[7]).valid.all()  # b still reads its shared prefix
+    table.start("c")
+    table.append("c", [1, 2])
+    table.abort("c", free=[])
+    assert cap.slot_states([1, 2, 3, 7]).tolist() == [moecap.SLOT_VALID] * 3 + [moecap.SLOT_EMPTY]
+    cap.invalidate(np.array([1, 2, 3]))  # the cache evicts the prefix
+    assert cap.slot_states([1, 2, 3]).tolist() == [moecap.SLOT_EMPTY] * 3
+
+
 def test_a_record_from_a_prefill_instance_lands_in_the_decode_instances_slots():
     prefill, decode = capturer(weight_dtype="f32"), capturer(weight_dtype="f32")
     table = RequestTable(prefill)
@@ -131,3 +159,9 @@ def test_a_record_from_a_prefill_instance_lands_in_the_decode_instances_slots():
     assert np.array_equal(ids, expected([0, 1, 2, 3])) and (weights == 0.25).all()
     with pytest.raises(ValueError, match="slots has 3 entries; the routing has 4 tokens"):
         write_routed(decode, [1, 2, 3], RoutedExperts.from_bytes(wire))
+    # A record of other model layers than the capturer's is refused, not stored layer for layer.
+    decode.layer_map = moecap.record.LayerMap(tuple(range(1, LAYERS + 1)), LAYERS + 1)
+    with pytest.raises(ValueError, match=r"the routing holds model layers \[0, 1.*the capturer captures \[1, 2"):
+        write_routed(decode, [60, 61, 62, 63], RoutedExperts.from_bytes(wire))
+    assert decode.slot_states([60]).tolist() == [moecap.SLOT_EMPTY]
+    write_routed(decode, [60, 61, 62, 63], RoutedExperts.from_bytes(wire).with_layer_map(range(1, LAYERS + 1)))

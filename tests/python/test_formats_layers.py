@@ -72,3 +72,42 @@ def test_concat_joins_a_prefix_and_its_continuation():
     with pytest.raises(ValueError, match=r"parts\[1\] has num_experts 8, LayerMap\(layers=\(0, 1\)"):
         RoutedExperts.concat([prefix, RoutedExperts(ids[5:], 8, start=5)])
     assert RoutedExperts.concat([prefix, RoutedExperts(ids[5:], 8, start=5, **kw)]).weights is None
+
+
+def _sparse_layers(model):
+    """The decoder layers of a transformers model whose MLP holds routed experts (the model's own modules)."""
+    return tuple(i for i, layer in enumerate(model.model.layers)
+                 if any(hasattr(getattr(layer, name, None), "experts") for name in ("mlp", "feed_forward")))
+
+
+@pytest.mark.parametrize("arch", ["llama4_list", "llama4_interleave", "ernie", "qwen3", "deepseek_v3"])
+def test_the_adapters_layer_map_from_a_config_is_the_models_own(arch):
+    # The engine adapters fall back to the config's rules when the engine shows them no MoE modules.
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from moecap.integrations._model import moe_layers_from_config
+
+    small = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, vocab_size=32)
+    configs = {
+        "llama4_list": lambda: transformers.Llama4TextConfig(
+            **small, intermediate_size_mlp=32, head_dim=8, num_hidden_layers=6, num_local_experts=4,
+            moe_layers=[0, 4]),
+        "llama4_interleave": lambda: transformers.Llama4TextConfig(
+            **small, intermediate_size_mlp=32, head_dim=8, num_hidden_layers=6, num_local_experts=4,
+            interleave_moe_layer_step=2),
+        "ernie": lambda: transformers.Ernie4_5_MoeConfig(
+            **small, moe_intermediate_size=16, num_hidden_layers=7, moe_num_experts=4, moe_k=2,
+            moe_layer_start_index=2, moe_layer_end_index=5, moe_layer_interval=2),
+        "qwen3": lambda: transformers.Qwen3MoeConfig(
+            **small, moe_intermediate_size=16, num_hidden_layers=5, num_experts=4, num_experts_per_tok=2,
+            mlp_only_layers=[0, 3]),
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **small, moe_intermediate_size=16, num_hidden_layers=4, n_routed_experts=4, num_experts_per_tok=2,
+            first_k_dense_replace=2, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+            v_head_dim=4, n_group=1, topk_group=1),
+    }
+    config = configs[arch]()
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    expected = _sparse_layers(model)
+    assert 0 < len(expected) < config.num_hidden_layers  # each config leaves some layers dense
+    assert moe_layers_from_config(config) == expected

@@ -26,9 +26,24 @@ def device_id_dtype(num_experts):
 
 def moe_layers_from_config(config):
     """The model layers (0-based) that route to experts, from the config's own
-    rules: DeepSeek's first_k_dense_replace and moe_layer_freq, Qwen-MoE's
-    mlp_only_layers and decoder_sparse_step; every layer otherwise."""
+    rules: an explicit moe_layers list (Llama 4's, else its
+    interleave_moe_layer_step), Ernie 4.5's moe_layer_start_index,
+    moe_layer_end_index and moe_layer_interval, DeepSeek's
+    first_k_dense_replace and moe_layer_freq, Qwen-MoE's mlp_only_layers and
+    decoder_sparse_step; every layer otherwise."""
     n = int(config.num_hidden_layers)
+    listed = getattr(config, "moe_layers", None)
+    if isinstance(listed, (list, tuple)):
+        return check_layers(sorted(int(i) for i in listed), n)
+    interleave = getattr(config, "interleave_moe_layer_step", None)
+    if isinstance(interleave, int) and interleave > 1:  # Llama 4 without the list: its config's own rule
+        return check_layers(range(interleave - 1, n, interleave), n)
+    if getattr(config, "moe_layer_interval", None) is not None:  # Ernie 4.5: its decoder layer's own test
+        interval = int(config.moe_layer_interval or 1)
+        first = int(getattr(config, "moe_layer_start_index", 0) or 0)
+        last = getattr(config, "moe_layer_end_index", -1)
+        last = n - 1 if last is None or int(last) == -1 else int(last)
+        return check_layers([i for i in range(n) if (i + 1) % interval == 0 and first <= i <= last], n)
     first_dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
     freq = getattr(config, "moe_layer_freq", 1)
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
