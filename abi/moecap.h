@@ -574,7 +574,11 @@ typedef enum {
 /* Zero-copy view of a buffer. `layer` selects the layer for LAYER_* and is
  * ignored otherwise. The view has byte_offset 0 and non-NULL shape and
  * strides; the device buffers report the capturer's device (kDLCUDA or
- * kDLCPU), the host cache kDLCPU (pinned on CUDA). The view keeps the
+ * kDLCPU), the host cache kDLCPU (pinned on CUDA). Every buffer starts at
+ * least 64-byte aligned; a LAYER_* view starts layer * device_rows * top_k
+ * elements into its buffer, so it is as aligned as that offset makes it (a
+ * kernel storing 16 bytes at a time checks the view's address, or the plan
+ * makes device_rows * top_k * element bytes a multiple of 16). The view keeps the
  * capturer's memory alive: call its deleter exactly once, from any thread,
  * before or after moecap_destroy. Legal during graph capture (no device work). */
 MOECAP_API moecap_status moecap_export(moecap_capturer* capturer, int32_t which, int32_t layer,
