@@ -480,7 +480,10 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
  * or with MOECAP_READ_NONBLOCKING returns NOT_READY while one is; filled
  * before the call returns. Outputs on the capturer's GPU (both, or neither):
  * a kernel enqueued on `stream`, ordered there after those commits (the
- * host does not wait; ready in stream order); later eager commits and
+ * host does not wait for it, only, when the ring of slot snapshots is
+ * busy, for an earlier call's entry: a request of more than 2 *
+ * device_rows slots is read in pieces, one entry each; ready in stream
+ * order); later eager commits and
  * invalidations of those slots, and moecap_graph_launch, are ordered after
  * it, whatever their stream (an engine replaying its own graph that commits
  * to those slots orders the replay after `stream` itself). The wait
