@@ -686,15 +686,17 @@ class CudaBackend final : public Backend {
       delete held;
       check(d_, r, "cuUserObjectCreate");
     }
-    // From here the driver owns `held`: a failed retain releases it through the destructor.
-    graph_commits_.push_back(held->commits);
+    // From here the driver owns `held` (once the graph holds the object, a
+    // thread ending the capture may free it): only `commits` is used after.
+    std::shared_ptr<GraphCommits> commits = held->commits;
+    graph_commits_.push_back(commits);
     r = d_.cuGraphRetainUserObject(graph, object, 1, kGraphUserObjectMove);
     if (r != kSuccess) {
       d_.cuUserObjectRelease(object, 1);
       check(d_, r, "cuGraphRetainUserObject");
     }
     kept_in_capture_ = id;
-    kept_commits_ = held->commits;
+    kept_commits_ = std::move(commits);
     return kept_commits_.get();
   }
 
