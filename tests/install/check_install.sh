@@ -26,3 +26,20 @@ echo "find_package:"
   -DCMAKE_C_COMPILER="$cc" -DCMAKE_C_FLAGS="$*" -DCMAKE_BUILD_TYPE=Release >/dev/null
 "$cmake" --build "$work/find_package" >/dev/null
 "$work/find_package/consumer"
+
+# The same install, its package configured against a copy of dlpack.h in a
+# folder of its own, and the system's hidden from the consumer's search.
+echo "find_package, DLPack outside the search path:"
+cache() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt"; }
+system_dlpack=$(cache DLPACK_INCLUDE_DIR)
+mkdir -p "$work/dlpack/include/dlpack"
+cp "$system_dlpack/dlpack/dlpack.h" "$work/dlpack/include/dlpack/"
+"$cmake" -S "$(cache CMAKE_HOME_DIRECTORY)" -B "$work/own_dlpack" -DDLPACK_INCLUDE_DIR="$work/dlpack/include" \
+  -DMOECAP_CUDA=OFF -DMOECAP_BUILD_TESTS=OFF -DMOECAP_BUILD_EXAMPLES=OFF -DMOECAP_BUILD_BENCH=OFF -DMOECAP_PYTHON= \
+  >/dev/null
+cp "$work/own_dlpack/moecapConfig.cmake" "$(dirname "$(find "$prefix" -name moecapConfig.cmake)")/"
+"$cmake" -S "$here/find_package" -B "$work/find_package_own_dlpack" -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCMAKE_IGNORE_PATH="$system_dlpack" -DCMAKE_C_COMPILER="$cc" -DCMAKE_C_FLAGS="$*" \
+  -DCMAKE_BUILD_TYPE=Release >/dev/null
+"$cmake" --build "$work/find_package_own_dlpack" >/dev/null
+"$work/find_package_own_dlpack/consumer"
