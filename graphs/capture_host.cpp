@@ -77,11 +77,14 @@ bool capture_fast(const CaptureParams& p) {
   }
 }
 
+bool capture_flat_i32(const CaptureParams& p);
+
 }  // namespace
 
 void capture_on_host(const CaptureParams& p) {
   stamp_capture(p);
   if (p.dst_weights == nullptr && p.histogram == nullptr) {
+    if (p.ids_elem == kI32 && p.in_cols == p.top_k && capture_flat_i32(p)) return;
     if (p.ids_elem == kI32 ? capture_fast<int32_t>(p) : capture_fast<int64_t>(p)) return;
   }
   const int64_t elements = p.n * p.top_k;
@@ -160,6 +163,31 @@ MOECAP_NARROW_FROM(int16_t)
 MOECAP_NARROW_FROM(int32_t)
 #undef MOECAP_NARROW_FROM
 #undef MOECAP_NARROW
+
+// A capture of int32 ids in compact rows (no extra columns to drop): the
+// n * top_k ids are one flat array, narrowed as a commit narrows (AVX2 where
+// the CPU has it: the per-row loop of capture_ids_only is built for the
+// baseline ISA and ran at a fraction of memory speed). The ids outside
+// [0, experts) are counted in a second look, only when there are any.
+bool capture_flat_i32(const CaptureParams& p) {
+  const auto* in = static_cast<const int32_t*>(p.ids);
+  const int64_t count = p.n * p.top_k;
+  const auto experts = static_cast<uint32_t>(p.num_experts);
+  uint32_t outside = 0;
+  switch (p.stored_id_elem) {
+    case kU8: outside = narrow_ids(in, static_cast<uint8_t*>(p.dst_ids), count, experts); break;
+    case kU16: outside = narrow_ids(in, static_cast<uint16_t*>(p.dst_ids), count, experts); break;
+    case kI16: outside = narrow_ids(in, static_cast<int16_t*>(p.dst_ids), count, experts); break;
+    case kI32: outside = narrow_ids(in, static_cast<int32_t*>(p.dst_ids), count, experts); break;
+    default: return false;
+  }
+  if (outside != 0) {
+    unsigned long long bad = 0;
+    for (int64_t i = 0; i < count; ++i) bad += static_cast<uint32_t>(in[i]) >= experts ? 1u : 0u;
+    __atomic_fetch_add(&p.errors->invalid_ids, bad, __ATOMIC_RELAXED);
+  }
+  return true;
+}
 
 #if defined(__SSE2__)
 // The common pair (int16 device ids, u8 host ids, top-8) narrowed straight

@@ -749,3 +749,60 @@ TEST_CASE("gather_on_host: u8 ids read as themselves into int32 and int64, 0xff 
     allow_host_avx2(before);
   }
 }
+
+// capture_on_host's fast paths (int32 ids: compact rows narrowed as one flat
+// array, with AVX2 where the CPU has it and without; rows with extra columns
+// to drop) against capture_element, id by id: the stored ids and the count
+// of ids outside [0, experts), for every stored dtype.
+TEST_CASE("capture_on_host: int32 ids store and count what capture_element does, with and without AVX2") {
+  std::mt19937 rng(23);
+  int cases = 0, wrong = 0;
+  for (const bool avx2 : {true, false}) {
+    const bool before = allow_host_avx2(avx2);
+    for (const int32_t stored : {kU8, kU16, kI16, kI32}) {
+      const int32_t experts = stored == kU8 ? 255 : 300;
+      for (const int32_t top_k : {1, 2, 8, 10}) {
+        for (const int32_t extra : {0, 1}) {
+          for (const int64_t n : {1, 7, 33, 500}) {
+            const int32_t in_cols = top_k + extra;
+            std::vector<int32_t> ids(static_cast<size_t>(n * in_cols));
+            for (int32_t& id : ids) {  // ids outside at the edges (-1, experts) and far beyond the stored width
+              const uint32_t r = rng() % 40;
+              id = r == 0   ? -1 - static_cast<int32_t>(rng() % 2)
+                   : r == 1 ? -1 - static_cast<int32_t>(rng() % 70000)
+                   : r == 2 ? experts + static_cast<int32_t>(rng() % 2)
+                   : r == 3 ? experts + static_cast<int32_t>(rng() % 70000)
+                   : r == 4 ? experts - 1
+                            : static_cast<int32_t>(rng() % static_cast<uint32_t>(experts));
+            }
+            const size_t bytes = static_cast<size_t>(n * top_k * 4);
+            std::vector<uint8_t> got(bytes, 0x5A), want(bytes, 0x5A);
+            ErrorWord got_errors{}, want_errors{};
+            CaptureParams p{};
+            p.ids = ids.data();
+            p.n = n;
+            p.in_cols = in_cols;
+            p.top_k = top_k;
+            p.ids_elem = kI32;
+            p.stored_id_elem = stored;
+            p.num_experts = experts;
+            p.dst_ids = got.data();
+            p.errors = &got_errors;
+            capture_on_host(p);
+            p.dst_ids = want.data();
+            p.errors = &want_errors;
+            for (int64_t i = 0; i < n * top_k; ++i) capture_element(p, i);
+            if ((got != want || got_errors.invalid_ids != want_errors.invalid_ids) && wrong++ == 0) {
+              MESSAGE("first mismatch: avx2 ", avx2, " stored ", stored, " top_k ", top_k, " extra ", extra, " n ", n);
+            }
+            if (n == 500) CHECK(want_errors.invalid_ids > 0);  // ids outside were exercised
+            ++cases;
+          }
+        }
+      }
+    }
+    allow_host_avx2(before);
+  }
+  CHECK(cases == 2 * 4 * 4 * 2 * 4);
+  CHECK(wrong == 0);
+}
