@@ -411,8 +411,7 @@ class Capturer(_moecap.Capturer):
                 out = torch.empty(shape, dtype=_torch_dtype(torch, dtype or torch.int32))
             else:
                 import numpy as np
-                is_torch_dtype = torch is not None and isinstance(dtype, torch.dtype)
-                out = np.empty(shape, dtype=str(dtype).removeprefix("torch.") if is_torch_dtype else dtype or np.int32)
+                out = np.empty(shape, dtype=_numpy_dtype(torch, dtype or np.int32))
         self.read_into(slots, out, weights_out, nonblocking, strict, stream)
         return out if weights_out is None else (out, weights_out)
 
@@ -492,6 +491,13 @@ def _torch_dtype(torch: Any, dtype: Any) -> Any:
         return getattr(torch, np.dtype(dtype).name)
     except (TypeError, AttributeError):
         raise TypeError(f"dtype {dtype!r} has no torch equivalent for a read into a torch tensor") from None
+
+
+def _numpy_dtype(torch: Any, dtype: Any) -> Any:
+    """``dtype`` (a NumPy dtype or its name, or a torch dtype) as NumPy takes it."""
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return dtype
 
 
 # The consumers' layer (engine-step helpers, the routing record, transformers models) is

@@ -103,9 +103,9 @@ def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None,
     rows = flat.size // per_row
     if num_tokens is not None:
         start = min(int(start), max(0, int(num_tokens) - 1))  # SGLang's clamp of routed_experts_start_len
-    if num_tokens is not None and rows != max(0, int(num_tokens) - 1 - int(start)):
-        raise ValueError(f"the SGLang payload has {rows} rows; a {num_tokens}-token sequence from position {start} "
-                         f"has {max(0, int(num_tokens) - 1 - int(start))} (T-1-start_len)")
+        if rows != max(0, int(num_tokens) - 1 - start):
+            raise ValueError(f"the SGLang payload has {rows} rows; a {num_tokens}-token sequence from position "
+                             f"{start} has {max(0, int(num_tokens) - 1 - start)} (T-1-start_len)")
     if (flat < 0).any():
         raise ValueError("the SGLang payload holds negative ids; SGLang sends none")
     return from_layer_axis(flat.reshape(rows, int(num_hidden_layers), int(top_k)), num_experts, layers,

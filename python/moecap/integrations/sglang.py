@@ -71,9 +71,8 @@ def _graph_rows_per_rank(forward_batch, cuda_graph_batch):
     batch size, in requests; a speculative verify graph gives each request spec_info.num_tokens_per_req
     rows (the draft tokens), so the ranks' rows are that many times further apart. (SGLang's own
     capturer offsets by the request count and reads another rank's rows there.)"""
-    spec = getattr(forward_batch, "spec_info", None)
-    width = int(getattr(spec, "num_tokens_per_req", -1) or -1) if spec is not None else -1
-    return int(cuda_graph_batch) * (width if width > 0 else 1)
+    width = int(getattr(getattr(forward_batch, "spec_info", None), "num_tokens_per_req", 1) or 1)
+    return int(cuda_graph_batch) * max(width, 1)  # -1: a spec input that did not set it
 
 
 class MoecapRoutedExpertsCapturer:
