@@ -107,7 +107,7 @@ typedef enum {
   MOECAP_ERROR_NOT_READY = 8,        /* non-blocking read: commits still in flight */
   MOECAP_ERROR_CAPTURE_ILLEGAL = 9,  /* call not allowed while a graph is captured */
   MOECAP_ERROR_INTERNAL = 10,        /* a bug in moecap; please report */
-  MOECAP_ERROR_ROWS_SKIPPED = 11,    /* earlier in-graph commits skipped rows (see moecap_get_errors) */
+  MOECAP_ERROR_ROWS_SKIPPED = 11,    /* commits/invalidations read at run time skipped rows (moecap_get_errors) */
   MOECAP_ERROR_STUB_DRIVER = 12,     /* libcuda.so.1 is the toolkit's stub, not a driver */
   MOECAP_ERROR_DRIVER_TOO_OLD = 13,  /* the driver lacks an entry point moecap needs */
   MOECAP_ERROR_CORRUPTION = 14,      /* a guard canary was overwritten (MOECAP_FLAG_GUARDS) */
@@ -157,7 +157,7 @@ typedef enum {
 
 /* moecap_config.flags */
 #define MOECAP_FLAG_HISTOGRAM 0x1u /* keep a [layers, num_experts] int64 expert-load histogram */
-#define MOECAP_FLAG_GUARDS 0x2u    /* canary rows after every buffer, checked on host calls */
+#define MOECAP_FLAG_GUARDS 0x2u    /* 64 canary bytes after every buffer, checked on host calls */
 #define MOECAP_FLAG_NO_GUARDS 0x4u /* turn off guards where a build enables them by default */
 /* Side stream (1.1): capture, commit, invalidate and histogram_reset leave
  * the engine's stream. Each call forks: an event recorded on `stream`, a
@@ -224,7 +224,12 @@ typedef struct moecap_config {
 #define MOECAP_CONFIG_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_config, device_id)
 
 /* What a config costs. Filled by moecap_plan / moecap_get_plan; the caller
- * owns it and sets struct_size. Bytes exclude guard canaries. */
+ * owns it and sets struct_size. The bytes are those of the buffers named
+ * below; they exclude guard canaries, 256-byte alignment between regions,
+ * bookkeeping (an error word, a step stamp per layer), the host backend's
+ * rounding of blocks of 2 MiB or more to whole huge pages, and the CUDA
+ * backend's own state: 8 x host_slots device bytes of commit claims and a
+ * pinned ring of 8 x 16 x device_rows bytes. */
 typedef struct moecap_plan_info {
   size_t struct_size;      /* sizeof(moecap_plan_info); set to the bytes filled */
   int64_t rows_per_rank;   /* max(chunked_prefill, max_running*verify,
@@ -232,14 +237,14 @@ typedef struct moecap_plan_info {
   int64_t device_rows;     /* dp_size * rows_per_rank: rows of the device buffer */
   int64_t row_elements;    /* num_layers * top_k: ids per row */
   int32_t id_dtype;        /* resolved moecap_id_dtype of the host cache (never AUTO) */
-  int32_t id_bytes;        /* 1, 2 or 4 */
-  int32_t weight_bytes;    /* 0, 2 or 4 */
+  int32_t id_bytes;        /* bytes per host-cache id: 1, 2 or 4 */
+  int32_t weight_bytes;    /* bytes per weight: 0 (no weights), 2 or 4 */
   int32_t reserved;        /* 0 */
   uint64_t device_bytes;   /* device ids + weights + histogram */
   uint64_t host_bytes;     /* host cache ids + weights + one state byte per slot */
   /* ---- 1.1 ---- */
   int32_t device_id_dtype; /* resolved moecap_id_dtype of the device buffer (never AUTO) */
-  int32_t device_id_bytes; /* 1, 2 or 4 */
+  int32_t device_id_bytes; /* bytes per device id: 1, 2 or 4 */
 } moecap_plan_info;
 
 #define MOECAP_PLAN_INFO_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_plan_info, host_bytes)
@@ -365,7 +370,8 @@ typedef struct moecap_batch {
 
 #define MOECAP_BATCH_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_batch, padded_tokens_per_rank)
 
-/* This rank's slice of a gathered batch. Filled by moecap_local_rows. */
+/* This rank's slice of a gathered batch. Owner: the caller, who sets
+ * struct_size; moecap_local_rows fills the rest and keeps no reference. */
 typedef struct moecap_rows {
   size_t struct_size; /* sizeof(moecap_rows), set by the caller */
   int64_t start;      /* first device row of this rank's tokens */
@@ -381,7 +387,10 @@ typedef struct moecap_rows {
 MOECAP_API moecap_status moecap_local_rows(const moecap_capturer* capturer, const moecap_batch* batch,
                                            moecap_rows* out);
 
-/* Which device rows go to which host slots. Owner: the caller. */
+/* Which device rows go to which host slots. Owner: the caller. The struct
+ * itself is read only during moecap_commit; the tensors it points to live as
+ * moecap_commit says (host lists copied at the call, device lists read when
+ * the commit runs). */
 typedef struct moecap_commit_args {
   size_t struct_size;        /* sizeof(moecap_commit_args) */
   int64_t src_start;         /* with src_rows NULL: rows [src_start, src_start + count) */
@@ -440,7 +449,8 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
                                        void* stream);
 
 /* ------------------------------------------------------------------------ */
-/* Host side (illegal during graph capture)                                 */
+/* Host side (read, write, synchronize, get_errors: illegal during graph     */
+/* capture; invalidate, join and histogram_reset are legal in a graph)      */
 /* ------------------------------------------------------------------------ */
 
 #define MOECAP_READ_NONBLOCKING 0x1u /* return NOT_READY instead of waiting */
@@ -530,7 +540,8 @@ MOECAP_API moecap_status moecap_join(moecap_capturer* capturer, void* stream);
 MOECAP_API moecap_status moecap_synchronize(moecap_capturer* capturer);
 
 /* Counters of problems found where no status could be returned (inside
- * kernels and graph replays). Filled by moecap_get_errors. */
+ * kernels and graph replays). Owner: the caller, who sets struct_size;
+ * moecap_get_errors fills the rest and keeps no reference. */
 typedef struct moecap_error_counts {
   size_t struct_size;     /* sizeof(moecap_error_counts), set by the caller */
   uint64_t skipped_rows;  /* committed rows (or invalidated slots) whose slot was outside
@@ -597,11 +608,13 @@ MOECAP_API moecap_status moecap_export_legacy(moecap_capturer* capturer, int32_t
 
 /* Starts recording moecap operations issued on this capturer. CUDA: begins a
  * stream capture on `stream` (relaxed mode: moecap_graph_end may come from
- * another thread, and other threads' calls never break it; NULL refused); the capture, commit, export,
- * local_rows and histogram_reset calls that follow are recorded there. Host:
- * the same calls are recorded with every argument baked (pointers, shapes,
- * row offsets, slot-tensor addresses) and not run. While recording, create,
- * destroy, read, write, synchronize, get_errors return CAPTURE_ILLEGAL. */
+ * another thread, and other threads' calls never break it; NULL refused); the capture, commit, invalidate,
+ * join and histogram_reset calls that follow are recorded there (export and
+ * local_rows stay legal and record nothing). Host: the same calls are
+ * recorded with every argument baked (pointers, shapes, row offsets,
+ * slot-tensor addresses) and not run. While recording, destroy, read,
+ * write, synchronize, get_errors, a second graph_begin and the launch of
+ * this capturer's graphs return CAPTURE_ILLEGAL. */
 MOECAP_API moecap_status moecap_graph_begin(moecap_capturer* capturer, void* stream);
 
 /* Ends recording into a new graph (*out, owned by the caller). A failed call
@@ -625,11 +638,13 @@ MOECAP_API moecap_status moecap_graph_destroy(moecap_graph* graph);
 /* Single-symbol table                                                      */
 /* ------------------------------------------------------------------------ */
 
-/* Every function above, for hosts that dlsym one symbol. Fields appended only. */
+/* Every function above, for hosts that dlsym one symbol. Fields appended
+ * only. Owner: the caller; the function pointers stay valid while the
+ * library stays loaded. */
 typedef struct moecap_api {
-  size_t struct_size; /* set by the caller; the library fills what fits */
-  uint32_t abi_version;
-  uint32_t reserved;
+  size_t struct_size;   /* set by the caller; the library fills what fits */
+  uint32_t abi_version; /* written by the library: its MOECAP_ABI_VERSION */
+  uint32_t reserved;    /* written by the library: 0 */
   uint32_t (*abi_version_fn)(void);
   const char* (*last_error)(void);
   const char* (*status_name)(moecap_status);

@@ -194,7 +194,7 @@ class RoutedExperts:
     def all_layers(self, dense=0):
         """ids over every model layer: [tokens, num_hidden_layers, top_k] in the
         signed ids dtype, dense layers filled with `dense`, MoE layers the ids
-        (-1 throughout a token that has no routing)."""
+        (-1 in every MoE layer of a token that has no routing)."""
         info = np.iinfo(self.ids.dtype)
         if not info.min <= int(dense) <= info.max:
             raise ValueError(f"dense is {dense}; the ids dtype {self.ids.dtype} holds [{info.min}, {info.max}]")

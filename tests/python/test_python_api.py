@@ -191,6 +191,18 @@ def test_close_waits_for_calls_in_progress_on_other_threads():
     assert len(outcomes) == 600 and "closed" in outcomes
 
 
+def test_every_enum_and_flag_set_of_the_extension_is_public():
+    import enum
+
+    kinds = {name: obj for name, obj in vars(_moecap).items() if isinstance(obj, type) and issubclass(obj, enum.Enum)}
+    assert {"Status", "IdDtype", "ConfigFlag", "ReadFlag", "SlotState", "RecordFlag"} <= set(kinds)
+    for name, kind in kinds.items():
+        home = moecap.record if name == "RecordFlag" else moecap
+        assert getattr(home, name) is kind, f"moecap{'.record' if home is not moecap else ''}.{name}"
+        assert home is not moecap or name in moecap.__all__
+    assert (moecap.ReadFlag.NONBLOCKING, moecap.ReadFlag.STRICT) == (1, 2)  # MOECAP_READ_*
+
+
 def test_buffers_and_slot_states_are_the_extensions_constants():
     assert moecap.BUFFERS == {b.name.lower(): b for b in moecap.Buffer}
     assert (moecap.SLOT_EMPTY, moecap.SLOT_VALID, moecap.SLOT_INVALID_IDS) == (0, 1, 2)
