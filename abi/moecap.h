@@ -497,7 +497,9 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
  * invalidations of those slots, and moecap_graph_launch, are ordered after
  * it, whatever their stream (an engine replaying its own graph that commits
  * to those slots orders the replay after `stream` itself). The wait
- * releases the capturer's lock: other calls proceed meanwhile. */
+ * releases the capturer's lock: other calls proceed meanwhile. ids_out and
+ * weights_out share no byte with `slots`, each other or the host cache (an
+ * exported host view): INVALID_ARGUMENT otherwise. */
 MOECAP_API moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTensor* ids_out,
                                      DLTensor* weights_out, uint32_t flags, void* stream);
 
@@ -509,8 +511,10 @@ MOECAP_API moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* 
  * VALID | INVALID_IDS; any other VALID. A slot listed twice keeps the last.
  * ids and weights may be host memory or on the capturer's GPU; device inputs
  * are read after `stream` finished writing them (the call synchronizes it).
- * Every value is checked before anything is stored. Waits first for the
- * commits in flight to `slots` and for earlier reads of them into GPU tensors. */
+ * Every value is checked before anything is stored; slots, ids and weights
+ * share no byte with the host cache (INVALID_ARGUMENT otherwise). Waits
+ * first for the commits in flight to `slots` and for earlier reads of them
+ * into GPU tensors. */
 MOECAP_API moecap_status moecap_write(moecap_capturer* capturer, const DLTensor* slots, const DLTensor* ids,
                                       const DLTensor* weights, void* stream);
 

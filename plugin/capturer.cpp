@@ -402,6 +402,13 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
   require_host_memory(slots, "slots");
   const int64_t t = slots->shape[0];
   const ReadOutputs out = check_read_outputs(ids_out, weights_out, t, strict);
+  // The gather loads each slot as it writes the rows before it, and reads
+  // the cache it would be writing: outputs share memory with neither.
+  require_disjoint(ids_out, "ids_out", slots, "slots");
+  require_disjoint(weights_out, "weights_out", slots, "slots");
+  require_disjoint(weights_out, "weights_out", ids_out, "ids_out");
+  require_outside_host_cache(ids_out, "ids_out");
+  require_outside_host_cache(weights_out, "weights_out");
   check_host_slots(slots, "slots", false, plan_.config.host_slots);
   const Backend::SlotList slot_list{tensor_data(slots), elem_of(slots->dtype), t};
   // Device outputs: the gather waits for the commits on `stream`, not the
@@ -512,6 +519,15 @@ HostView Capturer::host_view(const DLTensor* t, const char* name, EngineStream s
   return v;
 }
 
+void Capturer::require_outside_host_cache(const DLTensor* t, const char* name) const {
+  if (t == nullptr) return;
+  const size_t cache_bytes = host_states_.offset + host_states_.bytes;
+  if (overlaps(t, host_block_, cache_bytes)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " lies in the capturer's host cache (an exported host_ids, host_weights "
+         "or host_states view); pass a copy");
+  }
+}
+
 void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream,
                      std::unique_lock<std::mutex>* lock) {
   const LockHold hold(lock);
@@ -529,6 +545,11 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
   } else if (weights != nullptr) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
   }
+  // Rows are stored slot by slot while later slots and ids are still to be
+  // loaded: none of them may lie in the cache being written.
+  require_outside_host_cache(slots, "slots");
+  require_outside_host_cache(ids, "ids");
+  require_outside_host_cache(weights, "weights");
   check_host_slots(slots, "slots", false, c.host_slots);
   const HostView id_view = host_view(ids, "ids", stream);
   const HostView w_view = w_elem >= 0 ? host_view(weights, "weights", stream) : HostView{};

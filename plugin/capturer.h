@@ -100,6 +100,8 @@ class Capturer {
   bool staged_index(const DLTensor* t, const char* name, bool graph) const;
   // Requires [rows, num_layers, top_k]: the shape of a request's rows.
   void check_request_rows(const DLTensor* t, const char* name, int64_t rows, const char* rows_from) const;
+  // Refuses a caller tensor whose bytes meet the host cache (ids, weights, states).
+  void require_outside_host_cache(const DLTensor* t, const char* name) const;
   void require_stream(EngineStream stream);
   // Waits for the commits that may write `slots` (all when nullptr), then
   // fails with ROWS_SKIPPED while the counter is set.

@@ -72,6 +72,26 @@ int64_t element_count(const DLTensor* t) {
   return n;
 }
 
+namespace {
+uintptr_t tensor_bytes(const DLTensor* t) {
+  return static_cast<uintptr_t>(element_count(t)) * ((t->dtype.bits * t->dtype.lanes + 7u) / 8u);
+}
+}  // namespace
+
+bool overlaps(const DLTensor* t, const void* begin, size_t bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(tensor_data(t));
+  const uintptr_t b = reinterpret_cast<uintptr_t>(begin);
+  const uintptr_t a_bytes = tensor_bytes(t);
+  return a_bytes != 0 && bytes != 0 && a < b + bytes && b < a + a_bytes;
+}
+
+void require_disjoint(const DLTensor* t, const char* name, const DLTensor* other, const char* other_name) {
+  if (t == nullptr || other == nullptr) return;
+  if (overlaps(t, tensor_data(other), static_cast<size_t>(tensor_bytes(other)))) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " shares memory with ", other_name, "; they must not overlap");
+  }
+}
+
 int32_t check_tensor(const DLTensor* t, const TensorRules& r) {
   if (t == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " is NULL");
   if (t->ndim != r.ndim) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " has ndim ", t->ndim, "; expected ", r.ndim);

@@ -61,4 +61,12 @@ inline uint8_t* tensor_data(const DLTensor* t) { return static_cast<uint8_t*>(t-
 
 int64_t element_count(const DLTensor* t);
 
+// Whether a compact tensor's bytes (check_tensor passed) meet [begin, begin + bytes).
+bool overlaps(const DLTensor* t, const void* begin, size_t bytes);
+
+// Refuses `t` where its bytes meet `other`'s (INVALID_ARGUMENT naming both):
+// a call that writes one while it reads the other would act on values it
+// never checked. NULL tensors meet nothing.
+void require_disjoint(const DLTensor* t, const char* name, const DLTensor* other, const char* other_name);
+
 }  // namespace moecap

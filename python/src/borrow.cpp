@@ -159,11 +159,20 @@ void borrow_torch_attributes(nb::handle obj, const char* name, Borrowed& out) {
   }
   if (found == nullptr) type_error(name, obj, "has a dtype DLPack cannot describe");
   out.dl.dtype = found->dl;
-  nb::object sizes = nb::steal(PyObject_GetAttr(obj.ptr(), shape));
-  nb::object steps = nb::steal(PyObject_CallMethodNoArgs(obj.ptr(), stride));
-  nb::object address = nb::steal(PyObject_CallMethodNoArgs(obj.ptr(), data_ptr));
-  nb::object cuda = nb::steal(PyObject_GetAttr(obj.ptr(), is_cuda));
-  if (!sizes.is_valid() || !steps.is_valid() || !address.is_valid() || !cuda.is_valid()) throw nb::python_error();
+  // Each result is checked before the next call: a sparse or nested tensor
+  // raises at stride() or data_ptr(), and a call made with that exception
+  // pending would report some other failure.
+  const auto attribute = [&](PyObject* got) {
+    if (got == nullptr) {
+      PyErr_Clear();
+      type_error(name, obj, "must be a dense strided tensor (sparse and nested tensors have no strides to describe)");
+    }
+    return nb::steal(got);
+  };
+  nb::object sizes = attribute(PyObject_GetAttr(obj.ptr(), shape));
+  nb::object steps = attribute(PyObject_CallMethodNoArgs(obj.ptr(), stride));
+  nb::object address = attribute(PyObject_CallMethodNoArgs(obj.ptr(), data_ptr));
+  nb::object cuda = attribute(PyObject_GetAttr(obj.ptr(), is_cuda));
   out.dl.ndim = copy_tuple(sizes.ptr(), out.shape, name, obj);
   copy_tuple(steps.ptr(), out.strides, name, obj);
   out.dl.shape = out.shape;
@@ -279,6 +288,17 @@ void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out) {
   out.keep = nb::borrow(obj);
   out.dl.byte_offset = 0;
   PyTypeObject* type = Py_TYPE(obj.ptr());
+  if (writable && torch_ready() && PyObject_TypeCheck(obj.ptr(), torch_types.tensor)) {
+    // Written outside autograd, its version counter unchanged: a backward
+    // through it would use the old values. torch refuses to export these.
+    static PyObject* requires_grad = PyUnicode_InternFromString("requires_grad");
+    nb::object grad = nb::steal(PyObject_GetAttr(obj.ptr(), requires_grad));
+    if (!grad.is_valid()) throw nb::python_error();
+    if (grad.ptr() == Py_True) {
+      type_error(name, obj, "must not require grad: moecap writes it outside autograd (pass a tensor without "
+                            "requires_grad, or read into a new one)");
+    }
+  }
   if (use_exchange_api) {
     const ExchangeApi* api = exchange_api(type);
     if (api != nullptr && borrow_exchange(api, obj, name, out)) {

@@ -123,9 +123,21 @@ class DLPackView {
 
   nb::capsule dlpack(nb::handle stream, nb::handle max_version, nb::handle dl_device, nb::handle copy) {
     (void)stream;  // moecap's buffers are written in the engine's stream order; the caller syncs it
+    // Every keyword is converted before the view is looked at: a conversion
+    // can run Python code (__index__, __bool__), which may consume this view.
+    std::pair<int, int> wanted{}, version{};
+    if (!dl_device.is_none() && !nb::try_cast(dl_device, wanted)) {
+      throw nb::type_error("moecap: DLPackView.__dlpack__: dl_device must be a (device_type, device_id) pair of ints");
+    }
+    if (!max_version.is_none() && !nb::try_cast(max_version, version)) {
+      throw nb::type_error("moecap: DLPackView.__dlpack__: max_version must be a (major, minor) pair of ints");
+    }
+    bool copied = false;
+    if (!copy.is_none() && !nb::try_cast(copy, copied)) {
+      throw nb::type_error("moecap: DLPackView.__dlpack__: copy must be None, True or False");
+    }
     if (managed_ == nullptr) throw nb::buffer_error("moecap: this DLPackView was already consumed (export again)");
     if (!dl_device.is_none()) {
-      auto wanted = nb::cast<std::pair<int, int>>(dl_device);
       if (wanted.first != static_cast<int>(device_.device_type) || wanted.second != device_.device_id) {
         throw nb::buffer_error(("moecap: the view lives on device (" + std::to_string(device_.device_type) + ", " +
                                 std::to_string(device_.device_id) + "); dl_device asks for (" +
@@ -133,10 +145,9 @@ class DLPackView {
                                    .c_str());
       }
     }
-    bool versioned = false;
-    if (!max_version.is_none()) versioned = nb::cast<std::pair<int, int>>(max_version).first >= 1;
+    const bool versioned = !max_version.is_none() && version.first >= 1;
     DLManagedTensorVersioned* out = managed_;
-    if (!copy.is_none() && nb::cast<bool>(copy)) {
+    if (copied) {
       if (!is_host(device_.device_type)) {
         throw nb::buffer_error("moecap: copy=True of a device buffer is not supported; take the view and copy "
                                "it in the consumer (torch.from_dlpack(view).clone())");

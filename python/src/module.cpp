@@ -38,11 +38,18 @@ nb::dict plan_dict(const moecap_plan_info& p) {
 }
 
 // Appends the borrowed tensors to `holder` (a recording graph's list, or the
-// side stream's until-join list), when there is one.
+// side stream's until-join list), when there is one: the Python object, and
+// nanobind's import of it where there is one, which owns the producer's
+// capsule (a __dlpack__ may hand out memory that nothing else holds).
 void keep_alive(nb::list* holder, const Borrowed& a, const Borrowed& b) {
   if (holder == nullptr) return;
-  if (a.keep.is_valid()) holder->append(a.keep);
-  if (b.keep.is_valid()) holder->append(b.keep);
+  for (const Borrowed* t : {&a, &b}) {
+    if (t->keep.is_valid()) holder->append(t->keep);
+    if (t->array.is_valid()) {
+      holder->append(nb::capsule(new nb::ndarray<nb::ro>(t->array),
+                                 [](void* held) noexcept { delete static_cast<nb::ndarray<nb::ro>*>(held); }));
+    }
+  }
 }
 
 class Graph {

@@ -274,3 +274,104 @@ def test_a_jax_array_is_refused_as_an_output_and_left_as_it_was():
             cap.read(np.array([6]), out=out)
         assert out.tolist() == [[[0, 0], [0, 0], [0, 0]]]
         assert jnp.asarray(cap.read(np.array([6])))[0, 0].tolist() == [1, 2]  # the way to get it into JAX
+
+
+class _MadeOnRequest:
+    """A DLPack producer whose __dlpack__ hands out a new array each time (the
+    protocol allows it): nothing but the capsule holds that memory."""
+
+    def __init__(self, rows, made):
+        self.rows, self.made = rows, made
+
+    def __dlpack__(self, **kwargs):
+        import weakref
+        array = np.array(self.rows, dtype=np.int64)
+        self.made.append(weakref.ref(array))
+        return array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_work_that_runs_after_the_call_holds_what_a_producer_made_for_it():
+    # The side stream's captures run at join(), a graph's at each launch(): the
+    # memory the producer made for the capsule must live until then.
+    made = []
+    with moecap.Capturer(**CONFIG, side_stream=True) as cap:
+        cap.capture(0, _MadeOnRequest([[1, 2], [3, 4]], made))
+        assert made[-1]() is not None, "the producer's array was freed before the forked capture ran"
+        filler = [np.full((2, 2), 9, np.int64) for _ in range(50)]  # would take the freed memory
+        cap.join()
+        assert np.from_dlpack(cap.export("layer_ids", 0))[:2].tolist() == [[1, 2], [3, 4]]
+        gc.collect()
+        assert made[-1]() is None, "join() releases what the forked work read"
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.graph_begin()
+        cap.capture(0, _MadeOnRequest([[5, 6], [7, 8]], made))
+        graph = cap.graph_end()
+        filler += [np.full((2, 2), 11, np.int64) for _ in range(50)]
+        graph.launch()
+        assert np.from_dlpack(cap.export("layer_ids", 0))[:2].tolist() == [[5, 6], [7, 8]]
+        graph.close()
+        gc.collect()
+        assert made[-1]() is None, "closing the graph releases what it read"
+
+
+def test_a_tensor_that_requires_grad_is_refused_as_an_output():
+    # moecap writes outside autograd (the version counter stays): a backward
+    # through the tensor would use the old values. torch's own export refuses it.
+    with moecap.Capturer(**CONFIG, weight_dtype="f32") as cap:
+        cap.capture(0, np.array([[1, 2]], np.int32), np.array([[0.5, 0.25]], np.float32))
+        cap.commit(np.array([3]))
+        x = torch.ones(1, 3, 2, requires_grad=True)
+        weights = x * 3
+        before = weights.detach().clone()
+        with pytest.raises(TypeError, match="'weights_out' must not require grad"):
+            cap.read(np.array([3]), weights_out=weights)
+        assert torch.equal(weights.detach(), before)
+        ids, got = cap.read(np.array([3]), weights_out=weights.detach().clone())
+        assert ids[0, 0].tolist() == [1, 2] and got[0, 0].tolist() == [0.5, 0.25]
+
+
+def test_outputs_sharing_memory_with_the_slots_or_the_host_cache_are_refused():
+    with moecap.Capturer(**CONFIG, weight_dtype="f32") as cap:
+        cap.capture(0, np.array([[1, 2], [3, 4]], np.int32), np.full((2, 2), 0.5, np.float32))
+        cap.commit(np.array([1, 2]))
+        buffer = np.zeros(12, np.float32)
+        slots = buffer.view(np.int32)[:2]
+        slots[:] = [1, 2]
+        with pytest.raises(moecap.MoecapError, match="weights_out shares memory with slots"):
+            cap.read(slots, out=np.zeros((2, 3, 2), np.int32), weights_out=buffer.reshape(2, 3, 2))
+        host_ids = np.from_dlpack(cap.export("host_ids"))
+        before = host_ids.copy()
+        with pytest.raises(moecap.MoecapError, match="slots lies in the capturer's host cache"):
+            cap.write(host_ids.reshape(-1)[:4].view(np.int32)[:1], np.zeros((1, 3, 2), np.int32),
+                      np.zeros((1, 3, 2), np.float32))
+        assert np.array_equal(host_ids, before)
+
+
+def test_a_view_converts_every_keyword_before_it_hands_itself_out():
+    with moecap.Capturer(**CONFIG) as cap:
+        for keywords in (dict(max_version=(1,)), dict(copy=1), dict(dl_device="cpu")):
+            view = cap.export("host_ids")
+            with pytest.raises(TypeError, match=next(iter(keywords))):
+                view.__dlpack__(**keywords)
+            assert not view.consumed  # refused: still whole
+        view = cap.export("host_ids")
+        taken = []
+
+        class ConsumesTheViewWhileConverted:
+            def __index__(self):
+                taken.append(view.__dlpack__())
+                return 0
+
+        with pytest.raises(BufferError, match="already consumed"):
+            view.__dlpack__(dl_device=(1, ConsumesTheViewWhileConverted()))
+        assert len(taken) == 1 and view.consumed  # handed out once, by the inner call
+
+
+def test_a_sparse_torch_tensor_is_refused_naming_the_argument():
+    with moecap.Capturer(**CONFIG) as cap:
+        sparse = torch.zeros((1, 2), dtype=torch.int32).to_sparse()
+        with pytest.raises(TypeError, match="argument 'topk_ids'"):
+            cap.capture(0, sparse)

@@ -31,11 +31,16 @@ def test_a_slot_outside_the_cache_is_out_of_range_like_read(slots, index, value)
 
 
 @pytest.mark.parametrize("slots, what", [(np.array([[0]]), "ndim 2"), (np.array([0.5]), "dtype float64"),
-                                         (np.array([1], dtype=np.uint8), "dtype uint8")])
+                                         (np.array([1], dtype=np.uint8), "dtype uint8"),
+                                         (np.array([1, 0, 2])[::-2], "not compact")])
 def test_malformed_slots_are_invalid_arguments(slots, what):
+    cap = make()
     with pytest.raises(moecap.MoecapError, match=what) as e:
-        make().slot_states(slots)
+        cap.slot_states(slots)
     assert e.value.status == moecap.Status.INVALID_ARGUMENT
+    with pytest.raises(moecap.MoecapError) as read_error:  # as read refuses them
+        cap.read(slots)
+    assert read_error.value.status == moecap.Status.INVALID_ARGUMENT
 
 
 def test_lists_and_arrays_give_the_states():

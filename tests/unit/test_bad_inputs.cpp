@@ -224,6 +224,60 @@ TEST_CASE("write refuses bad input") {
   f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids->shape[0] is 2", [&] { return moecap_write(f.h, slots.get(), ids2.get(), w.get(), nullptr); });
 }
 
+TEST_CASE("read and write refuse tensors sharing memory with each other or with the host cache") {
+  // The gather and the row stores load slots and ids as they go: a tensor
+  // they write into would change values already checked.
+  Fixture f;
+  const moecap_config& c = f.cfg;
+  HostTensor out({2, c.num_layers, c.top_k}, i32());
+  HostTensor wout({2, c.num_layers, c.top_k}, f32());
+  const std::vector<uint8_t> out_before = out.bytes();
+  DLTensor slots_in_out = out.dl();  // slots 1 and 2 in out's first elements
+  int64_t two[1] = {2};
+  slots_in_out.ndim = 1;
+  slots_in_out.shape = two;
+  slots_in_out.strides = nullptr;
+  out.set(0, 1);
+  out.set(1, 2);
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out shares memory with slots", [&] { return moecap_read(f.h, &slots_in_out, out.get(), nullptr, 0, nullptr); });
+  DLTensor slots_in_w = slots_in_out;
+  slots_in_w.data = wout.get()->data;
+  slots_in_w.byte_offset = 4 * static_cast<uint64_t>(c.top_k);  // past the first row's first layer
+  std::memcpy(static_cast<uint8_t*>(slots_in_w.data) + slots_in_w.byte_offset, out.get()->data, 8);
+  HostTensor slots({2}, i32());
+  slots.fill<int32_t>({1, 2});
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out shares memory with slots", [&] { return moecap_read(f.h, &slots_in_w, out.get(), wout.get(), 0, nullptr); });
+  DLTensor w_over_ids = out.dl();
+  w_over_ids.dtype = DLDataType{kDLFloat, 32, 1};
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out shares memory with ids_out", [&] { return moecap_read(f.h, slots.get(), out.get(), &w_over_ids, 0, nullptr); });
+
+  DLManagedTensorVersioned* cache = nullptr;
+  REQUIRE(moecap_export(f.h, MOECAP_BUFFER_HOST_IDS, 0, &cache) == MOECAP_OK);
+  DLTensor out_in_cache = out.dl();
+  out_in_cache.data = cache->dl_tensor.data;
+  out_in_cache.byte_offset = cache->dl_tensor.byte_offset;
+  out_in_cache.dtype = DLDataType{kDLUInt, 8, 1};  // the cache's own u8 ids
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out lies in the capturer's host cache", [&] { return moecap_read(f.h, slots.get(), &out_in_cache, nullptr, 0, nullptr); });
+  DLTensor slots_in_cache = slots.dl();
+  slots_in_cache.data = cache->dl_tensor.data;
+  slots_in_cache.byte_offset = cache->dl_tensor.byte_offset;
+  slots_in_cache.dtype = DLDataType{kDLInt, 32, 1};
+  HostTensor ids({2, c.num_layers, c.top_k}, i32());
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "slots lies in the capturer's host cache", [&] { return moecap_write(f.h, &slots_in_cache, ids.get(), wout.get(), nullptr); });
+  DLTensor ids_in_cache = ids.dl();
+  ids_in_cache.data = cache->dl_tensor.data;
+  ids_in_cache.byte_offset = cache->dl_tensor.byte_offset;
+  ids_in_cache.dtype = DLDataType{kDLUInt, 8, 1};
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids lies in the capturer's host cache", [&] { return moecap_write(f.h, slots.get(), &ids_in_cache, wout.get(), nullptr); });
+  cache->deleter(cache);
+  CHECK(out.bytes() != out_before);  // only the two slot values planted above
+  out.set(0, 0);
+  out.set(1, 0);
+  CHECK(out.bytes() == out_before);
+  // Separate tensors side by side still read.
+  CHECK(moecap_read(f.h, slots.get(), out.get(), wout.get(), 0, nullptr) == MOECAP_OK);
+}
+
 TEST_CASE("export, histogram_reset, get_errors, get_plan and graphs refuse bad input") {
   Fixture f;
   DLManagedTensorVersioned* v = nullptr;
