@@ -75,6 +75,19 @@ class Graph {
     keep_ = nb::list();
   }
 
+  // The cyclic collector's view (a tensor the graph holds may refer back to
+  // the graph): what it holds, and how to let go of it. Clearing frees the
+  // graph first, so nothing can replay what it read.
+  int traverse(visitproc visit, void* arg) {
+    Py_VISIT(keep_.ptr());
+    return 0;
+  }
+  void clear() {
+    moecap_graph_destroy(graph_);
+    graph_ = nullptr;
+    keep_ = nb::list();
+  }
+
  private:
   moecap_graph* live() {
     if (graph_ == nullptr) throw nb::value_error("moecap: the graph is closed");
@@ -282,6 +295,22 @@ class Capturer {
   }
 
   bool is_closed() const { return handle_ == nullptr; }
+
+  // The cyclic collector's view: the tensors held for a recording graph or
+  // for forked work. An unreachable capturer has no call in progress, so
+  // clearing destroys the handle first (pending host-backend forked work
+  // runs, or is waited for, while its tensors are still held), then lets go.
+  int traverse(visitproc visit, void* arg) {
+    Py_VISIT(recording_.ptr());
+    Py_VISIT(forked_.ptr());
+    return 0;
+  }
+  void clear() {
+    if (handle_ != nullptr && moecap_destroy(handle_) == MOECAP_OK) handle_ = nullptr;
+    recording_ = nb::list();
+    recording_on_ = false;
+    forked_ = nb::list();
+  }
   int32_t device_type() const { return device_type_; }
   int32_t device_id() const { return device_id_; }
 
@@ -306,6 +335,27 @@ class Capturer {
   bool side_stream_;
   nb::list forked_;
 };
+
+// tp_traverse / tp_clear of a class holding Python lists: without them a
+// tensor that refers back to its graph or capturer made a cycle the
+// collector never freed. The type is visited as every heap type's instances must.
+template <class T>
+int gc_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;  // before or during __init__
+  return nb::inst_ptr<T>(self)->traverse(visit, arg);
+}
+
+template <class T>
+int gc_clear(PyObject* self) {
+  if (nb::inst_ready(self)) nb::inst_ptr<T>(self)->clear();
+  return 0;
+}
+
+template <class T>
+PyType_Slot gc_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(gc_traverse<T>)},
+                          {Py_tp_clear, reinterpret_cast<void*>(gc_clear<T>)},
+                          {0, nullptr}};
 
 // The #define'd bit sets of abi/moecap.h and abi/moecap_record.h as C++
 // enums, so nanobind can export them as Python IntFlags beside the C enums.
@@ -459,12 +509,14 @@ NB_MODULE(_moecap, m) {
   bind_dlpack_view(m);
   bind_record(m);
 
-  nb::class_<Graph>(m, "Graph", "A moecap-owned graph: replay with launch(); close() frees it.")
+  nb::class_<Graph>(m, "Graph", "A moecap-owned graph: replay with launch(); close() frees it.",
+                   nb::type_slots(gc_slots<Graph>))
       .def("launch", &Graph::launch, nb::arg("stream") = nb::none())
       .def("native", &Graph::native, "The CUgraph (CUDA backend) to embed as a child graph node.")
       .def("close", &Graph::close);
 
-  nb::class_<Capturer>(m, "Capturer", "One routed-experts capturer over libmoecap.so (abi/moecap.h).")
+  nb::class_<Capturer>(m, "Capturer", "One routed-experts capturer over libmoecap.so (abi/moecap.h).",
+                      nb::type_slots(gc_slots<Capturer>))
       .def(nb::init<const moecap_config&>(), nb::arg("config"))
       .def("capture", &Capturer::capture, nb::arg("layer"), nb::arg("topk_ids"),
            nb::arg("topk_weights").none() = nb::none(), nb::arg("stream") = nb::none(),

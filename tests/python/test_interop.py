@@ -375,3 +375,30 @@ def test_a_sparse_torch_tensor_is_refused_naming_the_argument():
         sparse = torch.zeros((1, 2), dtype=torch.int32).to_sparse()
         with pytest.raises(TypeError, match="argument 'topk_ids'"):
             cap.capture(0, sparse)
+
+
+def test_cycles_through_a_graph_or_the_side_stream_list_are_collected():
+    import weakref
+
+    class Ids(np.ndarray):  # a tensor that can refer back to what holds it
+        pass
+
+    cap = moecap.Capturer(**CONFIG)
+    ids = np.array([[1, 2]], np.int64).view(Ids)
+    cap.graph_begin()
+    cap.capture(0, ids)
+    ids.graph = cap.graph_end()  # tensor -> graph -> its held tensors -> tensor
+    held = weakref.ref(ids)
+    del ids
+    gc.collect()
+    assert held() is None
+    cap.close()
+
+    forking = moecap.Capturer(**CONFIG, side_stream=True)
+    ids = np.array([[3, 4]], np.int64).view(Ids)
+    ids.capturer = forking  # capturer -> forked list -> tensor -> capturer, no join yet
+    forking.capture(0, ids)
+    owner = weakref.ref(forking)
+    del ids, forking
+    gc.collect()
+    assert owner() is None
