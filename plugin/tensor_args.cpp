@@ -51,6 +51,11 @@ const char* elem_name(int32_t e) { return (e >= 0 && e < kElemCount) ? kElemType
 std::string dtype_name(DLDataType d) {
   const int32_t e = elem_of(d);
   if (e >= 0) return elem_name(e);
+  // DLPack's codes spelled as NumPy and torch name them (a caller's tensor
+  // may carry one moecap takes nowhere: uint32, bool, complex64, ...).
+  const char* kind = d.code == kDLInt ? "int" : d.code == kDLUInt ? "uint" : d.code == kDLFloat ? "float"
+                     : d.code == kDLBfloat ? "bfloat" : d.code == 5 ? "complex" : d.code == 6 ? "bool" : nullptr;
+  if (kind != nullptr && d.lanes == 1) return d.code == 6 ? std::string(kind) : cat(kind, int(d.bits));
   return cat("(code ", int(d.code), ", bits ", int(d.bits), ", lanes ", d.lanes, ")");
 }
 

@@ -275,6 +275,35 @@ int32_t as_int32(int64_t value, const char* function, const char* name) {
 
 namespace {
 
+// The TypeError for an object no path could describe. A producer that has
+// __dlpack__ but refused says why (NumPy: a byte order or a structured dtype
+// DLPack has no code for), which beats "must be a tensor".
+[[noreturn]] void not_a_tensor(const char* name, nb::handle obj, const char* why) {
+  if (nb::hasattr(obj, "__dlpack__")) {
+    std::string reason;
+    try {
+      // Asked as nanobind asks (a versioned capsule, which can say read-only):
+      // a producer that gives one failed for another reason, `why`.
+      obj.attr("__dlpack__")(nb::arg("max_version") = nb::make_tuple(1, 0));
+    } catch (nb::python_error& e) {
+      reason = e.matches(PyExc_TypeError) ? "" : e.what();  // TypeError: it predates max_version
+      if (reason.empty()) {
+        try {
+          obj.attr("__dlpack__")();
+        } catch (nb::python_error& plain) {
+          reason = plain.what();
+        }
+      }
+    }
+    if (!reason.empty()) {
+      const std::string type = nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())))));
+      throw nb::type_error(("moecap: argument '" + std::string(name) + "' is a " + type +
+                            " that DLPack cannot describe: " + reason).c_str());
+    }
+  }
+  type_error(name, obj, why);
+}
+
 bool is_jax_array(PyTypeObject* type) {
   nb::object module = nb::getattr(nb::handle(reinterpret_cast<PyObject*>(type)), "__module__", nb::none());
   if (!nb::isinstance<nb::str>(module)) return false;
@@ -321,13 +350,13 @@ void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out) {
     }
     nb::ndarray<> array;
     if (!nb::try_cast(obj, array, false)) {
-      type_error(name, obj, "must be a writable tensor (NumPy, PyTorch, CuPy or any DLPack producer)");
+      not_a_tensor(name, obj, "must be a writable tensor (NumPy, PyTorch, CuPy or any DLPack producer)");
     }
     borrow_ndarray(array, out, name, obj);
     out.array = nb::ndarray<nb::ro>(array);
   } else {
     if (!nb::try_cast(obj, out.array, false)) {
-      type_error(name, obj, "must be a tensor (NumPy, PyTorch, JAX, CuPy or any DLPack producer)");
+      not_a_tensor(name, obj, "must be a tensor (NumPy, PyTorch, JAX, CuPy or any DLPack producer)");
     }
     borrow_ndarray(out.array, out, name, obj);
   }

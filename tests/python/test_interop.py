@@ -402,3 +402,15 @@ def test_cycles_through_a_graph_or_the_side_stream_list_are_collected():
     del ids, forking
     gc.collect()
     assert owner() is None
+
+
+@pytest.mark.parametrize("ids, message", [
+    (np.array([[1, 2]], dtype=">i4"), "that DLPack cannot describe: BufferError: DLPack only supports native byte"),
+    (np.zeros((1, 2), dtype=[("a", "i4")]), "that DLPack cannot describe"),
+    (np.array([[1, 2]], np.uint32), "topk_ids has dtype uint32; expected one of int32, int64"),
+    (np.array([[True, False]]), "topk_ids has dtype bool; expected one of int32, int64")])
+def test_a_tensor_moecap_cannot_take_is_refused_with_the_reason(ids, message):
+    with moecap.Capturer(**CONFIG) as cap:
+        with pytest.raises((TypeError, moecap.MoecapError), match=message):
+            cap.capture(0, ids)
+        assert cap.errors().invalid_ids == 0
