@@ -297,8 +297,10 @@ MOECAP_API moecap_status moecap_create(const moecap_config* config, moecap_captu
  * and, on CUDA, while any CUgraph or CUgraphExec holding moecap's nodes
  * exists (the engine's captures, moecap graphs, their child-graph clones):
  * each holds a CUDA user object, and the memory is freed, on a thread of
- * moecap's, once the driver releases the last of them. Waits for in-flight
- * commits. Illegal while the capturer records a graph. Legal while another
+ * moecap's, once the driver releases the last of them. Before it returns,
+ * the commits and side-stream calls still pending have run (host) or
+ * finished (CUDA), so the caller may free the tensors they read, even while
+ * views or graphs keep the memory. Illegal while the capturer records a graph. Legal while another
  * thread captures a graph (in any capture mode): every free and unload runs
  * in relaxed capture mode, on whichever thread releases the memory, so it
  * never invalidates that capture. The events of commits recorded in a graph

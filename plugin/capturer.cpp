@@ -593,6 +593,14 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
   }
 }
 
+void Capturer::finish_work(std::unique_lock<std::mutex>* lock) noexcept {
+  try {
+    backend_->commits_done(true, nullptr, lock);
+  } catch (...) {
+    // A driver that is gone (destroy at process exit) has no work left to wait for.
+  }
+}
+
 void Capturer::synchronize(std::unique_lock<std::mutex>* lock) {
   const LockHold hold(lock);
   require_not_recording();

@@ -56,6 +56,9 @@ class Capturer {
   void write(const DLTensor* slots, const DLTensor* ids, const DLTensor* weights, EngineStream stream,
              std::unique_lock<std::mutex>* lock = nullptr);
   void synchronize(std::unique_lock<std::mutex>* lock = nullptr);
+  // Runs (host) or waits for (CUDA) every commit and side-stream call still
+  // pending, raising nothing: what destroy owes the caller's tensors.
+  void finish_work(std::unique_lock<std::mutex>* lock) noexcept;
   moecap_error_counts errors(bool clear, std::unique_lock<std::mutex>* lock = nullptr);
   void histogram_reset(EngineStream stream);
   BufferView view(int32_t which, int32_t layer) const;

@@ -131,10 +131,14 @@ moecap_status moecap_destroy(moecap_capturer* capturer) {
   return guarded("moecap_destroy", [&] {
     Capturer& c = live(capturer);
     {
-      std::lock_guard<std::mutex> lock(c.mutex());
+      std::unique_lock<std::mutex> lock(c.mutex());
       if (c.recording()) {
         fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "the capturer is recording a graph; call moecap_graph_end first");
       }
+      // Here, not only when the memory goes: exported views or graphs may
+      // keep it long after the caller freed the tensors that commits and
+      // side-stream work in flight still read.
+      c.finish_work(&lock);
     }
     std::shared_ptr<Capturer> last = std::move(capturer->impl);
     moecap::retire(capturer);

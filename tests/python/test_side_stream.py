@@ -57,3 +57,18 @@ def test_a_join_after_the_next_write_commits_that_write():
             ids[:] = [[7, 8]]  # the engine's next forward reuses the tensor
             cap.join()
             assert cap.read(np.array([4]))[0].tolist() == ([[7, 8]] if late else [[1, 2]]) * 3
+
+
+def test_close_runs_the_forked_work_before_it_lets_go_of_its_inputs():
+    # A view keeps the memory past close(); the forked capture must not wait
+    # for that view to go, when the tensor it reads may be long gone.
+    cap = moecap.Capturer(**CONFIG, side_stream=True)
+    view = np.from_dlpack(cap.export("layer_ids", 0))
+    ids = np.array([[5, 6], [7, 8]], np.int64)
+    cap.capture(0, ids)
+    cap.close()
+    assert view[:2].tolist() == [[5, 6], [7, 8]]  # the capture ran at close
+    probe = weakref.ref(cap)
+    del cap
+    gc.collect()
+    assert probe() is None
