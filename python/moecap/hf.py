@@ -50,10 +50,36 @@ KNOWN = {
     "granitemoe": "GraniteMoeTopKRouter: top-k of logits, then softmax",
     "phimoe": "PhimoeTopKRouter: sparsemixer",
     "deepseek_v3": "DeepseekV3TopkRouter: grouped top-k of sigmoid + correction bias; shared experts; dense first layers",
+    "glm4_moe": "Glm4MoeTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared experts",
+    "dots1": "Dots1TopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared experts",
+    "deepseek_v2": "DeepseekV2TopkRouter: softmax, group-limited greedy top-k (group max), no renormalization",
+    "qwen3_next": "Qwen3NextTopKRouter: softmax, top-k; gated shared expert; linear-attention layers",
+    "flex_olmo": "FlexOlmoTopKRouter: softmax, top-k",
+    "hunyuan_v1_moe": "HunYuanMoEV1TopKRouter: softmax, top-k, renormalized; shared MLP",
+    "gpt_oss": "GptOssTopKRouter: top-k of logits, then softmax",
+    "granitemoeshared": "GraniteMoeSharedTopKRouter: top-k of logits, then softmax; shared MLP",
+    "ernie4_5_moe": "Ernie4_5_MoeTopKRouter: softmax, top-k of softmax + moe_statics bias, renormalized",
 }
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
-_SHARED = (("shared_expert", "shared_expert_gate"), ("shared_experts", None))
+_SHARED = (("shared_expert", "shared_expert_gate"), ("shared_experts", None), ("shared_mlp", None))
+
+
+# What configs call the routed expert count and the experts per token, in
+# the model's config or, for a multimodal wrapper, its text config.
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts")
+
+
+def _config_int(model, keys):
+    config = getattr(model, "config", None)
+    for c in (config, getattr(config, "text_config", None)):
+        for key in keys:
+            value = getattr(c, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    raise UnknownArchitecture(f"{type(model).__name__}'s config names none of {', '.join(keys)}, and its router "
+                              "says neither; pass a capturer built for the model and routers=/selector=")
 
 
 class UnknownArchitecture(TypeError):
@@ -61,9 +87,10 @@ class UnknownArchitecture(TypeError):
 
 
 def _router_class(model):
-    recorders = getattr(model, "_can_record_outputs", None) or {}
-    for candidate in (model, getattr(model, "model", None)):
-        recorders = getattr(candidate, "_can_record_outputs", None) or recorders
+    # The model, its decoder, or the language model inside a multimodal
+    # wrapper (Glm4vMoe, Llama 4): the first module that records router_logits.
+    for candidate in model.modules():
+        recorders = getattr(candidate, "_can_record_outputs", None) or {}
         if "router_logits" in recorders:
             return getattr(recorders["router_logits"], "target_class", None)
     return None
@@ -112,7 +139,7 @@ class MoELayer:
         for expert_attr, gate_attr in _SHARED:
             if hasattr(block, expert_attr):
                 self.shared = getattr(block, expert_attr)
-                self.shared_gate = getattr(block, gate_attr) if gate_attr else None
+                self.shared_gate = getattr(block, gate_attr, None) if gate_attr else None
                 break
 
     def __repr__(self) -> str:
@@ -285,9 +312,8 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     selector = selector or default_selector
     layers = find_moe_layers(model, routers)
     r0 = layers[0].router
-    num_experts = int(getattr(r0, "num_experts", 0) or getattr(model.config, "num_local_experts", 0)
-                      or model.config.num_experts)
-    top_k = int(getattr(r0, "top_k", 0) or model.config.num_experts_per_tok)
+    num_experts = int(getattr(r0, "num_experts", 0) or _config_int(model, _EXPERT_COUNT_KEYS))
+    top_k = int(getattr(r0, "top_k", 0) or _config_int(model, _TOP_K_KEYS))
     config = getattr(capturer, "config", {})
     extra = int(config.get("extra_columns", 0))
     has_shared = any(layer.shared is not None for layer in layers)
@@ -364,14 +390,19 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith(("Mixtral",)):
         w = torch.softmax(logits.float(), dim=-1).gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
-    if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe")):
+    if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe", "Qwen3Next", "FlexOlmo", "HunYuan")):
         w = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
-        if router.norm_topk_prob:
+        if kind.startswith("HunYuan") or router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(logits.dtype)
-    if kind.startswith("GraniteMoe"):
+    if kind.startswith(("GraniteMoe", "GptOss")):
         return torch.softmax(logits.float().gather(1, ids), dim=-1)
-    if kind.startswith("DeepseekV3"):
+    if kind.startswith("DeepseekV2"):
+        return logits.float().softmax(dim=-1).gather(1, ids) * router.routed_scaling_factor
+    if kind.startswith("Ernie4_5_Moe"):
+        w = torch.softmax(logits.float(), dim=1).gather(1, ids)
+        return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min)
+    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1")):
         w = logits.sigmoid().gather(1, ids)
         if router.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)

@@ -36,6 +36,8 @@ def tiny_config(model_type):
                   num_key_value_heads=1, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
                   bos_token_id=2, tie_word_embeddings=False)
     moe = dict(num_experts_per_tok=2)
+    grouped = dict(n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1,
+                   first_k_dense_replace=1, routed_scaling_factor=2.5)  # a scale other than 1, so it is checked
     specs = {
         "mixtral": ("MixtralConfig", dict(num_local_experts=8)),
         # dense layer 1 between MoE layers 0 and 2; a gated shared expert
@@ -50,6 +52,26 @@ def tiny_config(model_type):
                                                  n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
                                                  kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                                                  num_key_value_heads=2)),
+        "glm4_moe": ("Glm4MoeConfig", dict(grouped, head_dim=16)),
+        "dots1": ("Dots1Config", dict(grouped, head_dim=16)),
+        # softmax with group-limited greedy top-k (the group's best expert ranks the group)
+        "deepseek_v2": ("DeepseekV2Config", dict(grouped, topk_method="group_limited_greedy", q_lora_rank=16,
+                                                 kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                                 v_head_dim=8, num_key_value_heads=2)),
+        # linear-attention layers around a full one; dense layer 1; a gated shared expert
+        "qwen3_next": ("Qwen3NextConfig", dict(num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                               head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+                                               linear_num_key_heads=2, linear_num_value_heads=2, mlp_only_layers=[1],
+                                               layer_types=["linear_attention", "full_attention",
+                                                            "linear_attention"])),
+        "flex_olmo": ("FlexOlmoConfig", dict(num_experts=8)),
+        "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(num_experts=8, moe_topk=2, head_dim=16)),
+        "gpt_oss": ("GptOssConfig", dict(num_local_experts=8, head_dim=16, sliding_window=8)),
+        "granitemoeshared": ("GraniteMoeSharedConfig", dict(num_local_experts=8, shared_intermediate_size=16)),
+        # dense first layer; top-k of softmax plus a bias (moe_statics) picks, the softmax weighs
+        "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=16,
+                                                    moe_num_shared_experts=1, moe_layer_start_index=1,
+                                                    moe_layer_interval=1)),
     }
     class_name, extra = specs[model_type]
     cls = getattr(transformers, class_name, None)
@@ -66,9 +88,11 @@ def build(config, seed=0, dtype=torch.float32):
     model = transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
     if "cache" in inspect.signature(model.model.forward).parameters:
         CACHE_ARG = "cache"
-    if config.model_type == "deepseek_v3":  # a non-zero correction bias, so it matters
+    with torch.no_grad():  # a non-zero correction bias wherever a router has one, so it matters
         for layer in hf.find_moe_layers(model):
-            layer.router.e_score_correction_bias.copy_(torch.randn(layer.router.num_experts) * 0.5)
+            for name, bias in list(layer.router.named_buffers()) + list(layer.router.named_parameters()):
+                if name.endswith("e_score_correction_bias"):
+                    bias.copy_(torch.randn(bias.shape) * 0.5)
     return model
 
 
@@ -79,19 +103,32 @@ def reference(router, logits):
     if kind.startswith("Mixtral"):
         w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), router.top_k, dim=-1)
         return ids, w / w.sum(dim=-1, keepdim=True)
-    if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe")):
+    if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe", "Qwen3Next", "FlexOlmo", "HunYuan")):
         w, ids = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), router.top_k, dim=-1)
-        if router.norm_topk_prob:
+        if kind.startswith("HunYuan") or router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
         return ids, w.to(logits.dtype)
-    if kind.startswith("GraniteMoe"):
+    if kind.startswith(("GraniteMoe", "GptOss")):
         top, ids = logits.float().topk(router.top_k, dim=-1)
         return ids, torch.softmax(top, dim=-1)
     if kind.startswith("Phimoe"):
         from transformers.models.phimoe.modeling_phimoe import sparsemixer
         w, ids = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=False, top_k=router.top_k)
         return ids, w
-    if kind.startswith("DeepseekV3"):
+    if kind.startswith("DeepseekV2"):
+        scores = logits.float().softmax(dim=-1)
+        groups = scores.view(-1, router.num_group, router.num_experts // router.num_group).max(dim=-1).values
+        keep = torch.zeros_like(groups).scatter_(1, torch.topk(groups, router.topk_group, dim=-1, sorted=False)[1], 1)
+        mask = keep.unsqueeze(-1).expand(-1, router.num_group, router.num_experts // router.num_group)
+        scores = scores.masked_fill(~mask.reshape(-1, router.num_experts).bool(), 0.0)
+        w, ids = torch.topk(scores, router.top_k, dim=-1, sorted=False)
+        return ids, w * router.routed_scaling_factor
+    if kind.startswith("Ernie4_5_Moe"):
+        p = torch.softmax(logits.float(), dim=1)
+        ids = torch.topk(router.moe_statics(p), router.top_k, dim=-1)[1]
+        w = p.gather(-1, ids)
+        return ids, w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min)
+    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1")):
         scores = logits.float().sigmoid()
         choice = scores + router.e_score_correction_bias
         groups = choice.view(-1, router.num_group, router.num_experts // router.num_group)

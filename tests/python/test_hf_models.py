@@ -20,10 +20,12 @@ from moecap import hf  # noqa: E402
 import hf_serving  # noqa: E402
 
 ARCHITECTURES = sorted(hf.KNOWN)
-# hf_serving's tiny configs have 3 decoder layers: Qwen2-MoE's layer 1 is in mlp_only_layers,
-# DeepSeek-V3's first layer is dense (first_k_dense_replace=1); the others are MoE throughout.
+# hf_serving's tiny configs have 3 decoder layers: Qwen2-MoE's and Qwen3-Next's layer 1 is in
+# mlp_only_layers, the DeepSeek family's first layer is dense (first_k_dense_replace=1), as is Ernie 4.5's
+# (moe_layer_start_index=1); the others are MoE throughout.
 LAYER_MAPS = {t: ((0, 1, 2), 3) for t in ARCHITECTURES}
-LAYER_MAPS.update(qwen2_moe=((0, 2), 3), deepseek_v3=((1, 2), 3))
+LAYER_MAPS.update({t: ((0, 2), 3) for t in ("qwen2_moe", "qwen3_next")})
+LAYER_MAPS.update({t: ((1, 2), 3) for t in ("deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "ernie4_5_moe")})
 
 
 def config_or_skip(model_type):
@@ -241,3 +243,70 @@ def test_router_output_order_is_found_not_assumed():
         assert got_ids is ids and got_weights is weights
     with pytest.raises(hf.UnknownArchitecture, match="not \\(logits, weights, indices\\); pass selector="):
         hf.default_selector(None, None, (logits, weights, weights))
+
+
+def test_moe_layers_are_found_in_a_model_whose_shared_expert_has_no_gate_and_in_a_multimodal_wrapper():
+    """Llama 4 keeps a shared_expert with no gate (finding its layers raised
+    AttributeError); Glm4vMoe records router_logits on its language model, two
+    modules down (no router class was found)."""
+    llama4 = getattr(transformers, "Llama4TextConfig", None)
+    if llama4 is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Llama4TextConfig")
+    config = llama4(vocab_size=hf_serving.VOCAB, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
+                    num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                    num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    layers = hf.find_moe_layers(model)
+    assert [layer.model_layer for layer in layers] == [1]
+    assert layers[0].shared is not None and layers[0].shared_gate is None
+
+    glm4v = getattr(transformers, "Glm4vMoeConfig", None)
+    if glm4v is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Glm4vMoeConfig")
+    text = dict(vocab_size=hf_serving.VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16, n_routed_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1,
+                first_k_dense_replace=1, max_position_embeddings=128, pad_token_id=0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                  spatial_merge_size=1, temporal_patch_size=1)
+    model = transformers.Glm4vMoeForConditionalGeneration(glm4v(text_config=text, vision_config=vision))
+    assert [layer.model_layer for layer in hf.find_moe_layers(model)] == [1, 2]
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type):
+    """replay(weights=None) recomputes each router's weights for the forced
+    experts from its logits, as router replay trains through: forced to the
+    experts it picked itself, every router gives back the weights it gave."""
+    model = hf_serving.build(config_or_skip(model_type))
+    layers = hf.find_moe_layers(model)
+    own = {}
+
+    def remember(layer):
+        def hook(module, inputs, output):
+            order = hf._router_output_order(module, output)
+            own[layer.index] = (output[order[2]].reshape(-1, output[order[2]].shape[-1]).clone(),
+                                output[order[1]].reshape(-1, output[order[2]].shape[-1]).clone())
+        return hook
+
+    tokens = torch.randint(3, hf_serving.VOCAB, (2, 5))
+    hooks = [layer.router.register_forward_hook(remember(layer)) for layer in layers]
+    with torch.no_grad():
+        model(tokens)
+    for h in hooks:
+        h.remove()
+    free = dict(own)
+    forced = [free[layer.index][0] for layer in layers]
+    if model_type == "phimoe":  # sparsemixer's weights depend on the order it picked in: not recomputed
+        with pytest.raises(hf.UnknownArchitecture, match="pass weights="), torch.no_grad(), hf.replay(model, forced):
+            model(tokens)
+        return
+    with torch.no_grad(), hf.replay(model, forced):
+        hooks = [layer.router.register_forward_hook(remember(layer)) for layer in layers]
+        model(tokens)
+        for h in hooks:
+            h.remove()
+    for layer in layers:
+        assert torch.equal(own[layer.index][0], free[layer.index][0])
+        torch.testing.assert_close(own[layer.index][1].float(), free[layer.index][1].float(), rtol=1e-5, atol=1e-6)
