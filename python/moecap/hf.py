@@ -7,9 +7,11 @@
 
 transformers >= 5 gives every MoE block a router module that returns
 ``(router_logits, top_k_weights, top_k_index)``: the experts the model itself
-picked, whatever its rule (softmax then top-k for Mixtral, Qwen2/3-MoE and
-OLMoE; top-k then softmax for GraniteMoE; PhiMoE's sparsemixer; DeepSeek-V3's
-grouped top-k over biased sigmoid scores). attach hooks those modules'
+picked, whatever its rule (softmax then top-k for Mixtral, Qwen2/3-MoE,
+Qwen3-Next, OLMoE, FlexOlmo and HunYuan; top-k then softmax for GraniteMoE
+and GPT-OSS; PhiMoE's sparsemixer; DeepSeek-V3's, GLM-4.5's and dots.llm1's
+grouped top-k over biased sigmoid scores; DeepSeek-V2's group-limited greedy
+top-k; Ernie 4.5's biased top-k of the softmax; `KNOWN` lists them). attach hooks those modules'
 outputs, so nothing is re-derived, numbers the MoE layers in order (dense
 layers in between are skipped, and each MoE layer's decoder layer is kept in
 the handle's and the capturer's ``layer_map``, so a request read back knows
