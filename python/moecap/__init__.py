@@ -472,8 +472,8 @@ def _host_slots(slots: Any, host_slots: int) -> Any:
                           f"slot_states: slots has dtype {slots.dtype}; expected one of int32, int64")
     if slots.size > 1 and slots.strides[0] != slots.itemsize:
         raise MoecapError(Status.INVALID_ARGUMENT,
-                          f"slot_states: slots is not compact row-major: strides[0] is "
-                          f"{slots.strides[0] // slots.itemsize}; expected 1")
+                          f"slot_states: slots is not compact row-major: strides[0] is {slots.strides[0]} bytes; "
+                          f"expected {slots.itemsize}")
     bad = np.flatnonzero((slots < 0) | (slots >= host_slots))
     if bad.size:
         i = int(bad[0])

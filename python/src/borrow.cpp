@@ -112,6 +112,12 @@ bool torch_ready() {
 bool use_exchange_api = true;
 bool use_torch_attributes = true;
 
+// "Type: message" of a caught Python exception, without nanobind's traceback.
+std::string exception_text(nb::python_error& e) {
+  const std::string type = nb::cast<std::string>(nb::handle(e.type()).attr("__name__"));
+  return type + ": " + nb::cast<std::string>(nb::str(e.value()));
+}
+
 [[noreturn]] void type_error(const char* name, nb::handle obj, const char* why) {
   std::string type = nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())))));
   throw nb::type_error(("moecap: argument '" + std::string(name) + "' " + why + ", not " + type).c_str());
@@ -153,6 +159,7 @@ void borrow_torch_attributes(nb::handle obj, const char* name, Borrowed& out) {
                   *is_cuda = PyUnicode_InternFromString("is_cuda"), *is_cpu = PyUnicode_InternFromString("is_cpu"),
                   *get_device = PyUnicode_InternFromString("get_device");
   nb::object dt = nb::steal(PyObject_GetAttr(obj.ptr(), dtype));
+  if (!dt.is_valid()) throw nb::python_error();
   const TorchTypes::Dtype* found = nullptr;
   for (int i = 0; i < torch_types.num_dtypes; ++i) {
     if (torch_types.dtypes[i].object == dt.ptr()) found = &torch_types.dtypes[i];
@@ -164,8 +171,15 @@ void borrow_torch_attributes(nb::handle obj, const char* name, Borrowed& out) {
   // pending would report some other failure.
   const auto attribute = [&](PyObject* got) {
     if (got == nullptr) {
-      PyErr_Clear();
-      type_error(name, obj, "must be a dense strided tensor (sparse and nested tensors have no strides to describe)");
+      // torch's refusal (RuntimeError: sparse and nested tensors have no
+      // strides, fake tensors no data) becomes ours, naming the argument;
+      // anything else (KeyboardInterrupt, a subclass's own error) goes on.
+      if (!PyErr_ExceptionMatches(PyExc_RuntimeError) && !PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
+        throw nb::python_error();
+      }
+      nb::python_error refused;
+      throw nb::type_error(("moecap: argument '" + std::string(name) + "' is a torch tensor moecap cannot borrow in "
+                            "place: " + exception_text(refused)).c_str());
     }
     return nb::steal(got);
   };
@@ -281,17 +295,23 @@ namespace {
 [[noreturn]] void not_a_tensor(const char* name, nb::handle obj, const char* why) {
   if (nb::hasattr(obj, "__dlpack__")) {
     std::string reason;
+    // Only a producer's refusal is reported as one; KeyboardInterrupt and the
+    // like go on as they are.
+    const auto refusal = [](nb::python_error& e) {
+      if (!e.matches(PyExc_Exception)) throw;
+      return exception_text(e);
+    };
     try {
       // Asked as nanobind asks (a versioned capsule, which can say read-only):
       // a producer that gives one failed for another reason, `why`.
       obj.attr("__dlpack__")(nb::arg("max_version") = nb::make_tuple(1, 0));
     } catch (nb::python_error& e) {
-      reason = e.matches(PyExc_TypeError) ? "" : e.what();  // TypeError: it predates max_version
+      if (!e.matches(PyExc_TypeError)) reason = refusal(e);  // TypeError: it predates max_version
       if (reason.empty()) {
         try {
           obj.attr("__dlpack__")();
         } catch (nb::python_error& plain) {
-          reason = plain.what();
+          reason = refusal(plain);
         }
       }
     }
@@ -324,8 +344,8 @@ void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out) {
     nb::object grad = nb::steal(PyObject_GetAttr(obj.ptr(), requires_grad));
     if (!grad.is_valid()) throw nb::python_error();
     if (grad.ptr() == Py_True) {
-      type_error(name, obj, "must not require grad: moecap writes it outside autograd (pass a tensor without "
-                            "requires_grad, or read into a new one)");
+      throw nb::type_error(("moecap: argument '" + std::string(name) + "' requires grad: moecap writes it outside "
+                            "autograd (pass a tensor without requires_grad, or read into a new one)").c_str());
     }
   }
   if (use_exchange_api) {

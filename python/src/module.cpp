@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -46,8 +47,10 @@ void keep_alive(nb::list* holder, const Borrowed& a, const Borrowed& b) {
   for (const Borrowed* t : {&a, &b}) {
     if (t->keep.is_valid()) holder->append(t->keep);
     if (t->array.is_valid()) {
-      holder->append(nb::capsule(new nb::ndarray<nb::ro>(t->array),
-                                 [](void* held) noexcept { delete static_cast<nb::ndarray<nb::ro>*>(held); }));
+      auto import = std::make_unique<nb::ndarray<nb::ro>>(t->array);
+      nb::capsule owner(import.get(), [](void* held) noexcept { delete static_cast<nb::ndarray<nb::ro>*>(held); });
+      import.release();  // the capsule owns it from here
+      holder->append(owner);
     }
   }
 }

@@ -326,7 +326,7 @@ def test_a_tensor_that_requires_grad_is_refused_as_an_output():
         x = torch.ones(1, 3, 2, requires_grad=True)
         weights = x * 3
         before = weights.detach().clone()
-        with pytest.raises(TypeError, match="'weights_out' must not require grad"):
+        with pytest.raises(TypeError, match="argument 'weights_out' requires grad"):
             cap.read(np.array([3]), weights_out=weights)
         assert torch.equal(weights.detach(), before)
         ids, got = cap.read(np.array([3]), weights_out=weights.detach().clone())
@@ -414,3 +414,21 @@ def test_a_tensor_moecap_cannot_take_is_refused_with_the_reason(ids, message):
         with pytest.raises((TypeError, moecap.MoecapError), match=message):
             cap.capture(0, ids)
         assert cap.errors().invalid_ids == 0
+
+
+def test_a_producers_refusal_is_reported_and_an_interrupt_is_not_turned_into_one():
+    class Refuses:
+        def __init__(self, error):
+            self.error = error
+
+        def __dlpack__(self, **kwargs):
+            raise self.error
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    with moecap.Capturer(**CONFIG) as cap:
+        with pytest.raises(TypeError, match="argument 'topk_ids' .* cannot describe: ValueError: not today$"):
+            cap.capture(0, Refuses(ValueError("not today")))
+        with pytest.raises(KeyboardInterrupt):
+            cap.capture(0, Refuses(KeyboardInterrupt()))
