@@ -29,6 +29,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
+from .integrations import _model
+
 if TYPE_CHECKING:
     import torch
 
@@ -67,25 +69,15 @@ KNOWN = {
 _SHARED = (("shared_expert", "shared_expert_gate"), ("shared_experts", None), ("shared_mlp", None))
 
 
-# What configs call the routed expert count and the experts per token, in
-# the model's config or, for a multimodal wrapper, its text config.
-_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts")
-
-
-def _config_int(model, keys):
-    config = getattr(model, "config", None)
-    for c in (config, getattr(config, "text_config", None)):
-        for key in keys:
-            value = getattr(c, key, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    raise UnknownArchitecture(f"{type(model).__name__}'s config names none of {', '.join(keys)}, and its router "
-                              "says neither; pass a capturer built for the model and routers=/selector=")
-
-
 class UnknownArchitecture(TypeError):
     """attach cannot tell how this model picks its experts: pass a selector."""
+
+
+def _config_int(model, keys, what):
+    try:
+        return _model.config_int(getattr(model, "config", None), keys, what)
+    except ValueError as e:
+        raise UnknownArchitecture(f"{type(model).__name__}: {e}, nor does its router") from None
 
 
 def _router_class(model):
@@ -314,8 +306,8 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     selector = selector or default_selector
     layers = find_moe_layers(model, routers)
     r0 = layers[0].router
-    num_experts = int(getattr(r0, "num_experts", 0) or _config_int(model, _EXPERT_COUNT_KEYS))
-    top_k = int(getattr(r0, "top_k", 0) or _config_int(model, _TOP_K_KEYS))
+    num_experts = int(getattr(r0, "num_experts", 0) or _config_int(model, _model.EXPERT_KEYS, "routed expert count"))
+    top_k = int(getattr(r0, "top_k", 0) or _config_int(model, _model.TOP_K_KEYS, "experts per token"))
     config = getattr(capturer, "config", {})
     extra = int(config.get("extra_columns", 0))
     has_shared = any(layer.shared is not None for layer in layers)

@@ -3,18 +3,28 @@
 expert count, and which model layers are MoE layers (the layer map); and
 the device id dtype that count calls for."""
 
-_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
+# What configs call the routed expert count (DeepSeek's n_routed_experts,
+# Qwen's num_experts, Mixtral's num_local_experts, Ernie's moe_num_experts,
+# ...) and the experts per token (Ernie's moe_k, HunYuan's moe_topk, Gemma's
+# top_k_experts).
+EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts")
+
+
+def config_int(config, keys, what):
+    """The first positive int under one of `keys` in the config or, for a
+    multimodal wrapper, its text_config; ValueError naming `what` if none."""
+    for c in (config, getattr(config, "text_config", None)):
+        for key in keys:
+            value = getattr(c, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    raise ValueError(f"the model config names no {what} (looked for {', '.join(keys)}); pass it")
 
 
 def num_experts(config):
-    """Routed experts of the model (DeepSeek's n_routed_experts, Qwen's
-    num_experts, Mixtral's num_local_experts, ...)."""
-    for key in _EXPERT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ValueError(f"the model config names no routed expert count (looked for {', '.join(_EXPERT_KEYS)}); "
-                     "pass num_experts")
+    """Routed experts of the model."""
+    return config_int(config, EXPERT_KEYS, "routed expert count")
 
 
 def device_id_dtype(num_experts):
