@@ -10,7 +10,8 @@ transformers >= 5 gives every MoE block a router module that returns
 picked, whatever its rule (softmax then top-k for Mixtral, Qwen2/3-MoE,
 Qwen3-Next, OLMoE, FlexOlmo and HunYuan; top-k then softmax for GraniteMoE
 and GPT-OSS; PhiMoE's sparsemixer; DeepSeek-V3's, GLM-4.5's and dots.llm1's
-grouped top-k over biased sigmoid scores; DeepSeek-V2's group-limited greedy
+grouped top-k over biased sigmoid scores; MiniMax-M2's top-k over sigmoid
+scores biased by its block; DeepSeek-V2's group-limited greedy
 top-k; Ernie 4.5's biased top-k of the softmax; `KNOWN` lists them). attach hooks those modules'
 outputs, so nothing is re-derived, numbers the MoE layers in order (dense
 layers in between are skipped, and each MoE layer's decoder layer is kept in
@@ -63,6 +64,8 @@ KNOWN = {
     "gpt_oss": "GptOssTopKRouter: top-k of logits, then softmax",
     "granitemoeshared": "GraniteMoeSharedTopKRouter: top-k of logits, then softmax; shared MLP",
     "ernie4_5_moe": "Ernie4_5_MoeTopKRouter: softmax, top-k of softmax + moe_statics bias, renormalized",
+    "minimax_m2": "MiniMaxM2TopKRouter: top-k of sigmoid + the block's correction bias, renormalized",
+    "solar_open": "SolarOpenTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared experts",
 }
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
@@ -396,7 +399,10 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith("Ernie4_5_Moe"):
         w = torch.softmax(logits.float(), dim=1).gather(1, ids)
         return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min)
-    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1")):
+    if kind.startswith("MiniMaxM2"):
+        w = logits.float().sigmoid().gather(1, ids)
+        return w / w.sum(dim=-1, keepdim=True)
+    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen")):
         w = logits.sigmoid().gather(1, ids)
         if router.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)

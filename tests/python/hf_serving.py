@@ -69,6 +69,8 @@ def tiny_config(model_type):
         "gpt_oss": ("GptOssConfig", dict(num_local_experts=8, head_dim=16, sliding_window=8)),
         "granitemoeshared": ("GraniteMoeSharedConfig", dict(num_local_experts=8, shared_intermediate_size=16)),
         # dense first layer; top-k of softmax plus a bias (moe_statics) picks, the softmax weighs
+        "minimax_m2": ("MiniMaxM2Config", dict(num_local_experts=8, head_dim=16)),
+        "solar_open": ("SolarOpenConfig", dict(grouped, head_dim=16)),
         "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=16,
                                                     moe_num_shared_experts=1, moe_layer_start_index=1,
                                                     moe_layer_interval=1)),
@@ -88,16 +90,17 @@ def build(config, seed=0, dtype=torch.float32):
     model = transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
     if "cache" in inspect.signature(model.model.forward).parameters:
         CACHE_ARG = "cache"
-    with torch.no_grad():  # a non-zero correction bias wherever a router has one, so it matters
+    with torch.no_grad():  # a non-zero correction bias wherever a MoE block has one, so it matters
         for layer in hf.find_moe_layers(model):
-            for name, bias in list(layer.router.named_buffers()) + list(layer.router.named_parameters()):
+            for name, bias in list(layer.block.named_buffers()) + list(layer.block.named_parameters()):
                 if name.endswith("e_score_correction_bias"):
                     bias.copy_(torch.randn(bias.shape) * 0.5)
     return model
 
 
-def reference(router, logits):
-    """The model's own top-k from its output_router_logits: (ids, weights)."""
+def reference(layer, logits):
+    """The model's own top-k from a MoE layer's output_router_logits: (ids, weights)."""
+    router = layer.router
     kind = type(router).__name__
     logits = logits.reshape(-1, logits.shape[-1])
     if kind.startswith("Mixtral"):
@@ -128,7 +131,12 @@ def reference(router, logits):
         ids = torch.topk(router.moe_statics(p), router.top_k, dim=-1)[1]
         w = p.gather(-1, ids)
         return ids, w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min)
-    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1")):
+    if kind.startswith("MiniMaxM2"):  # the correction bias is the block's, passed to the router's forward
+        scores = logits.float().sigmoid()
+        ids = torch.topk(scores + layer.block.e_score_correction_bias, router.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        return ids, w / w.sum(dim=-1, keepdim=True)
+    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen")):
         scores = logits.float().sigmoid()
         choice = scores + router.e_score_correction_bias
         groups = choice.view(-1, router.num_group, router.num_experts // router.num_group)
@@ -244,8 +252,7 @@ class Rank:
                 self.table.append(req.rid, slots)
         slots = batch_slots(real, per_row)
         commit_batch(self.capturer, slots, self.rank, tokens_per_rank)
-        routers = [layer.router for layer in self.handle.layers]
-        expected = [reference(r, logits) for r, logits in zip(routers, out.router_logits)]
+        expected = [reference(layer, logits) for layer, logits in zip(self.handle.layers, out.router_logits)]
         flat_real = real.reshape(-1)
         for b, req in enumerate(batch):
             for s in range(input_ids.shape[1]):

@@ -21,8 +21,8 @@ import hf_serving  # noqa: E402
 
 ARCHITECTURES = sorted(hf.KNOWN)
 # hf_serving's tiny configs have 3 decoder layers: Qwen2-MoE's and Qwen3-Next's layer 1 is in
-# mlp_only_layers, the DeepSeek family's first layer is dense (first_k_dense_replace=1), as is Ernie 4.5's
-# (moe_layer_start_index=1); the others are MoE throughout.
+# mlp_only_layers, the DeepSeek family's first layer is dense (first_k_dense_replace=1; Solar Open has no such
+# rule), as is Ernie 4.5's (moe_layer_start_index=1); the others are MoE throughout.
 LAYER_MAPS = {t: ((0, 1, 2), 3) for t in ARCHITECTURES}
 LAYER_MAPS.update({t: ((0, 2), 3) for t in ("qwen2_moe", "qwen3_next")})
 LAYER_MAPS.update({t: ((1, 2), 3) for t in ("deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "ernie4_5_moe")})
@@ -134,7 +134,7 @@ def test_shared_expert_rides_as_extra_column(model_type):
         out = model(tokens, output_router_logits=True)
     for layer, logits in zip(layers, out.router_logits):
         ids, weights = seen[layer.index]
-        want_ids, want_w = hf_serving.reference(layer.router, logits)
+        want_ids, want_w = hf_serving.reference(layer, logits)
         assert ids.shape == (6, router.top_k + 1)
         assert torch.equal(ids[:, :-1], want_ids) and (ids[:, -1] == router.num_experts).all()
         torch.testing.assert_close(weights[:, :-1], want_w.float())
@@ -218,7 +218,7 @@ def test_layer_map_places_moe_layers_among_dense_ones(model_type):
     full = routed.all_layers()
     assert full.shape == (5, 3, router.top_k)
     for layer, logits in zip(layers, out.router_logits):
-        want_ids, _ = hf_serving.reference(layer.router, logits)
+        want_ids, _ = hf_serving.reference(layer, logits)
         assert np.array_equal(np.sort(full[:, layer.model_layer], -1), np.sort(want_ids.numpy(), -1))
     dense = sorted(set(range(3)) - set(want[0]))
     assert (full[:, dense] == 0).all()
