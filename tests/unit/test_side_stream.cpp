@@ -119,6 +119,28 @@ TEST_CASE("side stream: forked work runs at the join or at a host call, not at t
   dev->deleter(dev);
 }
 
+TEST_CASE("side stream: destroy runs the forked work even while a view keeps the memory") {
+  // The engine frees its tensors after destroy returns; a view that outlives
+  // the handle must not let the forked capture read them later.
+  const moecap_config c = side_config(true);
+  moecap_capturer* h = nullptr;
+  REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
+  DLManagedTensorVersioned* dev = nullptr;
+  REQUIRE(moecap_export(h, MOECAP_BUFFER_DEVICE_IDS, 0, &dev) == MOECAP_OK);
+  const auto* stored = static_cast<const int16_t*>(dev->dl_tensor.data);  // AUTO device dtype: I16
+  {
+    HostTensor ids({1, c.top_k}, i64());
+    fill(ids, c, 5, 0, 1);
+    REQUIRE(moecap_capture(h, 0, ids.get(), nullptr, nullptr) == MOECAP_OK);
+    CHECK(stored[0] == -1);  // forked, not run
+    REQUIRE(moecap_destroy(h) == MOECAP_OK);
+    CHECK(stored[0] == route(500, 0, 0, c.num_experts));  // ran before destroy returned
+    fill(ids, c, 7, 0, 1);  // the engine reuses (or frees) its tensor now
+  }
+  CHECK(stored[0] == route(500, 0, 0, c.num_experts));
+  dev->deleter(dev);  // the memory goes here; nothing is left to run
+}
+
 TEST_CASE("side stream: kernel-written layer views must not be rewritten before the join") {
   const moecap_config c = side_config(true);
   for (const bool late : {false, true}) {
