@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from .record import LayerMap
 
 __all__ = ["BUFFERS", "Buffer", "Capturer", "Config", "ConfigFlag", "DLPackArray", "DLPackView", "DeviceType",
-           "ErrorCounts", "Graph", "IdDtype", "MoecapError", "Plan", "ReadFlag", "RecordError", "RequestTable", "RoutedExperts",
-           "SLOT_EMPTY", "SLOT_INVALID_IDS", "SLOT_VALID", "SlotState", "Status", "WeightDtype", "abi_version",
+           "ErrorCounts", "Graph", "IdDtype", "MoecapError", "Plan", "ReadFlag", "RecordError", "RequestTable",
+           "RoutedExperts", "SLOT_EMPTY", "SLOT_INVALID_IDS", "SLOT_VALID", "SlotState", "Status", "WeightDtype", "abi_version",
            "batch_slots", "commit_batch", "engine", "formats", "hf", "integrations", "plan", "record",
            "write_routed"]
 
@@ -208,7 +208,8 @@ class Config(_Fields):
     guards: Optional[bool] = None
     """Canary rows after every buffer (True), none (False), or the build's default (None)."""
     side_stream: bool = False
-    """MOECAP_FLAG_SIDE_STREAM: capture, commit, invalidate and histogram_reset fork off the engine's stream until join()."""
+    """MOECAP_FLAG_SIDE_STREAM: capture, commit, invalidate and histogram_reset fork off the engine's
+    stream until join()."""
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__  # frozen: normalizing happens once, here

@@ -9,11 +9,11 @@ transformers >= 5 gives every MoE block a router module that returns
 ``(router_logits, top_k_weights, top_k_index)``: the experts the model itself
 picked, whatever its rule (softmax then top-k for Mixtral, Qwen2/3-MoE,
 Qwen3-Next, OLMoE, FlexOlmo and HunYuan; top-k then softmax for GraniteMoE
-and GPT-OSS; PhiMoE's sparsemixer; DeepSeek-V3's, GLM-4.5's and dots.llm1's
-grouped top-k over biased sigmoid scores; MiniMax-M2's top-k over sigmoid
-scores biased by its block; DeepSeek-V2's group-limited greedy
-top-k; Ernie 4.5's biased top-k of the softmax; `KNOWN` lists them). attach hooks those modules'
-outputs, so nothing is re-derived, numbers the MoE layers in order (dense
+and GPT-OSS; PhiMoE's sparsemixer; DeepSeek-V3's, GLM-4.5's, dots.llm1's and
+Solar Open's grouped top-k over biased sigmoid scores; MiniMax-M2's top-k
+over sigmoid scores biased by its block; DeepSeek-V2's group-limited greedy
+top-k; Ernie 4.5's biased top-k of the softmax; `KNOWN` lists them). attach
+hooks those modules' outputs, so nothing is re-derived, numbers the MoE layers in order (dense
 layers in between are skipped, and each MoE layer's decoder layer is kept in
 the handle's and the capturer's ``layer_map``, so a request read back knows
 which model layers it covers), and captures each layer's ids (and weights,
@@ -54,7 +54,8 @@ KNOWN = {
     "olmoe": "OlmoeTopKRouter: softmax, top-k",
     "granitemoe": "GraniteMoeTopKRouter: top-k of logits, then softmax",
     "phimoe": "PhimoeTopKRouter: sparsemixer",
-    "deepseek_v3": "DeepseekV3TopkRouter: grouped top-k of sigmoid + correction bias; shared experts; dense first layers",
+    "deepseek_v3": ("DeepseekV3TopkRouter: grouped top-k of sigmoid + correction bias; shared experts; "
+                    "dense first layers"),
     "glm4_moe": "Glm4MoeTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared experts",
     "dots1": "Dots1TopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared experts",
     "deepseek_v2": "DeepseekV2TopkRouter: softmax, group-limited greedy top-k (group max), no renormalization",
@@ -309,7 +310,8 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     selector = selector or default_selector
     layers = find_moe_layers(model, routers)
     r0 = layers[0].router
-    num_experts = int(getattr(r0, "num_experts", 0) or _config_int(model, _model.EXPERT_KEYS, "routed expert count"))
+    num_experts = int(getattr(r0, "num_experts", 0)
+                      or _config_int(model, _model.EXPERT_KEYS, "routed expert count"))
     top_k = int(getattr(r0, "top_k", 0) or _config_int(model, _model.TOP_K_KEYS, "experts per token"))
     config = getattr(capturer, "config", {})
     extra = int(config.get("extra_columns", 0))

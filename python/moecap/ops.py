@@ -21,8 +21,8 @@ The buffers are the capturer's own memory, exported once as torch tensors
 
 The ops consume the tensors they are handed: a functionalized copy of a
 device buffer is copied into moecap's memory before the C call (and back out
-after capture and commit, which consumes its rows). A copy of the host cache is refused (MoecapError
-INVALID_ARGUMENT): backends that functionalize without re-inplacing
+after capture and commit, which consumes its rows). A copy of the host cache
+is refused (MoecapError INVALID_ARGUMENT): backends that functionalize without re-inplacing
 (aot_eager) would copy the whole cache per step. Inductor hands the real
 buffers and pays nothing.
 """

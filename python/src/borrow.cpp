@@ -118,9 +118,17 @@ std::string exception_text(nb::python_error& e) {
   return type + ": " + nb::cast<std::string>(nb::str(e.value()));
 }
 
+// The TypeError of every refused tensor argument: "moecap: argument 'name' <what>".
+[[noreturn]] void argument_error(const char* name, const std::string& what) {
+  throw nb::type_error(("moecap: argument '" + std::string(name) + "' " + what).c_str());
+}
+
+std::string type_of(nb::handle obj) {
+  return nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())))));
+}
+
 [[noreturn]] void type_error(const char* name, nb::handle obj, const char* why) {
-  std::string type = nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())))));
-  throw nb::type_error(("moecap: argument '" + std::string(name) + "' " + why + ", not " + type).c_str());
+  argument_error(name, std::string(why) + ", not " + type_of(obj));
 }
 
 void copy_dims(const int64_t* shape, const int64_t* strides, Borrowed& out, const char* name, nb::handle obj) {
@@ -178,8 +186,7 @@ void borrow_torch_attributes(nb::handle obj, const char* name, Borrowed& out) {
         throw nb::python_error();
       }
       nb::python_error refused;
-      throw nb::type_error(("moecap: argument '" + std::string(name) + "' is a torch tensor moecap cannot borrow in "
-                            "place: " + exception_text(refused)).c_str());
+      argument_error(name, "is a torch tensor moecap cannot borrow in place: " + exception_text(refused));
     }
     return nb::steal(got);
   };
@@ -315,11 +322,7 @@ namespace {
         }
       }
     }
-    if (!reason.empty()) {
-      const std::string type = nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())))));
-      throw nb::type_error(("moecap: argument '" + std::string(name) + "' is a " + type +
-                            " that DLPack cannot describe: " + reason).c_str());
-    }
+    if (!reason.empty()) argument_error(name, "is a " + type_of(obj) + " that DLPack cannot describe: " + reason);
   }
   type_error(name, obj, why);
 }
@@ -344,8 +347,8 @@ void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out) {
     nb::object grad = nb::steal(PyObject_GetAttr(obj.ptr(), requires_grad));
     if (!grad.is_valid()) throw nb::python_error();
     if (grad.ptr() == Py_True) {
-      throw nb::type_error(("moecap: argument '" + std::string(name) + "' requires grad: moecap writes it outside "
-                            "autograd (pass a tensor without requires_grad, or read into a new one)").c_str());
+      argument_error(name, "requires grad: moecap writes it outside autograd (pass a tensor without requires_grad, "
+                           "or read into a new one)");
     }
   }
   if (use_exchange_api) {

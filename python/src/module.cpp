@@ -75,7 +75,7 @@ class Graph {
   void close() {
     check(moecap_graph_destroy(graph_));
     graph_ = nullptr;
-    keep_ = nb::list();
+    clear();
   }
 
   // The cyclic collector's view (a tensor the graph holds may refer back to
@@ -86,7 +86,7 @@ class Graph {
     return 0;
   }
   void clear() {
-    moecap_graph_destroy(graph_);
+    moecap_graph_destroy(graph_);  // NULL (closed): a no-op
     graph_ = nullptr;
     keep_ = nb::list();
   }
