@@ -8,6 +8,7 @@
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "moecap.h"
 
@@ -28,8 +29,17 @@ class Tensor : public nb::object {
 // Raises moecap.MoecapError(status, message).
 [[noreturn]] void raise_error(moecap_status status, const std::string& message);
 
-// Raises moecap.MoecapError(status, moecap_last_error()) unless status is OK.
+// Raises moecap.MoecapError(status, moecap_last_error()) unless status is OK,
+// the message in Python's terms: a field is `ids.shape[1]`, not `ids->shape[1]`.
 void check(moecap_status status);
+
+// The same, also naming the Python method's arguments where its C call names
+// them otherwise: each {c_name, python_name} pair is replaced first.
+struct Rename {
+  const char* c_name;
+  const char* python_name;
+};
+void check(moecap_status status, std::initializer_list<Rename> renames);
 
 // `value` for a C argument of type int32_t; a Python int beyond it is
 // refused as the library refuses a value out of range (OUT_OF_RANGE, naming

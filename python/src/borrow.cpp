@@ -282,8 +282,19 @@ void raise_error(moecap_status status, const std::string& message) {
   throw nb::python_error();
 }
 
-void check(moecap_status status) {
-  if (status != MOECAP_OK) raise_error(status, moecap_last_error());
+void check(moecap_status status) { check(status, {}); }
+
+void check(moecap_status status, std::initializer_list<Rename> renames) {
+  if (status == MOECAP_OK) return;
+  std::string message = moecap_last_error();
+  const auto replace = [&message](const std::string& from, const std::string& to) {
+    for (size_t at = message.find(from); at != std::string::npos; at = message.find(from, at + to.size())) {
+      message.replace(at, from.size(), to);
+    }
+  };
+  for (const Rename& r : renames) replace(r.c_name, r.python_name);
+  replace("->", ".");  // the C message's ids->shape[1] is ids.shape[1] to a Python caller
+  raise_error(status, message);
 }
 
 int32_t as_int32(int64_t value, const char* function, const char* name) {

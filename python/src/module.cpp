@@ -162,7 +162,7 @@ class Capturer {
       nb::gil_scoped_release unlocked;
       status = moecap_commit(h, &args, s);
     }
-    check(status);
+    check(status, {{"args->", ""}});
     keep_alive(held(), slots, rows);
   }
 
@@ -181,7 +181,7 @@ class Capturer {
       const uint32_t flags = (nonblocking ? MOECAP_READ_NONBLOCKING : 0u) | (strict ? MOECAP_READ_STRICT : 0u);
       status = moecap_read(h, s.get(), ids.get_mut(), w, flags, st);
     }
-    check(status);
+    check(status, {{"ids_out", "out"}});
   }
 
   void write(Tensor slots, Tensor ids, Tensor weights, nb::handle stream) {
@@ -244,13 +244,13 @@ class Capturer {
     const bool graph = !padded_tokens_per_rank.is_none();
     moecap_batch batch{sizeof(moecap_batch),
                        graph ? MOECAP_BATCH_GRAPH : MOECAP_BATCH_EAGER,
-                       as_int32(dp_rank, "moecap_local_rows", "batch->dp_rank"),
-                       as_int32(static_cast<int64_t>(tokens_per_rank.size()), "moecap_local_rows", "batch->num_ranks"),
+                       as_int32(dp_rank, "moecap_local_rows", "dp_rank"),
+                       as_int32(static_cast<int64_t>(tokens_per_rank.size()), "moecap_local_rows", "len(tokens_per_rank)"),
                        0,
                        tokens_per_rank.data(),
                        graph ? nb::cast<int64_t>(padded_tokens_per_rank) : 0};
     moecap_rows rows{sizeof(moecap_rows), 0, 0, 0};
-    check(moecap_local_rows(live(), &batch, &rows));
+    check(moecap_local_rows(live(), &batch, &rows), {{"batch->num_ranks", "len(tokens_per_rank)"}, {"batch->", ""}});
     return {rows.start, rows.count, rows.total};
   }
 

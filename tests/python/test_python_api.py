@@ -59,11 +59,28 @@ def test_an_int_argument_beyond_int32_is_out_of_range_not_a_binding_type_error()
         for call, name in ((lambda: cap.capture(2**31, ids), "moecap_capture: layer"),
                            (lambda: cap.capture(-2**40, ids), "moecap_capture: layer"),
                            (lambda: cap.export("layer_ids", 2**32), "moecap_export: layer"),
-                           (lambda: cap.local_rows(2**31, [1]), r"moecap_local_rows: batch->dp_rank")):
+                           (lambda: cap.local_rows(2**31, [1]), r"moecap_local_rows: dp_rank")):
             with pytest.raises(moecap.MoecapError, match=rf"{name} is -?\d+; it must fit in int32") as e:
                 call()
             assert e.value.status == moecap.Status.OUT_OF_RANGE
         cap.capture(1, ids)  # and the capturer goes on
+
+
+def test_errors_name_the_python_arguments_not_the_c_ones():
+    """The library's message in the method's terms: its arguments' Python
+    names and fields written with a dot."""
+    with moecap.Capturer(**CONFIG) as cap:
+        cases = ((lambda: cap.read(np.arange(4), out=np.zeros((3, 2, 2), np.int32)),
+                  r"moecap_read: out\.shape\[0\] is 3; expected 4"),
+                 (lambda: cap.capture(0, np.zeros((4, 3), np.int32)), r"moecap_capture: topk_ids\.shape\[1\] is 3"),
+                 (lambda: cap.commit(np.arange(40)), r"moecap_commit: dst_slots has 40 entries"),
+                 (lambda: cap.local_rows(3, [1]), r"moecap_local_rows: dp_rank is 3"),
+                 (lambda: cap.local_rows(0, [1, 2]), r"moecap_local_rows: len\(tokens_per_rank\) is 2"),
+                 (lambda: cap.local_rows(0, [-1]), r"moecap_local_rows: tokens_per_rank\[0\] is -1"))
+        for call, message in cases:
+            with pytest.raises(moecap.MoecapError, match=message) as e:
+                call()
+            assert "->" not in str(e.value) and "ids_out" not in str(e.value) and "batch" not in str(e.value)
 
 
 @pytest.mark.parametrize("given, name", [
