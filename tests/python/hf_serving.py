@@ -70,7 +70,9 @@ def tiny_config(model_type):
         "granitemoeshared": ("GraniteMoeSharedConfig", dict(num_local_experts=8, shared_intermediate_size=16)),
         # dense first layer; top-k of softmax plus a bias (moe_statics) picks, the softmax weighs
         "minimax_m2": ("MiniMaxM2Config", dict(num_local_experts=8, head_dim=16)),
-        "solar_open": ("SolarOpenConfig", dict(grouped, head_dim=16)),
+        # no dense layers: Solar Open's config has no first_k_dense_replace
+        "solar_open": ("SolarOpenConfig", dict({k: v for k, v in grouped.items() if k != "first_k_dense_replace"},
+                                               head_dim=16)),
         "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=16,
                                                     moe_num_shared_experts=1, moe_layer_start_index=1,
                                                     moe_layer_interval=1)),

@@ -310,3 +310,17 @@ def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type)
     for layer in layers:
         assert torch.equal(own[layer.index][0], free[layer.index][0])
         torch.testing.assert_close(own[layer.index][1].float(), free[layer.index][1].float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_the_engine_adapters_read_the_models_layers_and_experts_from_its_config(model_type):
+    """The SGLang and vLLM adapters see a config, not the model: its rules
+    must give the MoE layers, expert count and top-k that attach finds."""
+    from moecap.integrations import _model
+    config = config_or_skip(model_type)
+    text = getattr(config, "text_config", None) or config
+    model = hf_serving.build(config)
+    layers = hf.find_moe_layers(model)
+    assert _model.moe_layers_from_config(text) == LAYER_MAPS[model_type][0] == hf.layer_map(model).layers
+    assert _model.num_experts(text) == layers[0].router.num_experts
+    assert _model.config_int(text, _model.TOP_K_KEYS, "experts per token") == layers[0].router.top_k
