@@ -258,6 +258,23 @@ class Attached:
         self.detach()
 
 
+def _compile_ops(capturer):
+    """The capturer's custom ops for the hooks to call under torch.compile,
+    made at attach (inside traced code, exporting the buffers would break the
+    graph); None for a capturer other than moecap's or a torch without
+    torch.library custom ops. The runner's own, not Capturer.ops: that one
+    holds the capturer from the capturer, so a detached capturer would wait
+    for the garbage collector."""
+    from . import Capturer
+    if not isinstance(capturer, Capturer):
+        return None
+    try:
+        from .ops import CapturerOps
+    except ImportError:
+        return None
+    return CapturerOps(capturer)
+
+
 class _Runner:
     """Turns one layer's routing into a capture call (after the DP gather)."""
 
@@ -270,6 +287,7 @@ class _Runner:
         self.top_k = top_k
         self.stream = stream
         self.pending = {}  # block id -> (ids, weights) waiting for the shared gate
+        self.ops = _compile_ops(capturer) if stream is None else None
 
     def deliver(self, layer, ids, weights):
         import torch
@@ -281,7 +299,13 @@ class _Runner:
             ids, weights = self.gather(layer.index, ids, weights)
         ids = ids.contiguous()
         weights = weights.contiguous() if self.keep_weights else None
-        self.capturer.capture(layer.index, ids, weights, stream=self.stream)
+        # Under torch.compile, the custom op (capturing on torch's current stream) is
+        # what Dynamo traces; a capture on a stream of attach's, or into a capturer
+        # without ops, stays the extension's call, where Dynamo breaks the graph.
+        if self.ops is not None and torch.compiler.is_compiling():
+            self.ops.capture(layer.index, ids, weights)
+        else:
+            self.capturer.capture(layer.index, ids, weights, stream=self.stream)
 
 
 def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Selector] = None,
@@ -298,7 +322,12 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     all-gathers every rank's rows back to back (the engine's DP gather).
     selector: fn(router, inputs, output) -> (ids, weights) for a model whose
     routers do not return (logits, weights, indices); required for a
-    model_type outside KNOWN.
+    model_type outside KNOWN. stream: where every capture is enqueued (None:
+    the capturer's default).
+
+    The model compiles with torch.compile(fullgraph=True): traced, the hooks
+    capture through the capturer's custom ops (moecap.ops) on torch's current
+    stream; with a stream they call the extension, which Dynamo cannot trace.
     """
     model_type = _model_type(model)
     if selector is None and model_type not in KNOWN:

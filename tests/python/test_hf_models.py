@@ -324,3 +324,43 @@ def test_the_engine_adapters_read_the_models_layers_and_experts_from_its_config(
     assert _model.moe_layers_from_config(text) == LAYER_MAPS[model_type][0] == hf.layer_map(model).layers
     assert _model.num_experts(text) == layers[0].router.num_experts
     assert _model.config_int(text, _model.TOP_K_KEYS, "experts per token") == layers[0].router.top_k
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_an_attached_model_compiles_without_graph_breaks_and_captures_what_eager_does(model_type):
+    """Under torch.compile(fullgraph=True) the hooks capture through the
+    capturer's custom ops (Dynamo cannot trace the extension's call), the
+    shared column and its gate included."""
+    model = hf_serving.build(config_or_skip(model_type))
+    layers = hf.find_moe_layers(model)
+    router = layers[0].router
+    cap = moecap.Capturer(num_layers=len(layers), top_k=router.top_k, num_experts=router.num_experts, host_slots=16,
+                          max_running_requests=1, chunked_prefill_size=16, weight_dtype="f32", extra_columns=1)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 6))
+    eager, compiled = np.arange(6), np.arange(6, 12)
+    with hf.attach(model, cap), torch.no_grad():
+        model(tokens)
+        cap.commit(eager)
+        torch.compile(model, fullgraph=True, backend="eager")(tokens)
+        cap.commit(compiled)
+    shape = (6, len(layers), router.top_k)
+    want = cap.read(eager, weights_out=np.zeros(shape, np.float32), strict=True)
+    got = cap.read(compiled, weights_out=np.zeros(shape, np.float32), strict=True)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert (want[1] > 0).all()
+
+
+def test_a_detached_capturer_is_freed_without_the_garbage_collector():
+    import gc
+    import weakref
+    model = hf_serving.build(config_or_skip("mixtral"))
+    cap = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=16, max_running_requests=1,
+                          chunked_prefill_size=16)
+    alive = weakref.ref(cap)
+    hf.attach(model, cap).detach()
+    gc.disable()
+    try:
+        del cap
+        assert alive() is None
+    finally:
+        gc.enable()
