@@ -9,10 +9,12 @@ transformers >= 5 gives every MoE block a router module that returns
 ``(router_logits, top_k_weights, top_k_index)``: the experts the model itself
 picked, whatever its rule (softmax then top-k for Mixtral, Qwen2/3-MoE,
 Qwen3-Next, OLMoE, FlexOlmo and HunYuan; top-k then softmax for GraniteMoE
-and GPT-OSS; PhiMoE's sparsemixer; DeepSeek-V3's, GLM-4.5's, dots.llm1's and
-Solar Open's grouped top-k over biased sigmoid scores; MiniMax-M2's top-k
-over sigmoid scores biased by its block; DeepSeek-V2's group-limited greedy
-top-k; Ernie 4.5's biased top-k of the softmax; `KNOWN` lists them). attach
+(and its hybrid and sliding-window kin), GPT-OSS, Aria and Cohere2-MoE (or
+its top-k then sigmoid); PhiMoE's sparsemixer; DeepSeek-V3's, GLM-4.5's,
+dots.llm1's and Solar Open's grouped top-k over biased sigmoid scores;
+MiniMax-M2's top-k over sigmoid scores biased by its block; DeepSeek-V2's
+group-limited greedy top-k; Ernie 4.5's biased top-k of the softmax; Gemma
+4's top-k of the softmax times a per-expert scale; `KNOWN` lists them). attach
 hooks those modules' outputs, so nothing is re-derived, numbers the MoE layers in order (dense
 layers in between are skipped, and each MoE layer's decoder layer is kept in
 the handle's and the capturer's ``layer_map``, so a request read back knows
@@ -67,6 +69,14 @@ KNOWN = {
     "ernie4_5_moe": "Ernie4_5_MoeTopKRouter: softmax, top-k of softmax + moe_statics bias, renormalized",
     "minimax_m2": "MiniMaxM2TopKRouter: top-k of sigmoid + the block's correction bias, renormalized",
     "solar_open": "SolarOpenTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared experts",
+    "cohere2_moe": ("Cohere2MoeTopKRouter: top-k of logits, then softmax (or sigmoid, optionally renormalized); "
+                    "shared experts"),
+    "granitemoehybrid": "GraniteMoeHybridTopKRouter: top-k of logits, then softmax; Mamba layers",
+    "granitemoe_swa": "GraniteMoeSWATopKRouter: top-k of logits, then softmax; sliding-window attention",
+    "gemma4_text": ("Gemma4TextRouter: top-k of its softmax (returned as the logits), renormalized, times a "
+                    "per-expert scale; a dense MLP beside it"),
+    "gemma4": "Gemma4ForConditionalGeneration: gemma4_text's router in its language model",
+    "aria_text": "AriaTextTopKRouter: top-k of logits, then softmax; shared experts",
 }
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
@@ -423,8 +433,15 @@ def _recomputed_weights(router, logits, ids):
         if kind.startswith("HunYuan") or router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(logits.dtype)
-    if kind.startswith(("GraniteMoe", "GptOss")):
-        return torch.softmax(logits.float().gather(1, ids), dim=-1)
+    if kind.startswith(("GraniteMoe", "GptOss", "AriaText", "Cohere2Moe")):
+        top = logits.float().gather(1, ids)
+        if getattr(router, "expert_selection_fn", "softmax") == "sigmoid":  # Cohere2-MoE's other rule
+            w = top.sigmoid()
+            return w / w.sum(dim=-1, keepdim=True) if router.norm_topk_prob else w
+        return torch.softmax(top, dim=-1)
+    if kind.startswith("Gemma4Text"):  # its "logits" are already the softmax
+        w = logits.float().gather(1, ids)
+        return w / w.sum(dim=-1, keepdim=True) * router.per_expert_scale[ids]
     if kind.startswith("DeepseekV2"):
         return logits.float().softmax(dim=-1).gather(1, ids) * router.routed_scaling_factor
     if kind.startswith("Ernie4_5_Moe"):
@@ -433,7 +450,7 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith("MiniMaxM2"):
         w = logits.float().sigmoid().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
-    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen")):
+    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH")):
         w = logits.sigmoid().gather(1, ids)
         if router.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)

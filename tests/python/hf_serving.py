@@ -23,6 +23,7 @@ import transformers
 import moecap
 from moecap import hf
 from moecap.engine import RequestTable, batch_slots, commit_batch
+from moecap.integrations import _model
 
 VOCAB = 64
 # transformers renamed past_key_values to cache (the old name is deprecated from 5.x).
@@ -76,12 +77,48 @@ def tiny_config(model_type):
         "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=16,
                                                     moe_num_shared_experts=1, moe_layer_start_index=1,
                                                     moe_layer_interval=1)),
+        # sigmoid of the top-k logits, not renormalized; a shared expert summed in (no dense first layer: the
+        # engine adapters' config rules do not read its mlp_layer_types)
+        "cohere2_moe": ("Cohere2MoeConfig", dict(num_experts=8, head_dim=16, expert_selection_fn="sigmoid",
+                                                 norm_topk_prob=False, num_shared_experts=1,
+                                                 shared_expert_combination_strategy="sum", sliding_window=8)),
+        # Mamba layers around an attention one, each with a MoE block
+        "granitemoehybrid": ("GraniteMoeHybridConfig", dict(num_local_experts=8, shared_intermediate_size=16,
+                                                            layer_types=["linear_attention", "attention",
+                                                                         "linear_attention"],
+                                                            mamba_n_heads=4, mamba_d_state=8, mamba_d_head=16,
+                                                            mamba_chunk_size=4)),
+        "granitemoe_swa": ("GraniteMoeSWAConfig", dict(num_local_experts=8, shared_intermediate_size=16,
+                                                       sliding_window=4)),
+        # MoE layers around an attention one; DeepSeek-V3's grouped top-k: 2 groups, 1 kept, a scale other than 1.
+        # Not in hf.KNOWN: the engine adapters' config rules do not read its layers_block_type.
+        "nemotron_h": ("NemotronHConfig", dict(n_routed_experts=8, moe_intermediate_size=16,
+                                               moe_shared_expert_intermediate_size=16, n_group=2, topk_group=1,
+                                               routed_scaling_factor=2.5, head_dim=16,
+                                               layers_block_type=["moe", "full_attention", "moe"],
+                                               mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1,
+                                               chunk_size=4)),
+        # a dense MLP beside every MoE block; the router's per-expert scale (randomized by build)
+        "gemma4_text": ("Gemma4TextConfig", dict(enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                                 moe_intermediate_size=16, head_dim=16, global_head_dim=16,
+                                                 hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                                                 sliding_window=8)),
+        # the multimodal wrapper around gemma4_text's config, with a one-layer vision tower
+        "gemma4": ("Gemma4Config", dict(text_config="gemma4_text", audio_config=None,
+                                        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                                           num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                                                           position_embedding_size=64))),
+        "aria_text": ("AriaTextConfig", dict(moe_num_experts=8, moe_topk=2, moe_num_shared_experts=1, head_dim=16)),
     }
     class_name, extra = specs[model_type]
     cls = getattr(transformers, class_name, None)
     if cls is None:
         return class_name, None
-    config = cls(**{**common, **moe, **extra})
+    if isinstance(extra.get("text_config"), str):  # a multimodal wrapper: another entry's config as its text model
+        text = tiny_config(extra["text_config"])[1]
+        config = cls(**{**extra, "text_config": text.to_dict()}, tie_word_embeddings=False)
+    else:
+        config = cls(**{**common, **moe, **extra})
     config._attn_implementation = "eager"
     return class_name, config
 
@@ -92,12 +129,20 @@ def build(config, seed=0, dtype=torch.float32):
     model = transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
     if "cache" in inspect.signature(model.model.forward).parameters:
         CACHE_ARG = "cache"
-    with torch.no_grad():  # a non-zero correction bias wherever a MoE block has one, so it matters
+    with torch.no_grad():  # a non-zero correction bias, a per-expert scale other than 1, so they matter
         for layer in hf.find_moe_layers(model):
             for name, bias in list(layer.block.named_buffers()) + list(layer.block.named_parameters()):
                 if name.endswith("e_score_correction_bias"):
                     bias.copy_(torch.randn(bias.shape) * 0.5)
+                elif name.endswith("router.per_expert_scale"):
+                    bias.copy_(torch.rand(bias.shape) + 0.5)
     return model
+
+
+def routing_dims(model, router):
+    """(top_k, num_experts): the router's, or the config's where the router keeps neither (Gemma 4)."""
+    return (getattr(router, "top_k", None) or _model.config_int(model.config, _model.TOP_K_KEYS, "top_k"),
+            getattr(router, "num_experts", None) or _model.num_experts(model.config))
 
 
 def reference(layer, logits):
@@ -113,9 +158,15 @@ def reference(layer, logits):
         if kind.startswith("HunYuan") or router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
         return ids, w.to(logits.dtype)
-    if kind.startswith(("GraniteMoe", "GptOss")):
+    if kind.startswith(("GraniteMoe", "GptOss", "AriaText", "Cohere2Moe")):
         top, ids = logits.float().topk(router.top_k, dim=-1)
+        if getattr(router, "expert_selection_fn", "softmax") == "sigmoid":  # Cohere2-MoE's other rule
+            w = top.sigmoid()
+            return ids, (w / w.sum(dim=-1, keepdim=True) if router.norm_topk_prob else w)
         return ids, torch.softmax(top, dim=-1)
+    if kind.startswith("Gemma4Text"):  # its recorded router_logits are already the softmax
+        w, ids = torch.topk(logits.float(), router.config.top_k_experts, dim=-1)
+        return ids, w / w.sum(dim=-1, keepdim=True) * router.per_expert_scale.detach()[ids]
     if kind.startswith("Phimoe"):
         from transformers.models.phimoe.modeling_phimoe import sparsemixer
         w, ids = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=False, top_k=router.top_k)
@@ -138,7 +189,7 @@ def reference(layer, logits):
         ids = torch.topk(scores + layer.block.e_score_correction_bias, router.top_k, dim=-1, sorted=False)[1]
         w = scores.gather(1, ids)
         return ids, w / w.sum(dim=-1, keepdim=True)
-    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen")):
+    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH")):
         scores = logits.float().sigmoid()
         choice = scores + router.e_score_correction_bias
         groups = choice.view(-1, router.num_group, router.num_experts // router.num_group)
@@ -203,9 +254,9 @@ class Rank:
     def __init__(self, model, rank, dp_size, gather, host_slots, rows_per_rank, seed, shared_column, weight_dtype):
         self.model, self.rank, self.dp_size, self.gather = model, rank, dp_size, gather
         layers = hf.find_moe_layers(model)
-        router = layers[0].router
+        top_k, num_experts = routing_dims(model, layers[0].router)
         self.capturer = moecap.Capturer(
-            num_layers=len(layers), top_k=router.top_k, num_experts=router.num_experts, host_slots=host_slots,
+            num_layers=len(layers), top_k=top_k, num_experts=num_experts, host_slots=host_slots,
             max_running_requests=8, chunked_prefill_size=rows_per_rank, dp_size=dp_size, weight_dtype=weight_dtype,
             extra_columns=1 if shared_column else 0)
         self.handle = hf.attach(model, self.capturer, gather=gather.rows(rank) if dp_size > 1 else None)

@@ -21,10 +21,11 @@ import hf_serving  # noqa: E402
 
 ARCHITECTURES = sorted(hf.KNOWN)
 # hf_serving's tiny configs have 3 decoder layers: Qwen2-MoE's and Qwen3-Next's layer 1 is in
-# mlp_only_layers, the DeepSeek family's first layer is dense (first_k_dense_replace=1; Solar Open has no such
-# rule), as is Ernie 4.5's (moe_layer_start_index=1); the others are MoE throughout.
+# mlp_only_layers (Nemotron-H's, not yet known, is an attention layer), the DeepSeek family's first layer is
+# dense (first_k_dense_replace=1; Solar Open has no such rule), as is Ernie 4.5's (moe_layer_start_index=1);
+# the others are MoE throughout.
 LAYER_MAPS = {t: ((0, 1, 2), 3) for t in ARCHITECTURES}
-LAYER_MAPS.update({t: ((0, 2), 3) for t in ("qwen2_moe", "qwen3_next")})
+LAYER_MAPS.update({t: ((0, 2), 3) for t in ("qwen2_moe", "qwen3_next", "nemotron_h")})
 LAYER_MAPS.update({t: ((1, 2), 3) for t in ("deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "ernie4_5_moe")})
 
 
@@ -202,8 +203,8 @@ def test_layer_map_places_moe_layers_among_dense_ones(model_type):
     layers = hf.find_moe_layers(model)
     want = LAYER_MAPS[model_type]
     assert tuple(layer.model_layer for layer in layers) == want[0] and hf.layer_map(model) == want
-    router = layers[0].router
-    cap = moecap.Capturer(num_layers=len(layers), top_k=router.top_k, num_experts=router.num_experts, host_slots=16,
+    top_k, num_experts = hf_serving.routing_dims(model, layers[0].router)
+    cap = moecap.Capturer(num_layers=len(layers), top_k=top_k, num_experts=num_experts, host_slots=16,
                           max_running_requests=1, chunked_prefill_size=16)
     table = moecap.RequestTable(cap)  # made before attach: it reads the map at finish
     tokens = torch.randint(3, hf_serving.VOCAB, (1, 5))
@@ -216,7 +217,7 @@ def test_layer_map_places_moe_layers_among_dense_ones(model_type):
     routed = table.finish("r")
     assert routed.layers == want[0] and routed.num_hidden_layers == want[1]
     full = routed.all_layers()
-    assert full.shape == (5, 3, router.top_k)
+    assert full.shape == (5, 3, top_k)
     for layer, logits in zip(layers, out.router_logits):
         want_ids, _ = hf_serving.reference(layer, logits)
         assert np.array_equal(np.sort(full[:, layer.model_layer], -1), np.sort(want_ids.numpy(), -1))
@@ -322,8 +323,9 @@ def test_the_engine_adapters_read_the_models_layers_and_experts_from_its_config(
     model = hf_serving.build(config)
     layers = hf.find_moe_layers(model)
     assert _model.moe_layers_from_config(text) == LAYER_MAPS[model_type][0] == hf.layer_map(model).layers
-    assert _model.num_experts(text) == layers[0].router.num_experts
-    assert _model.config_int(text, _model.TOP_K_KEYS, "experts per token") == layers[0].router.top_k
+    top_k, num_experts = hf_serving.routing_dims(model, layers[0].router)
+    assert _model.num_experts(text) == num_experts
+    assert _model.config_int(text, _model.TOP_K_KEYS, "experts per token") == top_k
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3"])
