@@ -77,6 +77,25 @@ KNOWN = {
                     "per-expert scale; a dense MLP beside it"),
     "gemma4": "Gemma4ForConditionalGeneration: gemma4_text's router in its language model",
     "aria_text": "AriaTextTopKRouter: top-k of logits, then softmax; shared experts",
+    "qwen3_5_moe_text": ("Qwen3_5MoeTopKRouter: softmax, top-k, renormalized; gated shared expert; "
+                         "linear-attention layers"),
+    "qwen3_5_moe": "Qwen3.5-MoE's multimodal wrapper: its language model's Qwen3_5MoeTopKRouter",
+    "deepseek_v32": ("DeepseekV32TopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared "
+                     "experts; dense first layers"),
+    "glm_moe_dsa": ("GlmMoeDsaTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared "
+                    "experts; dense first layers"),
+    "kimi_linear": ("KimiLinearTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared "
+                    "experts; dense first layer; linear-attention layers"),
+    "mistral4": "Mistral4TopkRouter: DeepSeek-V3's grouped top-k, of softmax, no correction bias; shared experts",
+    "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerTextTopKRouter (Qwen3-Omni's thinker): softmax, top-k; "
+                               "dense layers in between"),
+    "qwen4_exp_text": ("Qwen4ExpTextTopKRouter: softmax, top-k; gated shared expert; linear-attention layers, "
+                       "hyper-connections"),
+    "qwen4_exp": "Qwen4-Exp's multimodal wrapper: its language model's Qwen4ExpTextTopKRouter",
+    "glm4v_moe": ("Glm4vMoeTextTopkRouter (multimodal wrapper): DeepSeek-V3's grouped top-k of sigmoid + correction "
+                  "bias; shared experts; dense first layer"),
+    "qwen3_vl_moe": ("Qwen3VLMoeTextTopKRouter (multimodal wrapper): softmax, top-k, renormalized; "
+                     "dense layers in between"),
 }
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
@@ -428,9 +447,10 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith(("Mixtral",)):
         w = torch.softmax(logits.float(), dim=-1).gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
-    if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe", "Qwen3Next", "FlexOlmo", "HunYuan")):
+    if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe", "Qwen3Next", "FlexOlmo", "HunYuan", "Qwen3_5Moe",
+                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText")):
         w = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
-        if kind.startswith("HunYuan") or router.norm_topk_prob:
+        if kind.startswith(("HunYuan", "Qwen3_5Moe", "Qwen3VLMoe")) or router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(logits.dtype)
     if kind.startswith(("GraniteMoe", "GptOss", "AriaText", "Cohere2Moe")):
@@ -450,8 +470,9 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith("MiniMaxM2"):
         w = logits.float().sigmoid().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
-    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH")):
-        w = logits.sigmoid().gather(1, ids)
+    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH", "GlmMoeDsa", "KimiLinear",
+                        "Mistral4", "Glm4vMoeText")):
+        w = (logits.softmax(-1) if kind.startswith("Mistral4") else logits.sigmoid()).gather(1, ids)
         if router.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * router.routed_scaling_factor

@@ -39,6 +39,8 @@ def tiny_config(model_type):
     moe = dict(num_experts_per_tok=2)
     grouped = dict(n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1,
                    first_k_dense_replace=1, routed_scaling_factor=2.5)  # a scale other than 1, so it is checked
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                  spatial_merge_size=1, temporal_patch_size=1)
     specs = {
         "mixtral": ("MixtralConfig", dict(num_local_experts=8)),
         # dense layer 1 between MoE layers 0 and 2; a gated shared expert
@@ -109,6 +111,61 @@ def tiny_config(model_type):
                                                            num_attention_heads=2, num_key_value_heads=2, head_dim=8,
                                                            position_embedding_size=64))),
         "aria_text": ("AriaTextConfig", dict(moe_num_experts=8, moe_topk=2, moe_num_shared_experts=1, head_dim=16)),
+        # linear-attention layers around a full one; every layer MoE with a gated shared expert
+        "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(num_experts=8, moe_intermediate_size=16,
+                                                          shared_expert_intermediate_size=16, head_dim=16,
+                                                          linear_key_head_dim=8, linear_value_head_dim=8,
+                                                          linear_num_key_heads=2, linear_num_value_heads=2,
+                                                          layer_types=["linear_attention", "full_attention",
+                                                                       "linear_attention"])),
+        # served only inside its wrapper (no causal-LM class of its own); dense layer 1
+        "qwen3_vl_moe_text": ("Qwen3VLMoeTextConfig", dict(num_experts=8, moe_intermediate_size=16, head_dim=16,
+                                                           mlp_only_layers=[1])),
+        # DeepSeek-V3's routing under sparse attention (a lightning indexer picks the keys)
+        "deepseek_v32": ("DeepseekV32Config", dict(grouped, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                   qk_nope_head_dim=8, v_head_dim=8, head_dim=8, num_key_value_heads=2,
+                                                   index_topk=4, index_head_dim=16, index_n_heads=2)),
+        # DeepSeek-V3's routing under MLA with a sparse-attention indexer
+        "glm_moe_dsa": ("GlmMoeDsaConfig", dict(grouped, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                qk_nope_head_dim=8, v_head_dim=8, head_dim=8, num_key_value_heads=2,
+                                                index_topk=4, index_head_dim=16, index_n_heads=2)),
+        # DeepSeek-V3's routing; Kimi delta attention layers around an MLA one. Its experts are num_local_experts;
+        # first_k_dense_replace is a checkpoint key its config reads
+        "kimi_linear": ("KimiLinearConfig", dict({k: v for k, v in grouped.items() if k != "n_routed_experts"},
+                                                 num_local_experts=8, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                 qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=2,
+                                                 linear_head_dim=8, linear_num_heads=2,
+                                                 layer_types=["linear_attention", "full_attention",
+                                                              "linear_attention"])),
+        # grouped top-k of the softmax (no correction bias); dense first layer
+        "mistral4": ("Mistral4Config", dict(grouped, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                            qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=2)),
+        # the Omni thinker's language model, served inside it; no renormalization; dense layer 1
+        "qwen3_omni_moe_text": ("Qwen3OmniMoeTextConfig", dict(num_experts=8, moe_intermediate_size=16, head_dim=16,
+                                                               norm_topk_prob=False, mlp_only_layers=[1])),
+        # linear-attention layers, then an indexed one: hyper-connections; gated shared expert; no renormalization.
+        # The indexed layer comes last: its query rows of left padding select no key (NaN), which a linear-attention
+        # layer after it would carry into the real tokens.
+        "qwen4_exp_text": ("Qwen4ExpTextConfig", dict(num_experts=8, moe_intermediate_size=16,
+                                                      shared_expert_intermediate_size=16, head_dim=16,
+                                                      linear_key_head_dim=8, linear_value_head_dim=8,
+                                                      linear_num_key_heads=2, linear_num_value_heads=2, hc_lowrank=8,
+                                                      indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+                                                      indexer_budget=4, indexer_compress_ratio=2, norm_topk_prob=False,
+                                                      layer_types=["linear_attention", "linear_attention",
+                                                                   "full_attention"])),
+        # served only inside its wrapper: GLM-4.5's routing; M-RoPE sections that fit the tiny rotary half (4)
+        "glm4v_moe_text": ("Glm4vMoeTextConfig", dict(grouped, head_dim=16, rope_parameters=dict(
+            rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]))),
+        # multimodal wrappers around those text configs, each with a one-block vision tower
+        "qwen3_5_moe": ("Qwen3_5MoeConfig", dict(text_config="qwen3_5_moe_text", vision_config=vision)),
+        "qwen3_vl_moe": ("Qwen3VLMoeConfig", dict(text_config="qwen3_vl_moe_text", vision_config=vision)),
+        "qwen4_exp": ("Qwen4ExpConfig", dict(text_config="qwen4_exp_text", vision_config=vision)),
+        "glm4v_moe": ("Glm4vMoeConfig", dict(text_config="glm4v_moe_text", vision_config=vision)),
+        "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerConfig", dict(
+            text_config="qwen3_omni_moe_text", vision_config=dict(vision, deepstack_visual_indexes=[0]),
+            audio_config=dict(encoder_layers=1, encoder_attention_heads=2, d_model=32, encoder_ffn_dim=32,
+                              output_dim=32, downsample_hidden_size=8))),
     }
     class_name, extra = specs[model_type]
     cls = getattr(transformers, class_name, None)
@@ -126,7 +183,13 @@ def tiny_config(model_type):
 def build(config, seed=0, dtype=torch.float32):
     global CACHE_ARG
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
+    # A wrapper's config builds the wrapper where AutoModelForCausalLM would build its bare language model
+    # (Qwen3.5-MoE's) or nothing (Qwen3-VL-MoE's), as does a config that transformers maps only as
+    # image-text-to-text (Mistral 4's causal LM).
+    auto, mapping = transformers.AutoModelForCausalLM, transformers.AutoModelForCausalLM._model_mapping
+    if type(config) not in mapping or mapping[type(config)].config_class is not type(config):
+        auto = transformers.AutoModelForImageTextToText
+    model = auto.from_config(config).eval().to(dtype)
     if "cache" in inspect.signature(model.model.forward).parameters:
         CACHE_ARG = "cache"
     with torch.no_grad():  # a non-zero correction bias, a per-expert scale other than 1, so they matter
@@ -153,9 +216,10 @@ def reference(layer, logits):
     if kind.startswith("Mixtral"):
         w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), router.top_k, dim=-1)
         return ids, w / w.sum(dim=-1, keepdim=True)
-    if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe", "Qwen3Next", "FlexOlmo", "HunYuan")):
+    if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe", "Qwen3Next", "FlexOlmo", "HunYuan", "Qwen3_5Moe",
+                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText")):
         w, ids = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), router.top_k, dim=-1)
-        if kind.startswith("HunYuan") or router.norm_topk_prob:
+        if kind.startswith(("HunYuan", "Qwen3_5Moe", "Qwen3VLMoe")) or router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
         return ids, w.to(logits.dtype)
     if kind.startswith(("GraniteMoe", "GptOss", "AriaText", "Cohere2Moe")):
@@ -189,15 +253,18 @@ def reference(layer, logits):
         ids = torch.topk(scores + layer.block.e_score_correction_bias, router.top_k, dim=-1, sorted=False)[1]
         w = scores.gather(1, ids)
         return ids, w / w.sum(dim=-1, keepdim=True)
-    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH")):
-        scores = logits.float().sigmoid()
-        choice = scores + router.e_score_correction_bias
+    if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH", "GlmMoeDsa", "KimiLinear",
+                        "Mistral4", "Glm4vMoeText")):
+        softmax = kind.startswith("Mistral4")  # softmax in the logits' dtype, no bias, dropped groups score 0
+        scores = logits.softmax(-1) if softmax else logits.float().sigmoid()
+        choice = scores if softmax else scores + router.e_score_correction_bias
         groups = choice.view(-1, router.num_group, router.num_experts // router.num_group)
         group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
         keep = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, router.topk_group, dim=-1,
                                                                      sorted=False)[1], 1)
         mask = keep.unsqueeze(-1).expand_as(groups).reshape(-1, router.num_experts).bool()
-        ids = torch.topk(choice.masked_fill(~mask, float("-inf")), router.top_k, dim=-1, sorted=False)[1]
+        ids = torch.topk(choice.masked_fill(~mask, 0.0 if softmax else float("-inf")), router.top_k, dim=-1,
+                         sorted=False)[1]
         w = scores.gather(1, ids)
         if router.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
