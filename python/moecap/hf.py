@@ -70,28 +70,36 @@ KNOWN = {
     "minimax_m2": "MiniMaxM2TopKRouter: top-k of sigmoid + the block's correction bias, renormalized",
     "solar_open": "SolarOpenTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared experts",
     "cohere2_moe": ("Cohere2MoeTopKRouter: top-k of logits, then softmax (or sigmoid, optionally renormalized); "
-                    "shared experts"),
+                    "shared experts, averaged with the routed sum by default (the router's weights are captured)"),
     "granitemoehybrid": "GraniteMoeHybridTopKRouter: top-k of logits, then softmax; Mamba layers",
     "granitemoe_swa": "GraniteMoeSWATopKRouter: top-k of logits, then softmax; sliding-window attention",
     "gemma4_text": ("Gemma4TextRouter: top-k of its softmax (returned as the logits), renormalized, times a "
                     "per-expert scale; a dense MLP beside it"),
     "gemma4": "Gemma4ForConditionalGeneration: gemma4_text's router in its language model",
     "aria_text": "AriaTextTopKRouter: top-k of logits, then softmax; shared experts",
+    "nemotron_h": ("NemotronHTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared expert; "
+                   "MoE, Mamba and attention layers"),
     "qwen3_5_moe_text": ("Qwen3_5MoeTopKRouter: softmax, top-k, renormalized; gated shared expert; "
                          "linear-attention layers"),
     "qwen3_5_moe": "Qwen3.5-MoE's multimodal wrapper: its language model's Qwen3_5MoeTopKRouter",
     "deepseek_v32": ("DeepseekV32TopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared "
                      "experts; dense first layers"),
+    "glm4_moe_lite": ("Glm4MoeLiteTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared "
+                      "experts; dense first layer"),
     "glm_moe_dsa": ("GlmMoeDsaTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared "
                     "experts; dense first layers"),
     "kimi_linear": ("KimiLinearTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared "
                     "experts; dense first layer; linear-attention layers"),
     "mistral4": "Mistral4TopkRouter: DeepSeek-V3's grouped top-k, of softmax, no correction bias; shared experts",
+    "glm5_next": ("Glm5NextTextTopkRouter (multimodal wrapper): DeepSeek-V3's grouped top-k of sigmoid + correction "
+                  "bias; shared experts; dense first layers"),
     "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerTextTopKRouter (Qwen3-Omni's thinker): softmax, top-k; "
                                "dense layers in between"),
     "qwen4_exp_text": ("Qwen4ExpTextTopKRouter: softmax, top-k; gated shared expert; linear-attention layers, "
                        "hyper-connections"),
     "qwen4_exp": "Qwen4-Exp's multimodal wrapper: its language model's Qwen4ExpTextTopKRouter",
+    "deepseek_ocr2": ("DeepseekOcr2TextTopkRouter (multimodal wrapper): DeepSeek-V2's softmax, greedy or "
+                      "group-limited greedy top-k, no renormalization; shared experts; dense first layers"),
     "glm4v_moe": ("Glm4vMoeTextTopkRouter (multimodal wrapper): DeepSeek-V3's grouped top-k of sigmoid + correction "
                   "bias; shared experts; dense first layer"),
     "qwen3_vl_moe": ("Qwen3VLMoeTextTopKRouter (multimodal wrapper): softmax, top-k, renormalized; "
@@ -462,7 +470,7 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith("Gemma4Text"):  # its "logits" are already the softmax
         w = logits.float().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True) * router.per_expert_scale[ids]
-    if kind.startswith("DeepseekV2"):
+    if kind.startswith(("DeepseekV2", "DeepseekOcr2Text")):
         return logits.float().softmax(dim=-1).gather(1, ids) * router.routed_scaling_factor
     if kind.startswith("Ernie4_5_Moe"):
         w = torch.softmax(logits.float(), dim=1).gather(1, ids)
@@ -471,7 +479,7 @@ def _recomputed_weights(router, logits, ids):
         w = logits.float().sigmoid().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
     if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH", "GlmMoeDsa", "KimiLinear",
-                        "Mistral4", "Glm4vMoeText")):
+                        "Mistral4", "Glm5NextText", "Glm4vMoeText")):
         w = (logits.softmax(-1) if kind.startswith("Mistral4") else logits.sigmoid()).gather(1, ids)
         if router.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)

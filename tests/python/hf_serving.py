@@ -39,6 +39,8 @@ def tiny_config(model_type):
     moe = dict(num_experts_per_tok=2)
     grouped = dict(n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1,
                    first_k_dense_replace=1, routed_scaling_factor=2.5)  # a scale other than 1, so it is checked
+    # for configs with no first_k_dense_replace (a field their class lacks would mislead the engine adapters)
+    grouped_bare = {k: v for k, v in grouped.items() if k != "first_k_dense_replace"}
     vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
                   spatial_merge_size=1, temporal_patch_size=1)
     specs = {
@@ -74,15 +76,13 @@ def tiny_config(model_type):
         # dense first layer; top-k of softmax plus a bias (moe_statics) picks, the softmax weighs
         "minimax_m2": ("MiniMaxM2Config", dict(num_local_experts=8, head_dim=16)),
         # no dense layers: Solar Open's config has no first_k_dense_replace
-        "solar_open": ("SolarOpenConfig", dict({k: v for k, v in grouped.items() if k != "first_k_dense_replace"},
-                                               head_dim=16)),
+        "solar_open": ("SolarOpenConfig", dict(grouped_bare, head_dim=16)),
         "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=16,
                                                     moe_num_shared_experts=1, moe_layer_start_index=1,
                                                     moe_layer_interval=1)),
-        # sigmoid of the top-k logits, not renormalized; a shared expert summed in (no dense first layer: the
-        # engine adapters' config rules do not read its mlp_layer_types)
+        # sigmoid of the top-k logits, not renormalized; a shared expert summed in; a dense first layer
         "cohere2_moe": ("Cohere2MoeConfig", dict(num_experts=8, head_dim=16, expert_selection_fn="sigmoid",
-                                                 norm_topk_prob=False, num_shared_experts=1,
+                                                 first_k_dense_replace=1, norm_topk_prob=False, num_shared_experts=1,
                                                  shared_expert_combination_strategy="sum", sliding_window=8)),
         # Mamba layers around an attention one, each with a MoE block
         "granitemoehybrid": ("GraniteMoeHybridConfig", dict(num_local_experts=8, shared_intermediate_size=16,
@@ -93,7 +93,6 @@ def tiny_config(model_type):
         "granitemoe_swa": ("GraniteMoeSWAConfig", dict(num_local_experts=8, shared_intermediate_size=16,
                                                        sliding_window=4)),
         # MoE layers around an attention one; DeepSeek-V3's grouped top-k: 2 groups, 1 kept, a scale other than 1.
-        # Not in hf.KNOWN: the engine adapters' config rules do not read its layers_block_type.
         "nemotron_h": ("NemotronHConfig", dict(n_routed_experts=8, moe_intermediate_size=16,
                                                moe_shared_expert_intermediate_size=16, n_group=2, topk_group=1,
                                                routed_scaling_factor=2.5, head_dim=16,
@@ -125,6 +124,9 @@ def tiny_config(model_type):
         "deepseek_v32": ("DeepseekV32Config", dict(grouped, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
                                                    qk_nope_head_dim=8, v_head_dim=8, head_dim=8, num_key_value_heads=2,
                                                    index_topk=4, index_head_dim=16, index_n_heads=2)),
+        # DeepSeek-V3's routing under MLA; its first layer dense by default
+        "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(grouped_bare, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                    qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=2)),
         # DeepSeek-V3's routing under MLA with a sparse-attention indexer
         "glm_moe_dsa": ("GlmMoeDsaConfig", dict(grouped, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
                                                 qk_nope_head_dim=8, v_head_dim=8, head_dim=8, num_key_value_heads=2,
@@ -140,6 +142,15 @@ def tiny_config(model_type):
         # grouped top-k of the softmax (no correction bias); dense first layer
         "mistral4": ("Mistral4Config", dict(grouped, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
                                             qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=2)),
+        # served only inside its wrapper: DeepSeek-V3's routing; hyper-connections, linear-attention layers around
+        # an indexed one; dense layer 0
+        "glm5_next_text": ("Glm5NextTextConfig", dict(grouped_bare, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                                                      v_head_dim=8, num_key_value_heads=2, index_topk=4,
+                                                      index_kpool=2, index_head_dim=16, index_n_heads=2,
+                                                      linear_head_dim=8,
+                                                      linear_num_heads=2, mlp_layer_types=["dense", "sparse", "sparse"],
+                                                      layer_types=["linear_attention", "full_attention",
+                                                                   "linear_attention"])),
         # the Omni thinker's language model, served inside it; no renormalization; dense layer 1
         "qwen3_omni_moe_text": ("Qwen3OmniMoeTextConfig", dict(num_experts=8, moe_intermediate_size=16, head_dim=16,
                                                                norm_topk_prob=False, mlp_only_layers=[1])),
@@ -154,6 +165,9 @@ def tiny_config(model_type):
                                                       indexer_budget=4, indexer_compress_ratio=2, norm_topk_prob=False,
                                                       layer_types=["linear_attention", "linear_attention",
                                                                    "full_attention"])),
+        # served only inside its wrapper: DeepSeek-V2's softmax, group-limited greedy top-k; dense first layer
+        "deepseek_ocr2_text": ("DeepseekOcr2TextConfig", dict(grouped_bare, topk_method="group_limited_greedy",
+                                                              mlp_layer_types=["dense", "sparse", "sparse"])),
         # served only inside its wrapper: GLM-4.5's routing; M-RoPE sections that fit the tiny rotary half (4)
         "glm4v_moe_text": ("Glm4vMoeTextConfig", dict(grouped, head_dim=16, rope_parameters=dict(
             rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]))),
@@ -162,6 +176,13 @@ def tiny_config(model_type):
         "qwen3_vl_moe": ("Qwen3VLMoeConfig", dict(text_config="qwen3_vl_moe_text", vision_config=vision)),
         "qwen4_exp": ("Qwen4ExpConfig", dict(text_config="qwen4_exp_text", vision_config=vision)),
         "glm4v_moe": ("Glm4vMoeConfig", dict(text_config="glm4v_moe_text", vision_config=vision)),
+        "glm5_next": ("Glm5NextConfig", dict(text_config="glm5_next_text",
+                                             vision_config=dict(vision, projection_intermediate_size=32))),
+        "deepseek_ocr2": ("DeepseekOcr2Config", dict(text_config="deepseek_ocr2_text", vision_config=dict(
+            sam_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=1, num_attention_heads=2,
+                            image_size=64, patch_size=16, global_attn_indexes=[0], downsample_channels=[16, 32]),
+            encoder_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1)))),
         "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerConfig", dict(
             text_config="qwen3_omni_moe_text", vision_config=dict(vision, deepstack_visual_indexes=[0]),
             audio_config=dict(encoder_layers=1, encoder_attention_heads=2, d_model=32, encoder_ffn_dim=32,
@@ -235,12 +256,14 @@ def reference(layer, logits):
         from transformers.models.phimoe.modeling_phimoe import sparsemixer
         w, ids = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=False, top_k=router.top_k)
         return ids, w
-    if kind.startswith("DeepseekV2"):
+    if kind.startswith(("DeepseekV2", "DeepseekOcr2Text")):
         scores = logits.float().softmax(dim=-1)
-        groups = scores.view(-1, router.num_group, router.num_experts // router.num_group).max(dim=-1).values
-        keep = torch.zeros_like(groups).scatter_(1, torch.topk(groups, router.topk_group, dim=-1, sorted=False)[1], 1)
-        mask = keep.unsqueeze(-1).expand(-1, router.num_group, router.num_experts // router.num_group)
-        scores = scores.masked_fill(~mask.reshape(-1, router.num_experts).bool(), 0.0)
+        if router.topk_method == "group_limited_greedy":  # else greedy: the top-k of all experts
+            groups = scores.view(-1, router.num_group, router.num_experts // router.num_group).max(dim=-1).values
+            keep = torch.zeros_like(groups).scatter_(1, torch.topk(groups, router.topk_group, dim=-1,
+                                                                   sorted=False)[1], 1)
+            mask = keep.unsqueeze(-1).expand(-1, router.num_group, router.num_experts // router.num_group)
+            scores = scores.masked_fill(~mask.reshape(-1, router.num_experts).bool(), 0.0)
         w, ids = torch.topk(scores, router.top_k, dim=-1, sorted=False)
         return ids, w * router.routed_scaling_factor
     if kind.startswith("Ernie4_5_Moe"):
@@ -254,7 +277,7 @@ def reference(layer, logits):
         w = scores.gather(1, ids)
         return ids, w / w.sum(dim=-1, keepdim=True)
     if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH", "GlmMoeDsa", "KimiLinear",
-                        "Mistral4", "Glm4vMoeText")):
+                        "Mistral4", "Glm5NextText", "Glm4vMoeText")):
         softmax = kind.startswith("Mistral4")  # softmax in the logits' dtype, no bias, dropped groups score 0
         scores = logits.softmax(-1) if softmax else logits.float().sigmoid()
         choice = scores if softmax else scores + router.e_score_correction_bias

@@ -20,15 +20,16 @@ from moecap import hf  # noqa: E402
 import hf_serving  # noqa: E402
 
 ARCHITECTURES = sorted(hf.KNOWN)
-# hf_serving's tiny configs have 3 decoder layers: Qwen2-MoE's, Qwen3-Next's, Qwen3-VL-MoE's and the Qwen3-Omni
-# thinker's layer 1 is in mlp_only_layers (Nemotron-H's, not yet known, is an attention layer), the DeepSeek
-# family's first layer is dense (first_k_dense_replace=1; Solar Open has no such rule), as is Ernie 4.5's
-# (moe_layer_start_index=1); the others are MoE throughout.
+# hf_serving's tiny configs have 3 decoder layers. Layer 1 is dense in Qwen2-MoE, Qwen3-Next, Qwen3-VL-MoE and
+# the Qwen3-Omni thinker (mlp_only_layers) and an attention layer in Nemotron-H; layer 0 is dense in the DeepSeek
+# family and Cohere2-MoE (first_k_dense_replace=1 or mlp_layer_types; Solar Open has no such rule) and in
+# Ernie 4.5 (moe_layer_start_index=1); the others are MoE throughout.
 LAYER_MAPS = {t: ((0, 1, 2), 3) for t in ARCHITECTURES}
 LAYER_MAPS.update({t: ((0, 2), 3) for t in ("qwen2_moe", "qwen3_next", "nemotron_h", "qwen3_vl_moe",
                                             "qwen3_omni_moe_thinker")})
 LAYER_MAPS.update({t: ((1, 2), 3) for t in ("deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "ernie4_5_moe",
-                                            "deepseek_v32", "glm_moe_dsa", "kimi_linear", "mistral4", "glm4v_moe")})
+                                            "deepseek_v32", "glm_moe_dsa", "kimi_linear", "mistral4", "glm4v_moe",
+                                            "cohere2_moe", "glm4_moe_lite", "glm5_next", "deepseek_ocr2")})
 
 
 def config_or_skip(model_type):

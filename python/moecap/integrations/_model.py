@@ -36,12 +36,20 @@ def device_id_dtype(num_experts):
 
 def moe_layers_from_config(config):
     """The model layers (0-based) that route to experts, from the config's own
-    rules: an explicit moe_layers list (Llama 4's, else its
+    rules: a per-layer list (transformers' mlp_layer_types, "sparse" or "moe"
+    where a layer routes; Nemotron-H's layers_block_type, "moe"), an
+    explicit moe_layers list (Llama 4's, else its
     interleave_moe_layer_step), Ernie 4.5's moe_layer_start_index,
     moe_layer_end_index and moe_layer_interval, DeepSeek's
     first_k_dense_replace and moe_layer_freq, Qwen-MoE's mlp_only_layers and
     decoder_sparse_step; every layer otherwise."""
     n = int(config.num_hidden_layers)
+    per_layer = getattr(config, "mlp_layer_types", None)
+    if isinstance(per_layer, (list, tuple)):
+        return check_layers([i for i, t in enumerate(per_layer[:n]) if t in ("sparse", "moe", "hash_moe")], n)
+    blocks = getattr(config, "layers_block_type", None)  # also Jamba's and Granite's mixers: MoE only if it says
+    if isinstance(blocks, (list, tuple)) and "moe" in blocks:
+        return check_layers([i for i, t in enumerate(blocks[:n]) if t == "moe"], n)
     listed = getattr(config, "moe_layers", None)
     if isinstance(listed, (list, tuple)):
         return check_layers(sorted(int(i) for i in listed), n)
