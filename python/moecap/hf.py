@@ -145,13 +145,25 @@ def _router_output_order(router: Any, output: Any) -> tuple[int, int, int]:
         if len(integer) == 1:
             ids = integer[0]
             same = [i for i, o in enumerate(output) if i != ids and tuple(o.shape) == tuple(output[ids].shape)]
+            order = None
             if len(same) == 1:
-                return 3 - ids - same[0], same[0], ids
-            if len(same) == 2 and ids in (0, 2):  # top_k == num_experts: the weights sit in the middle in both orders
-                return 2 - ids, 1, ids
+                order = 3 - ids - same[0], same[0], ids
+            elif len(same) == 2 and ids in (0, 2):  # top_k == num_experts: the weights sit in the middle either way
+                order = 2 - ids, 1, ids
+            # The logits score every expert of every token: at least top_k columns, the indices' rows. Switch
+            # Transformers' (one-hot mask, max probability, logits) fails here rather than read as indices.
+            if order is not None and _scores_every_expert(output[order[0]], output[ids]):
+                return order
     raise UnknownArchitecture(
         f"{type(router).__name__} returned {type(output).__name__}, not (logits, weights, indices); "
         "pass selector=fn(router, inputs, output) -> (ids, weights)")
+
+
+def _scores_every_expert(logits: Any, ids: Any) -> bool:
+    if logits.dim() == 0 or ids.dim() == 0:
+        return False
+    rows = ids.numel() // max(ids.shape[-1], 1)
+    return logits.shape[-1] >= ids.shape[-1] and logits.numel() == rows * logits.shape[-1]
 
 
 def default_selector(router: Any, inputs: Any, output: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

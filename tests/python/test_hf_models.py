@@ -247,6 +247,15 @@ def test_router_output_order_is_found_not_assumed():
         assert got_ids is ids and got_weights is weights
     with pytest.raises(hf.UnknownArchitecture, match="not \\(logits, weights, indices\\); pass selector="):
         hf.default_selector(None, None, (logits, weights, weights))
+    # Switch Transformers' (one-hot mask [b, s, E], max probability [b, s, 1], logits [b, s, E]) is refused,
+    # not read as indices (the mask) and weights (the logits)
+    mask = torch.nn.functional.one_hot(torch.tensor([[3, 1]]), 8)
+    with pytest.raises(hf.UnknownArchitecture, match="pass selector="):
+        hf.default_selector(None, None, (mask, torch.rand(1, 2, 1), torch.randn(1, 2, 8)))
+    # top_k == num_experts: every column, weights in the middle in either order
+    ids, weights, logits = torch.tensor([[1, 0]]), torch.tensor([[0.6, 0.4]]), torch.randn(1, 2)
+    for output in ((logits, weights, ids), (ids, weights, logits)):
+        assert hf.default_selector(None, None, output)[0] is ids
 
 
 def test_moe_layers_are_found_in_a_model_whose_shared_expert_has_no_gate_and_in_a_multimodal_wrapper():
