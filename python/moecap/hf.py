@@ -104,6 +104,31 @@ KNOWN = {
                   "bias; shared experts; dense first layer"),
     "qwen3_vl_moe": ("Qwen3VLMoeTextTopKRouter (multimodal wrapper): softmax, top-k, renormalized; "
                      "dense layers in between"),
+    "minimax": "MiniMaxTopKRouter: softmax, top-k, renormalized; lightning-attention layers",
+    "lfm2_moe": ("Lfm2MoeTopKRouter: top-k of sigmoid + the block's expert bias, renormalized, scaled; "
+                 "dense first layers; short-convolution layers"),
+    "exaone_moe": ("ExaoneMoeTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared experts; "
+                   "dense first layers"),
+    "afmoe": ("AfmoeTokenChoiceRouter: top-k of sigmoid + the block's expert bias, renormalized, scaled; "
+              "shared experts; dense first layers"),
+    "mimo_v2_flash": ("MiMoV2FlashTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; "
+                      "dense first layer; sliding-window layers"),
+    "step3p7": ("Step3p7TopKRouter: top-k of sigmoid + correction bias, renormalized (the block scales the routed "
+                "sum by moe_router_scaling_factor); shared expert; dense first layers; multimodal wrapper"),
+    "hy_v3": ("HYV3TopKRouter: top-k of sigmoid + the block's correction bias, renormalized, scaled; shared expert; "
+              "dense first layers"),
+    "hy_v4": ("HYV4TopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared experts; "
+              "dense first layers; indexed MLA, hyper-connections"),
+    "minimax_m3_vl_text": ("MiniMaxM3VLTopKRouter: top-k of sigmoid + correction bias, renormalized (the block "
+                           "scales the routed sum by routed_scaling_factor); shared experts; block-sparse attention"),
+    "minimax_m3_vl": "MiniMaxM3VLTopKRouter: minimax_m3_vl_text's, in its multimodal wrapper",
+    "laguna": ("LagunaTopKRouter: top-k of sigmoid (of soft-capped logits) + correction bias, renormalized (the block "
+               "scales the routed sum by moe_routed_scaling_factor); shared experts; dense first layers"),
+    "mellum": "MellumTopKRouter: softmax, top-k (renormalized if norm_topk_prob); dense layers in between",
+    "axk1": ("AXK1TopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared experts; "
+             "dense first layers"),
+    "axk2": ("AXK2TopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias, dropped groups masked to 0 "
+             "(or no groups); shared experts; dense first layers; indexed MLA"),
 }
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
@@ -464,11 +489,11 @@ def _recomputed_weights(router, logits, ids):
     import torch
     kind = type(router).__name__
     logits = logits.reshape(-1, logits.shape[-1])
-    if kind.startswith(("Mixtral",)):
+    if kind.startswith(("Mixtral", "MiniMaxTopK")):
         w = torch.softmax(logits.float(), dim=-1).gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
     if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe", "Qwen3Next", "FlexOlmo", "HunYuan", "Qwen3_5Moe",
-                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText")):
+                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText", "Mellum")):
         w = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
         if kind.startswith(("HunYuan", "Qwen3_5Moe", "Qwen3VLMoe")) or router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
@@ -487,11 +512,21 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith("Ernie4_5_Moe"):
         w = torch.softmax(logits.float(), dim=1).gather(1, ids)
         return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min)
-    if kind.startswith("MiniMaxM2"):
+    if kind.startswith(("MiniMaxM2", "Step3p7", "MiniMaxM3VL", "Laguna")):
         w = logits.float().sigmoid().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
+    if kind.startswith("Lfm2Moe"):
+        w = logits.sigmoid().gather(1, ids)
+        if router.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-6)
+        return w * router.routed_scaling_factor
+    if kind.startswith(("Afmoe", "HYV3")):
+        w = logits.float().sigmoid().gather(1, ids)
+        scale = router.route_scale if kind.startswith("Afmoe") else router.router_scaling_factor
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale
     if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH", "GlmMoeDsa", "KimiLinear",
-                        "Mistral4", "Glm5NextText", "Glm4vMoeText")):
+                        "Mistral4", "Glm5NextText", "Glm4vMoeText", "ExaoneMoe", "MiMoV2Flash", "HYV4", "AXK1",
+                        "AXK2")):
         w = (logits.softmax(-1) if kind.startswith("Mistral4") else logits.sigmoid()).gather(1, ids)
         if router.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)

@@ -187,6 +187,70 @@ def tiny_config(model_type):
             text_config="qwen3_omni_moe_text", vision_config=dict(vision, deepstack_visual_indexes=[0]),
             audio_config=dict(encoder_layers=1, encoder_attention_heads=2, d_model=32, encoder_ffn_dim=32,
                               output_dim=32, downsample_hidden_size=8))),
+        # a lightning (linear) attention layer between full ones (the default pattern: MiniMaxCache counts the
+        # tokens seen in layer 0's keys), block_size 4 so prefill crosses blocks
+        "minimax": ("MiniMaxConfig", dict(num_local_experts=8, head_dim=16, block_size=4)),
+        # dense first layer; a short-convolution layer; top-k of sigmoid + the block's expert bias, scaled
+        "lfm2_moe": ("Lfm2MoeConfig", dict(num_experts=8, moe_intermediate_size=16, num_dense_layers=1,
+                                           routed_scaling_factor=2.5,
+                                           layer_types=["full_attention", "conv", "full_attention"])),
+        "exaone_moe": ("ExaoneMoeConfig", dict(num_experts=8, moe_intermediate_size=16, n_group=2, topk_group=1,
+                                               first_k_dense_replace=1, routed_scaling_factor=2.5, sliding_window=8,
+                                               sliding_window_pattern=2)),
+        # dense first layer; top-k of sigmoid + the block's expert bias, scaled by route_scale; shared experts
+        "afmoe": ("AfmoeConfig", dict(num_experts=8, moe_intermediate_size=16, num_dense_layers=1, num_shared_experts=1,
+                                      route_scale=2.5, head_dim=16, sliding_window=8, global_attn_every_n_layers=2)),
+        # DeepSeek-V3's router without shared experts; dense first layer; sliding layers with sinks
+        "mimo_v2_flash": ("MiMoV2FlashConfig", dict(n_routed_experts=8, moe_intermediate_size=16, n_group=2,
+                                                    topk_group=1, routed_scaling_factor=2.5, head_dim=16,
+                                                    v_head_dim=16, sliding_window=8)),
+        # Step 3.7's language model (model_type step3p5, which no model class builds alone): top-k of sigmoid + the
+        # router's correction bias; the block scales the routed sum by moe_router_scaling_factor, after the experts;
+        # dense first layer; a shared expert
+        "step3p5": ("Step3p7TextConfig", dict(n_routed_experts=8, moe_intermediate_size=16, share_expert_dim=16,
+                                              head_dim=16, mlp_layer_types=["dense", "sparse", "sparse"],
+                                              moe_router_scaling_factor=2.5, sliding_window=8,
+                                              layer_types=["full_attention", "sliding_attention", "full_attention"])),
+        # its multimodal wrapper (no text-only LM class), with a one-layer vision tower
+        "step3p7": ("Step3p7Config", dict(text_config="step3p5", vision_config=dict(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))),
+        # top-k of sigmoid + the block's correction bias, renormalized, scaled; shared expert; dense first layer
+        "hy_v3": ("HYV3Config", dict(num_experts=8, moe_intermediate_size=16, num_shared_experts=1,
+                                     router_scaling_factor=2.5, head_dim=16)),
+        # DeepSeek-V3's router; MLA with an indexer (index_topk below the prompt lengths); hyper-connections; its
+        # mlp_layer_types (no first_k_dense_replace) makes layer 0 dense
+        "hy_v4": ("HYV4Config", dict({k: v for k, v in grouped.items() if k != "first_k_dense_replace"},
+                                     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                     v_head_dim=8, index_topk=4, index_head_dim=8, index_n_heads=2, hc_mult=2)),
+        # MiniMax-M3's language model: Step 3.7's router; dense first layer; a block-sparse indexed attention layer
+        # (blocks of 2 keys, so it selects)
+        "minimax_m3_vl_text": ("MiniMaxM3VLTextConfig", dict(
+            num_local_experts=8, head_dim=16, rotary_dim=8, dense_intermediate_size=32, shared_intermediate_size=16,
+            routed_scaling_factor=2.5, mlp_layer_types=["dense", "sparse", "sparse"],
+            layer_types=["full_attention", "minimax_m3_sparse", "full_attention"], index_n_heads=1, index_head_dim=8,
+            index_block_size=2, index_topk_blocks=2, index_local_blocks=1)),
+        # its multimodal wrapper, with a one-layer vision tower
+        "minimax_m3_vl": ("MiniMaxM3VLConfig", dict(text_config="minimax_m3_vl_text", projector_hidden_size=32,
+                                                    vision_config=dict(hidden_size=32, intermediate_size=32,
+                                                                       num_hidden_layers=1, num_attention_heads=2))),
+        # Step 3.7's router on soft-capped logits (a cap that bites), sorted top-k; the block scales the routed sum;
+        # dense first layer; a sliding-window layer
+        "laguna": ("LagunaConfig", dict(num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                        head_dim=16, moe_routed_scaling_factor=2.5, moe_router_logit_softcapping=0.5,
+                                        sliding_window=8,
+                                        layer_types=["full_attention", "sliding_attention", "full_attention"])),
+        # dense layer 1 between MoE layers 0 and 2; a sliding-window layer
+        "mellum": ("MellumConfig", dict(num_experts=8, moe_intermediate_size=16, head_dim=16, sliding_window=8,
+                                        mlp_layer_types=["sparse", "dense", "sparse"],
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+        # DeepSeek-V3's MLA and router; a norm on the MoE block's output
+        "axk1": ("AXK1Config", dict(grouped, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                    v_head_dim=8, num_key_value_heads=2)),
+        # DeepSeek-V3's router but dropped groups masked to 0, not -inf (only a negative biased score tells them
+        # apart); MLA with an indexer (index_topk below the prompt lengths); gated norms
+        "axk2": ("AXK2Config", dict(grouped, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                    v_head_dim=8, num_key_value_heads=2, index_topk=4, index_head_dim=8,
+                                    index_n_heads=2, gated_norm_rank=4)),
     }
     class_name, extra = specs[model_type]
     cls = getattr(transformers, class_name, None)
@@ -216,7 +280,7 @@ def build(config, seed=0, dtype=torch.float32):
     with torch.no_grad():  # a non-zero correction bias, a per-expert scale other than 1, so they matter
         for layer in hf.find_moe_layers(model):
             for name, bias in list(layer.block.named_buffers()) + list(layer.block.named_parameters()):
-                if name.endswith("e_score_correction_bias"):
+                if name.endswith(("e_score_correction_bias", "expert_bias")):
                     bias.copy_(torch.randn(bias.shape) * 0.5)
                 elif name.endswith("router.per_expert_scale"):
                     bias.copy_(torch.rand(bias.shape) + 0.5)
@@ -229,16 +293,24 @@ def routing_dims(model, router):
             getattr(router, "num_experts", None) or _model.num_experts(model.config))
 
 
+def new_cache(model):
+    """An empty KV cache of the kind the model's forward takes."""
+    if model.config.model_type == "minimax":  # its lightning attention refuses any cache but its own
+        from transformers.models.minimax.modeling_minimax import MiniMaxCache
+        return MiniMaxCache()
+    return transformers.DynamicCache(config=model.config)
+
+
 def reference(layer, logits):
     """The model's own top-k from a MoE layer's output_router_logits: (ids, weights)."""
     router = layer.router
     kind = type(router).__name__
     logits = logits.reshape(-1, logits.shape[-1])
-    if kind.startswith("Mixtral"):
+    if kind.startswith(("Mixtral", "MiniMaxTopK")):
         w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), router.top_k, dim=-1)
         return ids, w / w.sum(dim=-1, keepdim=True)
     if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe", "Qwen3Next", "FlexOlmo", "HunYuan", "Qwen3_5Moe",
-                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText")):
+                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText", "Mellum")):
         w, ids = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), router.top_k, dim=-1)
         if kind.startswith(("HunYuan", "Qwen3_5Moe", "Qwen3VLMoe")) or router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
@@ -271,23 +343,43 @@ def reference(layer, logits):
         ids = torch.topk(router.moe_statics(p), router.top_k, dim=-1)[1]
         w = p.gather(-1, ids)
         return ids, w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min)
-    if kind.startswith("MiniMaxM2"):  # the correction bias is the block's, passed to the router's forward
-        scores = logits.float().sigmoid()
-        ids = torch.topk(scores + layer.block.e_score_correction_bias, router.top_k, dim=-1, sorted=False)[1]
+    if kind.startswith(("MiniMaxM2", "Step3p7", "MiniMaxM3VL", "Laguna")):  # MiniMax-M2's bias is the block's
+        scores = logits.float().sigmoid()  # Laguna's logits come soft-capped already
+        bias = (layer.block if kind.startswith("MiniMaxM2") else router).e_score_correction_bias
+        ids = torch.topk(scores + bias, router.top_k, dim=-1, sorted=kind.startswith("Laguna"))[1]
         w = scores.gather(1, ids)
         return ids, w / w.sum(dim=-1, keepdim=True)
+    if kind.startswith("Lfm2Moe"):  # the expert bias is the block's, passed to the router's forward
+        scores = logits.sigmoid()
+        choice = scores + layer.block.expert_bias if router.use_expert_bias else scores
+        ids = torch.topk(choice, router.top_k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        if router.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-6)
+        return ids, w * router.routed_scaling_factor
+    if kind.startswith(("Afmoe", "HYV3")):  # the bias is the block's, passed to the router's forward
+        scores = logits.float().sigmoid()
+        afmoe = kind.startswith("Afmoe")
+        bias = layer.block.expert_bias if afmoe else layer.block.e_score_correction_bias
+        ids = torch.topk(scores + bias, router.top_k, dim=-1, sorted=afmoe)[1]
+        w = scores.gather(1, ids)
+        scale = router.route_scale if afmoe else router.router_scaling_factor
+        return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale
     if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH", "GlmMoeDsa", "KimiLinear",
-                        "Mistral4", "Glm5NextText", "Glm4vMoeText")):
+                        "Mistral4", "Glm5NextText", "Glm4vMoeText", "ExaoneMoe", "MiMoV2Flash", "HYV4", "AXK1",
+                        "AXK2")):
         softmax = kind.startswith("Mistral4")  # softmax in the logits' dtype, no bias, dropped groups score 0
         scores = logits.softmax(-1) if softmax else logits.float().sigmoid()
         choice = scores if softmax else scores + router.e_score_correction_bias
-        groups = choice.view(-1, router.num_group, router.num_experts // router.num_group)
-        group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
-        keep = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, router.topk_group, dim=-1,
-                                                                     sorted=False)[1], 1)
-        mask = keep.unsqueeze(-1).expand_as(groups).reshape(-1, router.num_experts).bool()
-        ids = torch.topk(choice.masked_fill(~mask, 0.0 if softmax else float("-inf")), router.top_k, dim=-1,
-                         sorted=False)[1]
+        if router.num_group is not None:  # A.X-K2's light checkpoints route without groups
+            groups = choice.view(-1, router.num_group, router.num_experts // router.num_group)
+            group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
+            keep = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, router.topk_group, dim=-1,
+                                                                         sorted=False)[1], 1)
+            mask = keep.unsqueeze(-1).expand_as(groups).reshape(-1, router.num_experts).bool()
+            # A.X-K2 too scores dropped groups 0: an expert whose biased score is negative loses to them
+            choice = choice.masked_fill(~mask, 0.0 if softmax or kind.startswith("AXK2") else float("-inf"))
+        ids = torch.topk(choice, router.top_k, dim=-1, sorted=False)[1]
         w = scores.gather(1, ids)
         if router.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
@@ -421,7 +513,7 @@ class Rank:
             ids[b, width - len(r.prompt):] = torch.tensor(r.prompt)
             prompt_mask[b, width - len(r.prompt):] = 1
             self.table.start(r.rid)
-        cache = transformers.DynamicCache(config=self.model.config)
+        cache = new_cache(self.model)
         out = None
         for c0 in range(0, width, chunk):
             while not next(schedule):

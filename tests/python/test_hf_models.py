@@ -21,15 +21,18 @@ import hf_serving  # noqa: E402
 
 ARCHITECTURES = sorted(hf.KNOWN)
 # hf_serving's tiny configs have 3 decoder layers. Layer 1 is dense in Qwen2-MoE, Qwen3-Next, Qwen3-VL-MoE and
-# the Qwen3-Omni thinker (mlp_only_layers) and an attention layer in Nemotron-H; layer 0 is dense in the DeepSeek
-# family and Cohere2-MoE (first_k_dense_replace=1 or mlp_layer_types; Solar Open has no such rule) and in
-# Ernie 4.5 (moe_layer_start_index=1); the others are MoE throughout.
+# the Qwen3-Omni thinker (mlp_only_layers) and in Mellum (mlp_layer_types), and an attention layer in Nemotron-H;
+# layer 0 is dense in the DeepSeek family, Cohere2-MoE and the others whose mlp_layer_types start "dense"
+# (first_k_dense_replace=1 or mlp_layer_types; Solar Open has no such rule), in Ernie 4.5
+# (moe_layer_start_index=1) and in LFM2-MoE and AFMoE (num_dense_layers=1); the others are MoE throughout.
 LAYER_MAPS = {t: ((0, 1, 2), 3) for t in ARCHITECTURES}
 LAYER_MAPS.update({t: ((0, 2), 3) for t in ("qwen2_moe", "qwen3_next", "nemotron_h", "qwen3_vl_moe",
-                                            "qwen3_omni_moe_thinker")})
+                                            "qwen3_omni_moe_thinker", "mellum")})
 LAYER_MAPS.update({t: ((1, 2), 3) for t in ("deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "ernie4_5_moe",
                                             "deepseek_v32", "glm_moe_dsa", "kimi_linear", "mistral4", "glm4v_moe",
-                                            "cohere2_moe", "glm4_moe_lite", "glm5_next", "deepseek_ocr2")})
+                                            "cohere2_moe", "glm4_moe_lite", "glm5_next", "deepseek_ocr2",
+                                            "lfm2_moe", "exaone_moe", "afmoe", "mimo_v2_flash", "step3p7", "hy_v3",
+                                            "hy_v4", "minimax_m3_vl_text", "minimax_m3_vl", "laguna", "axk1", "axk2")})
 
 
 def config_or_skip(model_type):
