@@ -7,15 +7,12 @@
 
 transformers >= 5 gives every MoE block a router module that returns
 ``(router_logits, top_k_weights, top_k_index)``: the experts the model itself
-picked, whatever its rule (softmax then top-k for Mixtral, Qwen2/3-MoE,
-Qwen3-Next, OLMoE, FlexOlmo and HunYuan; top-k then softmax for GraniteMoE
-(and its hybrid and sliding-window kin), GPT-OSS, Aria and Cohere2-MoE (or
-its top-k then sigmoid); PhiMoE's sparsemixer; DeepSeek-V3's, GLM-4.5's,
-dots.llm1's and Solar Open's grouped top-k over biased sigmoid scores;
-MiniMax-M2's top-k over sigmoid scores biased by its block; DeepSeek-V2's
-group-limited greedy top-k; Ernie 4.5's biased top-k of the softmax; Gemma
-4's top-k of the softmax times a per-expert scale; `KNOWN` lists them). attach
-hooks those modules' outputs, so nothing is re-derived, numbers the MoE layers in order (dense
+picked, whatever its rule (softmax then top-k as Mixtral and the Qwen MoEs;
+top-k then softmax as GraniteMoE and GPT-OSS; DeepSeek-V3's grouped top-k
+over biased sigmoid scores and its kin; biases held by the block, per-expert
+scales, PhiMoE's sparsemixer; `KNOWN` lists the model types checked, each
+with its rule). attach hooks those modules' outputs, so nothing is
+re-derived, numbers the MoE layers in order (dense
 layers in between are skipped, and each MoE layer's decoder layer is kept in
 the handle's and the capturer's ``layer_map``, so a request read back knows
 which model layers it covers), and captures each layer's ids (and weights,
