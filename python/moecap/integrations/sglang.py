@@ -98,7 +98,8 @@ class MoecapRoutedExpertsCapturer:
             raise ValueError(f"invalid must be one of {INVALID}, not {invalid!r}")
         hf = model_config.hf_text_config
         self.num_layers = int(hf.num_hidden_layers)  # SGLang's name: every model layer
-        self.topk_size = int(hf.num_experts_per_tok)
+        # SGLang reads num_experts_per_tok; the other names (Ernie's moe_k, Gemma 4's top_k_experts) where absent
+        self.topk_size = _model.config_int(hf, _model.TOP_K_KEYS, "experts per token")
         self.num_fused_shared_experts = int(num_fused_shared_experts)
         self.num_experts = int(num_experts if num_experts is not None else _model.num_experts(hf))
         layers = moe_layers if moe_layers is not None else _model.moe_layers_from_config(hf)
