@@ -74,6 +74,10 @@ KNOWN = {
                     "per-expert scale; a dense MLP beside it"),
     "gemma4": "Gemma4ForConditionalGeneration: gemma4_text's router in its language model",
     "aria_text": "AriaTextTopKRouter: top-k of logits, then softmax; shared experts",
+    "llama4_text": ("Llama4Router: top-k of logits, sigmoid of those, returned as dense scores beside the logits "
+                    "(its own form, read by attach); the block scales each expert's input by its score; "
+                    "shared expert; dense layers between MoE ones"),
+    "llama4": "Llama4ForConditionalGeneration: llama4_text's router in its language model",
     "nemotron_h": ("NemotronHTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared expert; "
                    "MoE, Mamba and attention layers"),
     "qwen3_5_moe_text": ("Qwen3_5MoeTopKRouter: softmax, top-k, renormalized; gated shared expert; "
@@ -189,9 +193,31 @@ def _scores_every_expert(logits: Any, ids: Any) -> bool:
 
 
 def default_selector(router: Any, inputs: Any, output: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The transformers >= 5 router contract: logits, weights and indices."""
+    """The transformers >= 5 router contract: logits, weights and indices
+    (or a router's own form, _SCORES_AND_LOGITS)."""
+    if _scores_and_logits(router, output):
+        scores, logits = output
+        ids = _top_k_of_logits(router, logits)
+        return ids, scores.gather(1, ids)
     _, weights, ids = _router_output_order(router, output)
     return output[ids], output[weights]
+
+
+# Routers that return (scores [n, num_experts], logits [n, num_experts]), the
+# scores the sigmoid of the top-k logits and 0 elsewhere: Llama 4's. The ids
+# are the top-k of the logits, taken again as the router took them (the same
+# tensor, the same call, so the same experts in the same order).
+_SCORES_AND_LOGITS = ("Llama4Router",)
+
+
+def _scores_and_logits(router: Any, output: Any) -> bool:
+    return (type(router).__name__.startswith(_SCORES_AND_LOGITS) and isinstance(output, tuple) and len(output) == 2
+            and all(hasattr(o, "shape") for o in output) and output[0].shape == output[1].shape)
+
+
+def _top_k_of_logits(router: Any, logits: Any) -> torch.Tensor:
+    import torch
+    return torch.topk(logits, router.top_k, dim=1).indices
 
 
 class MoELayer:
@@ -548,6 +574,9 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
 
     def make(layer):
         def hook(module, inputs, output):
+            if _scores_and_logits(module, output):
+                return _forced_scores(module, output, layer.index, ids[layer.index],
+                                      None if weights is None else weights[layer.index])
             order = _router_output_order(module, output)
             logits, own_weights, own_ids = (output[i] for i in order)
             forced = torch.as_tensor(ids[layer.index], device=own_ids.device).to(own_ids.dtype)
@@ -570,3 +599,19 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
     finally:
         for h in hooks:
             h.remove()
+
+
+def _forced_scores(router, output, index, ids, weights):
+    """A scores-and-logits router's output for forced experts: the scores of
+    `ids` (its own sigmoid of their logits, or `weights`), 0 elsewhere."""
+    import torch
+    scores, logits = output
+    forced = torch.as_tensor(ids, device=scores.device).long()
+    if forced.shape != (scores.shape[0], router.top_k):
+        raise ValueError(f"layer {index}: recorded ids {tuple(forced.shape)}, the forward routes "
+                         f"{(scores.shape[0], router.top_k)}")
+    if weights is None:
+        w = torch.sigmoid(logits.gather(1, forced).float())
+    else:
+        w = torch.as_tensor(weights, device=scores.device)
+    return torch.zeros_like(scores).scatter_(1, forced, w.to(scores.dtype).reshape(forced.shape)), logits

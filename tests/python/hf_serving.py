@@ -109,6 +109,9 @@ def tiny_config(model_type):
                                         vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                                                            num_attention_heads=2, num_key_value_heads=2, head_dim=8,
                                                            position_embedding_size=64))),
+        # MoE layers 0 and 2 around a dense one; top-1 as Scout and Maverick route
+        "llama4_text": ("Llama4TextConfig", dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size_mlp=32,
+                                                 head_dim=16, moe_layers=[0, 2], attention_chunk_size=8)),
         "aria_text": ("AriaTextConfig", dict(moe_num_experts=8, moe_topk=2, moe_num_shared_experts=1, head_dim=16)),
         # linear-attention layers around a full one; every layer MoE with a gated shared expert
         "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(num_experts=8, moe_intermediate_size=16,
@@ -176,6 +179,9 @@ def tiny_config(model_type):
         "qwen3_vl_moe": ("Qwen3VLMoeConfig", dict(text_config="qwen3_vl_moe_text", vision_config=vision)),
         "qwen4_exp": ("Qwen4ExpConfig", dict(text_config="qwen4_exp_text", vision_config=vision)),
         "glm4v_moe": ("Glm4vMoeConfig", dict(text_config="glm4v_moe_text", vision_config=vision)),
+        "llama4": ("Llama4Config", dict(text_config="llama4_text", vision_config=dict(
+            hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+            patch_size=8, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32))),
         "glm5_next": ("Glm5NextConfig", dict(text_config="glm5_next_text",
                                              vision_config=dict(vision, projection_intermediate_size=32))),
         "deepseek_ocr2": ("DeepseekOcr2Config", dict(text_config="deepseek_ocr2_text", vision_config=dict(
@@ -275,7 +281,7 @@ def build(config, seed=0, dtype=torch.float32):
     if type(config) not in mapping or mapping[type(config)].config_class is not type(config):
         auto = transformers.AutoModelForImageTextToText
     model = auto.from_config(config).eval().to(dtype)
-    if "cache" in inspect.signature(model.model.forward).parameters:
+    if "cache" in inspect.signature(decoder_and_head(model)[0].forward).parameters:
         CACHE_ARG = "cache"
     with torch.no_grad():  # a non-zero correction bias, a per-expert scale other than 1, so they matter
         for layer in hf.find_moe_layers(model):
@@ -285,6 +291,13 @@ def build(config, seed=0, dtype=torch.float32):
                 elif name.endswith("router.per_expert_scale"):
                     bias.copy_(torch.rand(bias.shape) + 0.5)
     return model
+
+
+def decoder_and_head(model):
+    """The decoder and the LM head: the model's, or its language model's
+    (Llama 4's wrapper keeps them there)."""
+    lm = model if hasattr(model, "model") else model.language_model
+    return lm.model, lm.lm_head
 
 
 def routing_dims(model, router):
@@ -324,6 +337,9 @@ def reference(layer, logits):
     if kind.startswith("Gemma4Text"):  # its recorded router_logits are already the softmax
         w, ids = torch.topk(logits.float(), router.config.top_k_experts, dim=-1)
         return ids, w / w.sum(dim=-1, keepdim=True) * router.per_expert_scale.detach()[ids]
+    if kind.startswith("Llama4Router"):  # top-k of the logits; the sigmoid of each weighs its expert's input
+        top, ids = torch.topk(logits, router.top_k, dim=-1)
+        return ids, torch.sigmoid(top.float()).to(logits.dtype)
     if kind.startswith("Phimoe"):
         from transformers.models.phimoe.modeling_phimoe import sparsemixer
         w, ids = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=False, top_k=router.top_k)
@@ -475,9 +491,10 @@ class Rank:
         with torch.no_grad():
             # The decoder itself, not the LM wrapper: some wrappers (GraniteMoE) compute an
             # aux loss from router logits and the full attention mask that breaks with a cache.
-            out = self.model.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                                   use_cache=True, output_router_logits=True, **{CACHE_ARG: cache})
-            out.logits = self.model.lm_head(out.last_hidden_state)  # argmax is all decode needs
+            decoder, head = decoder_and_head(self.model)
+            out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                          use_cache=True, output_router_logits=True, **{CACHE_ARG: cache})
+            out.logits = head(out.last_hidden_state)  # argmax is all decode needs
         per_row = []
         for b, req in enumerate(batch):
             n = int(real[b].sum())

@@ -21,13 +21,14 @@ import hf_serving  # noqa: E402
 
 ARCHITECTURES = sorted(hf.KNOWN)
 # hf_serving's tiny configs have 3 decoder layers. Layer 1 is dense in Qwen2-MoE, Qwen3-Next, Qwen3-VL-MoE and
-# the Qwen3-Omni thinker (mlp_only_layers) and in Mellum (mlp_layer_types), and an attention layer in Nemotron-H;
+# the Qwen3-Omni thinker (mlp_only_layers), in Mellum (mlp_layer_types) and Llama 4 (moe_layers), and an
+# attention layer in Nemotron-H;
 # layer 0 is dense in the DeepSeek family, Cohere2-MoE and the others whose mlp_layer_types start "dense"
 # (first_k_dense_replace=1 or mlp_layer_types; Solar Open has no such rule), in Ernie 4.5
 # (moe_layer_start_index=1) and in LFM2-MoE and AFMoE (num_dense_layers=1); the others are MoE throughout.
 LAYER_MAPS = {t: ((0, 1, 2), 3) for t in ARCHITECTURES}
 LAYER_MAPS.update({t: ((0, 2), 3) for t in ("qwen2_moe", "qwen3_next", "nemotron_h", "qwen3_vl_moe",
-                                            "qwen3_omni_moe_thinker", "mellum")})
+                                            "qwen3_omni_moe_thinker", "mellum", "llama4_text", "llama4")})
 LAYER_MAPS.update({t: ((1, 2), 3) for t in ("deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "ernie4_5_moe",
                                             "deepseek_v32", "glm_moe_dsa", "kimi_linear", "mistral4", "glm4v_moe",
                                             "cohere2_moe", "glm4_moe_lite", "glm5_next", "deepseek_ocr2",
@@ -114,7 +115,7 @@ def test_dp2_one_rank_serves_nothing(model_type):
     assert check(ranks) > 0
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "llama4_text"])
 def test_shared_expert_rides_as_extra_column(model_type):
     """The fused-shared-expert layout: column top_k is expert num_experts with
     the shared expert's gate (Qwen2-MoE: sigmoid of shared_expert_gate;
@@ -301,9 +302,8 @@ def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type)
 
     def remember(layer):
         def hook(module, inputs, output):
-            order = hf._router_output_order(module, output)
-            own[layer.index] = (output[order[2]].reshape(-1, output[order[2]].shape[-1]).clone(),
-                                output[order[1]].reshape(-1, output[order[2]].shape[-1]).clone())
+            ids, weights = hf.default_selector(module, inputs, output)
+            own[layer.index] = (ids.reshape(-1, ids.shape[-1]).clone(), weights.reshape(-1, ids.shape[-1]).clone())
         return hook
 
     tokens = torch.randint(3, hf_serving.VOCAB, (2, 5))
@@ -343,7 +343,7 @@ def test_the_engine_adapters_read_the_models_layers_and_experts_from_its_config(
     assert _model.config_int(text, _model.TOP_K_KEYS, "experts per token") == top_k
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4_text"])
 def test_an_attached_model_compiles_without_graph_breaks_and_captures_what_eager_does(model_type):
     """Under torch.compile(fullgraph=True) the hooks capture through the
     capturer's custom ops (Dynamo cannot trace the extension's call), the
