@@ -78,6 +78,9 @@ KNOWN = {
                     "(its own form, read by attach); the block scales each expert's input by its score; "
                     "shared expert; dense layers between MoE ones"),
     "llama4": "Llama4ForConditionalGeneration: llama4_text's router in its language model",
+    "deepseek_v4": ("DeepseekV4TopKRouter: top-k of sqrt-softplus scores + correction bias, renormalized, scaled; "
+                    "its first MoE layers' DeepseekV4HashRouter: fixed experts per token id (tid2eid), weighed "
+                    "the same way; shared experts"),
     "nemotron_h": ("NemotronHTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared expert; "
                    "MoE, Mamba and attention layers"),
     "qwen3_5_moe_text": ("Qwen3_5MoeTopKRouter: softmax, top-k, renormalized; gated shared expert; "
@@ -242,6 +245,22 @@ class MoELayer:
                 f"shared={self.shared is not None})")
 
 
+def _routers_of_blocks(model: torch.nn.Module, recorded: type) -> list[torch.nn.Module]:
+    """The modules of class `recorded` (the one the model records router_logits
+    from), and every module a block of the same class keeps under the same
+    name: DeepSeek-V4's first MoE blocks hold a hash router where the others
+    hold the recorded top-k router, and the recorder names only that one."""
+    import torch
+    slots = {(type(parent), name) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, recorded)}
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, torch.nn.Module) and (type(parent), name) in slots:
+                found.append(child)
+    return found
+
+
 def find_moe_layers(model: torch.nn.Module, routers: Optional[Routers] = None) -> list[MoELayer]:
     """The model's MoE layers in forward order. routers: the router modules
     (or their class) where the model does not declare one."""
@@ -252,7 +271,7 @@ def find_moe_layers(model: torch.nn.Module, routers: Optional[Routers] = None) -
             raise UnknownArchitecture(
                 f"{type(model).__name__} ({_model_type(model)!r}) declares no router module "
                 "(no 'router_logits' output recorder); pass routers=[the router modules] and selector=")
-        routers = cls
+        routers = _routers_of_blocks(model, cls)
     if isinstance(routers, type):
         routers = [m for m in model.modules() if isinstance(m, routers)]
     parents: dict[int, Any] = {}
@@ -538,6 +557,9 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith(("MiniMaxM2", "Step3p7", "MiniMaxM3VL", "Laguna")):
         w = logits.float().sigmoid().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
+    if kind.startswith("DeepseekV4"):  # top-k and hash routers weigh alike, by their own score function
+        w = router.score_fn(logits).gather(1, ids)
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     if kind.startswith("Lfm2Moe"):
         w = logits.sigmoid().gather(1, ids)
         if router.norm_topk_prob:

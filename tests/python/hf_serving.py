@@ -109,6 +109,12 @@ def tiny_config(model_type):
                                         vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                                                            num_attention_heads=2, num_key_value_heads=2, head_dim=8,
                                                            position_embedding_size=64))),
+        # a hash-routed first MoE layer (fixed experts per token id, randomized by build), then top-k ones
+        "deepseek_v4": ("DeepseekV4Config", dict(n_routed_experts=8, moe_intermediate_size=16, head_dim=16,
+                                                 q_lora_rank=16, routed_scaling_factor=2.5,
+                                                 mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=8,
+                                                 o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
+                                                 index_topk=4, hc_mult=2, num_nextn_predict_layers=0)),
         # MoE layers 0 and 2 around a dense one; top-1 as Scout and Maverick route
         "llama4_text": ("Llama4TextConfig", dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size_mlp=32,
                                                  head_dim=16, moe_layers=[0, 2], attention_chunk_size=8)),
@@ -290,6 +296,9 @@ def build(config, seed=0, dtype=torch.float32):
                     bias.copy_(torch.randn(bias.shape) * 0.5)
                 elif name.endswith("router.per_expert_scale"):
                     bias.copy_(torch.rand(bias.shape) + 0.5)
+                elif name.endswith("tid2eid"):  # distinct experts for each token id
+                    experts = layer.router.num_experts
+                    bias.copy_(torch.stack([torch.randperm(experts)[:bias.shape[1]] for _ in range(bias.shape[0])]))
     return model
 
 
@@ -314,11 +323,54 @@ def new_cache(model):
     return transformers.DynamicCache(config=model.config)
 
 
-def reference(layer, logits):
-    """The model's own top-k from a MoE layer's output_router_logits: (ids, weights)."""
+class Unrecorded:
+    """The routers output_router_logits leaves out (DeepSeek-V4's hash routers:
+    the model records one router class): the inputs each was called with in a
+    forward, by MoE layer index, for `references`."""
+
+    def __init__(self, model, layers):
+        recorded = hf._router_class(model)
+        self.inputs = {}
+        self.hooks = [layer.router.register_forward_hook(self._keep(layer.index)) for layer in layers
+                      if not isinstance(layer.router, recorded)]
+
+    def _keep(self, index):
+        def hook(module, inputs, output):
+            self.inputs[index] = inputs
+        return hook
+
+    def close(self):
+        for h in self.hooks:
+            h.remove()
+
+
+def references(layers, out, unrecorded):
+    """Each MoE layer's (ids, weights) by its own rule: from the forward's
+    output_router_logits, or from the inputs `unrecorded` kept of a router the
+    model does not record."""
+    recorded = iter(out.router_logits)
+    return [reference(layer, None, unrecorded.inputs.pop(layer.index)) if layer.index in unrecorded.inputs
+            else reference(layer, next(recorded)) for layer in layers]
+
+
+def reference(layer, logits, inputs=None):
+    """The model's own top-k from a MoE layer's output_router_logits (or, for a
+    router the model does not record, from its inputs): (ids, weights)."""
     router = layer.router
     kind = type(router).__name__
+    if kind.startswith("DeepseekV4HashRouter"):  # experts fixed per token id; its logits are its linear's
+        hidden, input_ids = inputs
+        logits = hidden.reshape(-1, hidden.shape[-1]) @ router.weight.T
+        scores = torch.nn.functional.softplus(logits).sqrt()
+        ids = router.tid2eid[input_ids.reshape(-1)]
+        w = scores.gather(1, ids)
+        return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     logits = logits.reshape(-1, logits.shape[-1])
+    if kind.startswith("DeepseekV4TopK"):  # sqrt-softplus scores, biased for the choice
+        scores = torch.nn.functional.softplus(logits).sqrt()
+        ids = torch.topk(scores + router.e_score_correction_bias, router.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     if kind.startswith(("Mixtral", "MiniMaxTopK")):
         w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), router.top_k, dim=-1)
         return ids, w / w.sum(dim=-1, keepdim=True)
@@ -488,6 +540,7 @@ class Rank:
         which new tokens are real (else padding or a finished row)."""
         tokens_per_rank, _ = self.step_header(input_ids.numel(), True)
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]
+        unrecorded = Unrecorded(self.model, self.handle.layers)
         with torch.no_grad():
             # The decoder itself, not the LM wrapper: some wrappers (GraniteMoE) compute an
             # aux loss from router logits and the full attention mask that breaks with a cache.
@@ -495,6 +548,7 @@ class Rank:
             out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                           use_cache=True, output_router_logits=True, **{CACHE_ARG: cache})
             out.logits = head(out.last_hidden_state)  # argmax is all decode needs
+        unrecorded.close()
         per_row = []
         for b, req in enumerate(batch):
             n = int(real[b].sum())
@@ -504,7 +558,7 @@ class Rank:
                 self.table.append(req.rid, slots)
         slots = batch_slots(real, per_row)
         commit_batch(self.capturer, slots, self.rank, tokens_per_rank)
-        expected = [reference(layer, logits) for layer, logits in zip(self.handle.layers, out.router_logits)]
+        expected = references(self.handle.layers, out, unrecorded)
         flat_real = real.reshape(-1)
         for b, req in enumerate(batch):
             for s in range(input_ids.shape[1]):

@@ -215,9 +215,11 @@ def test_layer_map_places_moe_layers_among_dense_ones(model_type):
                           max_running_requests=1, chunked_prefill_size=16)
     table = moecap.RequestTable(cap)  # made before attach: it reads the map at finish
     tokens = torch.randint(3, hf_serving.VOCAB, (1, 5))
+    unrecorded = hf_serving.Unrecorded(model, layers)
     with hf.attach(model, cap) as handle, torch.no_grad():
         assert handle.layer_map == cap.layer_map == want
         out = model(tokens, output_router_logits=True)
+    unrecorded.close()
     table.start("r")
     table.append("r", np.arange(5))
     moecap.commit_batch(cap, np.arange(5))
@@ -225,8 +227,7 @@ def test_layer_map_places_moe_layers_among_dense_ones(model_type):
     assert routed.layers == want[0] and routed.num_hidden_layers == want[1]
     full = routed.all_layers()
     assert full.shape == (5, 3, top_k)
-    for layer, logits in zip(layers, out.router_logits):
-        want_ids, _ = hf_serving.reference(layer, logits)
+    for layer, (want_ids, _) in zip(layers, hf_serving.references(layers, out, unrecorded)):
         assert np.array_equal(np.sort(full[:, layer.model_layer], -1), np.sort(want_ids.numpy(), -1))
     dense = sorted(set(range(3)) - set(want[0]))
     assert (full[:, dense] == 0).all()
