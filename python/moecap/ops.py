@@ -28,6 +28,7 @@ buffers and pays nothing.
 """
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -46,6 +47,19 @@ def _capturer(capturer_id: int) -> Capturer:
     if cap is None:
         raise MoecapError(Status.INVALID_ARGUMENT, f"no live capturer has id {capturer_id}")
     return cap
+
+
+# capturer id -> a live CapturerOps of it (every one exports the same memory).
+# The ops compare what they are handed with these buffers; asking the capturer
+# for its own (Capturer.ops) would make one that holds the capturer from the
+# capturer, and a capturer used only through another holder's ops (moecap.hf's)
+# would then wait for the garbage collector.
+_issuers: "weakref.WeakValueDictionary[int, CapturerOps]" = weakref.WeakValueDictionary()
+
+
+def _buffers(cap: Capturer) -> CapturerOps:
+    ops = _issuers.get(cap.id)
+    return ops if ops is not None else cap.ops
 
 
 #: How often an op was handed a copy of a device buffer and moved it in or out (0 under Inductor).
@@ -93,7 +107,7 @@ def _through_device_buffers(cap: Capturer, device_ids: torch.Tensor, device_weig
                             call: Callable[[], None]) -> None:
     # The op reads and writes moecap's device buffers: a copy the backend handed
     # it goes in before the C call and takes the call's effect back out.
-    real = cap.ops
+    real = _buffers(cap)
     _copy_in(device_ids, real.device_ids)
     _copy_in(device_weights, real.device_weights)
     call()
@@ -124,7 +138,7 @@ def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], host_st
     rows it read (they read "no routing", -1 or all ones, and weight 0 afterwards, so a row nobody writes
     again is never committed twice)."""
     cap = _capturer(capturer)
-    real = cap.ops
+    real = _buffers(cap)
     for name, handed in (("host_ids", host_ids), ("host_weights", host_weights), ("host_states", host_states)):
         _refuse_host_copy("commit", name, handed, getattr(real, name))
     _through_device_buffers(cap, device_ids, device_weights, lambda: cap.commit(dst_slots, src_start, src_rows))
@@ -139,7 +153,7 @@ def _(host_ids, host_weights, host_states, device_ids, device_weights, capturer,
 def invalidate(host_states: torch.Tensor, capturer: int, slots: torch.Tensor) -> None:
     """Capturer.invalidate on torch's current stream: the slots read -1 until committed again."""
     cap = _capturer(capturer)
-    _refuse_host_copy("invalidate", "host_states", host_states, cap.ops.host_states)
+    _refuse_host_copy("invalidate", "host_states", host_states, _buffers(cap).host_states)
     cap.invalidate(slots)
 
 
@@ -161,6 +175,7 @@ class CapturerOps:
         weights = cap.plan.weight_bytes > 0
         self.device_weights = torch.from_dlpack(cap.export("device_weights")) if weights else None
         self.host_weights = torch.from_dlpack(cap.export("host_weights")) if weights else None
+        _issuers[cap.id] = self
 
     def layer_ids(self, layer: int) -> torch.Tensor:
         """Layer ``layer`` of device_ids (``[device_rows, top_k]``), for a top-k kernel's out= or

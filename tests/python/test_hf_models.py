@@ -369,13 +369,21 @@ def test_an_attached_model_compiles_without_graph_breaks_and_captures_what_eager
 
 
 def test_a_detached_capturer_is_freed_without_the_garbage_collector():
+    """Neither attach's own custom ops nor a compiled forward through them
+    leave the capturer holding itself."""
     import gc
     import weakref
     model = hf_serving.build(config_or_skip("mixtral"))
     cap = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=16, max_running_requests=1,
                           chunked_prefill_size=16)
     alive = weakref.ref(cap)
-    hf.attach(model, cap).detach()
+    handle = hf.attach(model, cap)
+    with torch.no_grad():
+        torch.compile(model, fullgraph=True, backend="eager")(torch.randint(3, hf_serving.VOCAB, (1, 4)))
+    handle.detach()
+    del handle
+    torch._dynamo.reset()  # the compiled code's guards hold the hooks
+    gc.collect()
     gc.disable()
     try:
         del cap
