@@ -432,7 +432,8 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     The capturer's num_layers, top_k and num_experts must match the model;
     weights are captured iff the capturer keeps them (weight_dtype).
     shared_expert: append the shared expert as column top_k (id num_experts,
-    weight its gate, or 1.0 without a gate); default: iff the capturer has
+    weight its gate, or without one 1.0, or 1 / the factor a block scales
+    its routed sum by); default: iff the capturer has
     extra_columns and the model has a shared expert. gather: for attention
     data parallelism, fn(layer, ids, weights) -> (ids, weights) that
     all-gathers every rank's rows back to back (the engine's DP gather).
@@ -510,6 +511,16 @@ def _gate_hook(layer, runner):
     return hook
 
 
+def _routed_sum_scale(block) -> float:
+    """The factor a block multiplies its routed experts' sum by before adding
+    the shared expert (Step 3.7's, Laguna's and MiniMax-M3-VL's
+    routed_scaling_factor; DeepSeek-V3's family scales inside the router's
+    weights instead), 1.0 for the others. The shared column's weight is its
+    inverse, as a fused-shared-expert engine scales the whole fused sum."""
+    scale = getattr(block, "routed_scaling_factor", None)
+    return float(scale) if isinstance(scale, (int, float)) and scale > 0 else 1.0
+
+
 def _block_hook(layer, runner):
     def hook(module, inputs, output):
         import torch
@@ -517,7 +528,8 @@ def _block_hook(layer, runner):
         column = torch.full((ids.shape[0], 1), runner.num_experts, dtype=ids.dtype, device=ids.device)
         ids = torch.cat([ids, column], dim=1)
         if weights is not None:
-            gate = torch.ones((ids.shape[0], 1), device=ids.device) if gate is None else gate
+            if gate is None:  # weight 1 beside the routed weights, whatever scale the block then gives their sum
+                gate = torch.full((ids.shape[0], 1), 1.0 / _routed_sum_scale(layer.block), device=ids.device)
             weights = torch.cat([weights.float(), gate.to(weights.device)], dim=1)
         runner.deliver(layer, ids, weights)
     return hook

@@ -115,11 +115,12 @@ def test_dp2_one_rank_serves_nothing(model_type):
     assert check(ranks) > 0
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "llama4_text"])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "llama4_text", "laguna"])
 def test_shared_expert_rides_as_extra_column(model_type):
     """The fused-shared-expert layout: column top_k is expert num_experts with
     the shared expert's gate (Qwen2-MoE: sigmoid of shared_expert_gate;
-    DeepSeek-V3: 1.0)."""
+    DeepSeek-V3: 1.0; Laguna, whose block scales the routed sum by 2.5
+    before adding the shared expert: 1 / 2.5)."""
     model = hf_serving.build(config_or_skip(model_type))
     layers = hf.find_moe_layers(model)
     router = layers[0].router
@@ -146,7 +147,9 @@ def test_shared_expert_rides_as_extra_column(model_type):
         assert ids.shape == (6, router.top_k + 1)
         assert torch.equal(ids[:, :-1], want_ids) and (ids[:, -1] == router.num_experts).all()
         torch.testing.assert_close(weights[:, :-1], want_w.float())
-        torch.testing.assert_close(weights[:, -1], gates.get(layer.index, torch.ones(6)))
+        scale = getattr(layer.block, "routed_scaling_factor", 1.0)
+        assert model_type != "laguna" or scale == 2.5
+        torch.testing.assert_close(weights[:, -1], gates.get(layer.index, torch.full((6,), 1 / scale)))
     # Captured and committed, the extra column is dropped: routed ids only.
     commit_slots = np.arange(6)
     cap.commit(commit_slots)
