@@ -111,3 +111,24 @@ def test_the_adapters_layer_map_from_a_config_is_the_models_own(arch):
     expected = _sparse_layers(model)
     assert 0 < len(expected) < config.num_hidden_layers  # each config leaves some layers dense
     assert moe_layers_from_config(config) == expected
+
+
+def test_the_adapters_layer_map_from_a_hub_config_without_transformers_lists():
+    # What an engine loading a model's own (remote-code) config sees: the hub's keys, no mlp_layer_types.
+    from types import SimpleNamespace
+
+    from moecap.integrations._model import moe_layers_from_config
+    assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=6, moe_layers_enum="2,3,4,5")) == (2, 3, 4, 5)
+    assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=4, moe_layers_enum=[1, 3, 7])) == (1, 3)
+    assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=4, num_dense_layers=2)) == (2, 3)
+    assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=4, mlp_layer_types=["dense", "hash_moe", "moe",
+                                                                                          "sparse"])) == (1, 2, 3)
+    assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=3, layers_block_type=["mamba", "moe",
+                                                                                           "attention"])) == (1,)
+    # A mixer list without MoE entries (Jamba's, Granite-Hybrid's) says nothing about the MLPs: every layer.
+    assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=2, layers_block_type=["mamba", "attention"])) \
+        == (0, 1)
+    with pytest.raises(ValueError, match="none of the model's 2 layers is a MoE layer; pass moe_layers"):
+        moe_layers_from_config(SimpleNamespace(num_hidden_layers=2, mlp_layer_types=["dense", "dense"]))
+    with pytest.raises(ValueError, match="none of the model's 2 layers is a MoE layer"):
+        moe_layers_from_config(SimpleNamespace(num_hidden_layers=2, first_k_dense_replace=2))

@@ -38,8 +38,8 @@ def moe_layers_from_config(config):
     """The model layers (0-based) that route to experts, from the config's own
     rules: a per-layer list (transformers' mlp_layer_types, "sparse" or "moe"
     where a layer routes; Nemotron-H's layers_block_type, "moe"), an
-    explicit moe_layers list (Llama 4's, else its
-    interleave_moe_layer_step), Ernie 4.5's moe_layer_start_index,
+    explicit list (Llama 4's moe_layers, else its interleave_moe_layer_step;
+    Step 3.5's moe_layers_enum), Ernie 4.5's moe_layer_start_index,
     moe_layer_end_index and moe_layer_interval, DeepSeek's
     first_k_dense_replace (LFM2-MoE's and AFMoE's num_dense_layers) and
     moe_layer_freq, Qwen-MoE's mlp_only_layers and decoder_sparse_step; every
@@ -54,6 +54,10 @@ def moe_layers_from_config(config):
     listed = getattr(config, "moe_layers", None)
     if isinstance(listed, (list, tuple)):
         return check_layers(sorted(int(i) for i in listed), n)
+    enum = getattr(config, "moe_layers_enum", None)  # Step 3.5's hub config: "3,4,5,..." (or a list)
+    if enum is not None:
+        items = enum.split(",") if isinstance(enum, str) else enum
+        return check_layers(sorted(i for i in {int(i) for i in items if str(i).strip()} if i < n), n)
     interleave = getattr(config, "interleave_moe_layer_step", None)
     if isinstance(interleave, int) and interleave > 1:  # Llama 4 without the list: its config's own rule
         return check_layers(range(interleave - 1, n, interleave), n)
@@ -79,14 +83,14 @@ def moe_layers_from_config(config):
         if step > 1 and (i + 1) % step:
             continue
         layers.append(i)
-    if not layers:
-        raise ValueError(f"the model config leaves none of its {n} layers MoE; pass moe_layers")
-    return tuple(layers)
+    return check_layers(layers, n)
 
 
 def check_layers(layers, num_hidden_layers):
     layers = tuple(int(x) for x in layers)
-    if not layers or any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < 0 \
+    if not layers:
+        raise ValueError(f"none of the model's {num_hidden_layers} layers is a MoE layer; pass moe_layers")
+    if any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < 0 \
             or layers[-1] >= num_hidden_layers:
         raise ValueError(f"moe_layers must be strictly increasing model layers in [0, {num_hidden_layers}), "
                          f"not {list(layers)}")
