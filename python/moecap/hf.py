@@ -150,14 +150,18 @@ def _config_int(model, keys, what):
         raise UnknownArchitecture(f"{type(model).__name__}: {e}, nor does its router") from None
 
 
-def _router_class(model):
+def _router_recorder(model):
     # The model, its decoder, or the language model inside a multimodal
     # wrapper (Glm4vMoe, Llama 4): the first module that records router_logits.
     for candidate in model.modules():
         recorders = getattr(candidate, "_can_record_outputs", None) or {}
         if "router_logits" in recorders:
-            return getattr(recorders["router_logits"], "target_class", None)
+            return recorders["router_logits"]
     return None
+
+
+def _router_class(model):
+    return getattr(_router_recorder(model), "target_class", None)
 
 
 def _model_type(model):
@@ -245,14 +249,22 @@ class MoELayer:
                 f"shared={self.shared is not None})")
 
 
-def _routers_of_blocks(model: torch.nn.Module, recorded: type) -> list[torch.nn.Module]:
-    """The modules of class `recorded` (the one the model records router_logits
-    from), and every module a block of the same class keeps under the same
-    name: DeepSeek-V4's first MoE blocks hold a hash router where the others
-    hold the recorded top-k router, and the recorder names only that one."""
+def _routers_of_blocks(model: torch.nn.Module, recorder: Any) -> list[torch.nn.Module]:
+    """The modules the model records router_logits from (its recorder's class,
+    under its layer_name where it names one, as transformers matches it:
+    Jamba's is any nn.Linear named "router"), and every module a block of the
+    same class keeps under the same name: DeepSeek-V4's first MoE blocks hold a
+    hash router where the others hold the recorded top-k router, and the
+    recorder names only that one."""
     import torch
-    slots = {(type(parent), name) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, recorded)}
+    recorded, layer_name = recorder.target_class, getattr(recorder, "layer_name", None)
+    wanted = None if layer_name is None else "." + layer_name.strip(".") + "."
+    slots = set()
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            qualified = f"{parent_name}.{name}" if parent_name else name
+            if isinstance(child, recorded) and (wanted is None or wanted in "." + qualified + "."):
+                slots.add((type(parent), name))
     found = []
     for parent in model.modules():
         for name, child in parent.named_children():
@@ -266,12 +278,12 @@ def find_moe_layers(model: torch.nn.Module, routers: Optional[Routers] = None) -
     (or their class) where the model does not declare one."""
     names = dict((id(m), n) for n, m in model.named_modules())
     if routers is None:
-        cls = _router_class(model)
-        if cls is None:
+        recorder = _router_recorder(model)
+        if getattr(recorder, "target_class", None) is None:
             raise UnknownArchitecture(
                 f"{type(model).__name__} ({_model_type(model)!r}) declares no router module "
                 "(no 'router_logits' output recorder); pass routers=[the router modules] and selector=")
-        routers = _routers_of_blocks(model, cls)
+        routers = _routers_of_blocks(model, recorder)
     if isinstance(routers, type):
         routers = [m for m in model.modules() if isinstance(m, routers)]
     parents: dict[int, Any] = {}

@@ -393,3 +393,24 @@ def test_a_detached_capturer_is_freed_without_the_garbage_collector():
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_a_recorder_that_names_its_layer_finds_only_those_modules():
+    """Jamba records router_logits from any nn.Linear named "router": the
+    layers are those, not every linear layer of the model (attach still
+    refuses Jamba: its router returns bare logits)."""
+    jamba = getattr(transformers, "JambaConfig", None)
+    if jamba is None:
+        pytest.skip("no Jamba in this transformers")
+    config = jamba(vocab_size=hf_serving.VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
+                   num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                   expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0,
+                   mamba_d_state=4, mamba_expand=1)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    layers = hf.find_moe_layers(model)
+    assert [(layer.name, layer.model_layer) for layer in layers] == [
+        ("model.layers.1.feed_forward.router", 1), ("model.layers.3.feed_forward.router", 3)]
+    cap = moecap.Capturer(num_layers=2, top_k=2, num_experts=4, host_slots=16, max_running_requests=1,
+                          chunked_prefill_size=16)
+    with pytest.raises(hf.UnknownArchitecture, match="'jamba'"):
+        hf.attach(model, cap)
