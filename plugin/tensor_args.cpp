@@ -53,9 +53,12 @@ std::string dtype_name(DLDataType d) {
   if (e >= 0) return elem_name(e);
   // DLPack's codes spelled as NumPy and torch name them (a caller's tensor
   // may carry one moecap takes nowhere: uint32, bool, complex64, ...).
+  // (kDLBool, 6, is newer than the dlpack.h some systems ship.)
+  constexpr uint8_t kBool = 6;
   const char* kind = d.code == kDLInt ? "int" : d.code == kDLUInt ? "uint" : d.code == kDLFloat ? "float"
-                     : d.code == kDLBfloat ? "bfloat" : d.code == 5 ? "complex" : d.code == 6 ? "bool" : nullptr;
-  if (kind != nullptr && d.lanes == 1) return d.code == 6 ? std::string(kind) : cat(kind, int(d.bits));
+                     : d.code == kDLBfloat ? "bfloat" : d.code == kDLComplex ? "complex" : d.code == kBool ? "bool"
+                     : nullptr;
+  if (kind != nullptr && d.lanes == 1) return d.code == kBool ? std::string(kind) : cat(kind, int(d.bits));
   return cat("(code ", int(d.code), ", bits ", int(d.bits), ", lanes ", d.lanes, ")");
 }
 

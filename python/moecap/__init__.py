@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BUFFERS", "Buffer", "Capturer", "Config", "ConfigFlag", "DLPackArray", "DLPackView", "DeviceType",
            "ErrorCounts", "Graph", "IdDtype", "MoecapError", "Plan", "ReadFlag", "RecordError", "RequestTable",
-           "RoutedExperts", "SLOT_EMPTY", "SLOT_INVALID_IDS", "SLOT_VALID", "SlotState", "Status", "WeightDtype", "abi_version",
-           "batch_slots", "commit_batch", "engine", "formats", "hf", "integrations", "plan", "record",
+           "RoutedExperts", "SLOT_EMPTY", "SLOT_INVALID_IDS", "SLOT_VALID", "SlotState", "Status", "WeightDtype",
+           "abi_version", "batch_slots", "commit_batch", "engine", "formats", "hf", "integrations", "plan", "record",
            "write_routed"]
 
 # Every constant below is the extension's (abi/moecap.h's values, exported by

@@ -150,6 +150,13 @@ def _config_int(model, keys, what):
         raise UnknownArchitecture(f"{type(model).__name__}: {e}, nor does its router") from None
 
 
+def _routing_dims(model, router) -> tuple[int, int]:
+    """(top_k, num_experts): the router's, or the config's where the router
+    keeps neither (Gemma 4)."""
+    return (int(getattr(router, "top_k", 0) or _config_int(model, _model.TOP_K_KEYS, "experts per token")),
+            int(getattr(router, "num_experts", 0) or _config_int(model, _model.EXPERT_KEYS, "routed expert count")))
+
+
 def _router_recorder(model):
     # The model, its decoder, or the language model inside a multimodal
     # wrapper (Glm4vMoe, Llama 4): the first module that records router_logits.
@@ -204,7 +211,7 @@ def default_selector(router: Any, inputs: Any, output: Any) -> tuple[torch.Tenso
     (or a router's own form, _SCORES_AND_LOGITS)."""
     if _scores_and_logits(router, output):
         scores, logits = output
-        ids = _top_k_of_logits(router, logits)
+        ids = logits.topk(router.top_k, dim=1).indices
         return ids, scores.gather(1, ids)
     _, weights, ids = _router_output_order(router, output)
     return output[ids], output[weights]
@@ -220,11 +227,6 @@ _SCORES_AND_LOGITS = ("Llama4Router",)
 def _scores_and_logits(router: Any, output: Any) -> bool:
     return (type(router).__name__.startswith(_SCORES_AND_LOGITS) and isinstance(output, tuple) and len(output) == 2
             and all(hasattr(o, "shape") for o in output) and output[0].shape == output[1].shape)
-
-
-def _top_k_of_logits(router: Any, logits: Any) -> torch.Tensor:
-    import torch
-    return torch.topk(logits, router.top_k, dim=1).indices
 
 
 class MoELayer:
@@ -256,7 +258,6 @@ def _routers_of_blocks(model: torch.nn.Module, recorder: Any) -> list[torch.nn.M
     same class keeps under the same name: DeepSeek-V4's first MoE blocks hold a
     hash router where the others hold the recorded top-k router, and the
     recorder names only that one."""
-    import torch
     recorded, layer_name = recorder.target_class, getattr(recorder, "layer_name", None)
     wanted = None if layer_name is None else "." + layer_name.strip(".") + "."
     slots = set()
@@ -268,7 +269,7 @@ def _routers_of_blocks(model: torch.nn.Module, recorder: Any) -> list[torch.nn.M
     found = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if isinstance(child, torch.nn.Module) and (type(parent), name) in slots:
+            if (type(parent), name) in slots:
                 found.append(child)
     return found
 
@@ -467,10 +468,7 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
             "router picked (and routers=[router modules] if the model declares no router class)")
     selector = selector or default_selector
     layers = find_moe_layers(model, routers)
-    r0 = layers[0].router
-    num_experts = int(getattr(r0, "num_experts", 0)
-                      or _config_int(model, _model.EXPERT_KEYS, "routed expert count"))
-    top_k = int(getattr(r0, "top_k", 0) or _config_int(model, _model.TOP_K_KEYS, "experts per token"))
+    top_k, num_experts = _routing_dims(model, layers[0].router)
     config = getattr(capturer, "config", {})
     extra = int(config.get("extra_columns", 0))
     has_shared = any(layer.shared is not None for layer in layers)
@@ -570,6 +568,8 @@ def _recomputed_weights(router, logits, ids):
             w = top.sigmoid()
             return w / w.sum(dim=-1, keepdim=True) if router.norm_topk_prob else w
         return torch.softmax(top, dim=-1)
+    if kind.startswith("Llama4Router"):
+        return torch.sigmoid(logits.gather(1, ids).float())
     if kind.startswith("Gemma4Text"):  # its "logits" are already the softmax
         w = logits.float().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True) * router.per_expert_scale[ids]
@@ -649,7 +649,7 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
 
 def _forced_scores(router, output, index, ids, weights):
     """A scores-and-logits router's output for forced experts: the scores of
-    `ids` (its own sigmoid of their logits, or `weights`), 0 elsewhere."""
+    `ids` (its own weights for them, or `weights`), 0 elsewhere."""
     import torch
     scores, logits = output
     forced = torch.as_tensor(ids, device=scores.device).long()
@@ -657,7 +657,7 @@ def _forced_scores(router, output, index, ids, weights):
         raise ValueError(f"layer {index}: recorded ids {tuple(forced.shape)}, the forward routes "
                          f"{(scores.shape[0], router.top_k)}")
     if weights is None:
-        w = torch.sigmoid(logits.gather(1, forced).float())
+        w = _recomputed_weights(router, logits, forced)
     else:
         w = torch.as_tensor(weights, device=scores.device)
     return torch.zeros_like(scores).scatter_(1, forced, w.to(scores.dtype).reshape(forced.shape)), logits

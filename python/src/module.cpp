@@ -245,7 +245,8 @@ class Capturer {
     moecap_batch batch{sizeof(moecap_batch),
                        graph ? MOECAP_BATCH_GRAPH : MOECAP_BATCH_EAGER,
                        as_int32(dp_rank, "moecap_local_rows", "dp_rank"),
-                       as_int32(static_cast<int64_t>(tokens_per_rank.size()), "moecap_local_rows", "len(tokens_per_rank)"),
+                       as_int32(static_cast<int64_t>(tokens_per_rank.size()), "moecap_local_rows",
+                                "len(tokens_per_rank)"),
                        0,
                        tokens_per_rank.data(),
                        graph ? nb::cast<int64_t>(padded_tokens_per_rank) : 0};

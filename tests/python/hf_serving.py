@@ -23,7 +23,6 @@ import transformers
 import moecap
 from moecap import hf
 from moecap.engine import RequestTable, batch_slots, commit_batch
-from moecap.integrations import _model
 
 VOCAB = 64
 # transformers renamed past_key_values to cache (the old name is deprecated from 5.x).
@@ -309,12 +308,6 @@ def decoder_and_head(model):
     return lm.model, lm.lm_head
 
 
-def routing_dims(model, router):
-    """(top_k, num_experts): the router's, or the config's where the router keeps neither (Gemma 4)."""
-    return (getattr(router, "top_k", None) or _model.config_int(model.config, _model.TOP_K_KEYS, "top_k"),
-            getattr(router, "num_experts", None) or _model.num_experts(model.config))
-
-
 def new_cache(model):
     """An empty KV cache of the kind the model's forward takes."""
     if model.config.model_type == "minimax":  # its lightning attention refuses any cache but its own
@@ -504,7 +497,7 @@ class Rank:
     def __init__(self, model, rank, dp_size, gather, host_slots, rows_per_rank, seed, shared_column, weight_dtype):
         self.model, self.rank, self.dp_size, self.gather = model, rank, dp_size, gather
         layers = hf.find_moe_layers(model)
-        top_k, num_experts = routing_dims(model, layers[0].router)
+        top_k, num_experts = hf._routing_dims(model, layers[0].router)
         self.capturer = moecap.Capturer(
             num_layers=len(layers), top_k=top_k, num_experts=num_experts, host_slots=host_slots,
             max_running_requests=8, chunked_prefill_size=rows_per_rank, dp_size=dp_size, weight_dtype=weight_dtype,

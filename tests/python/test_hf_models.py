@@ -213,7 +213,7 @@ def test_layer_map_places_moe_layers_among_dense_ones(model_type):
     layers = hf.find_moe_layers(model)
     want = LAYER_MAPS[model_type]
     assert tuple(layer.model_layer for layer in layers) == want[0] and hf.layer_map(model) == want
-    top_k, num_experts = hf_serving.routing_dims(model, layers[0].router)
+    top_k, num_experts = hf._routing_dims(model, layers[0].router)
     cap = moecap.Capturer(num_layers=len(layers), top_k=top_k, num_experts=num_experts, host_slots=16,
                           max_running_requests=1, chunked_prefill_size=16)
     table = moecap.RequestTable(cap)  # made before attach: it reads the map at finish
@@ -342,7 +342,7 @@ def test_the_engine_adapters_read_the_models_layers_and_experts_from_its_config(
     model = hf_serving.build(config)
     layers = hf.find_moe_layers(model)
     assert _model.moe_layers_from_config(text) == LAYER_MAPS[model_type][0] == hf.layer_map(model).layers
-    top_k, num_experts = hf_serving.routing_dims(model, layers[0].router)
+    top_k, num_experts = hf._routing_dims(model, layers[0].router)
     assert _model.num_experts(text) == num_experts
     assert _model.config_int(text, _model.TOP_K_KEYS, "experts per token") == top_k
 
