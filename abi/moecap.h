@@ -332,7 +332,8 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
  * a decode part, accepted verify rows) end it. An empty commit ends it too:
  * a DP rank without tokens in a step commits an empty dst_slots. A commit
  * reads layer L of a row as routing only if moecap_capture wrote that row of L in the current
- * step (rows [0, n) of any capture of L since the step began); any other row
+ * step (rows [0, n) of any capture of L since the step began; n may be 0,
+ * which starts a step like any capture); any other row
  * of L (another DP rank's row of an earlier step, a layer skipped this step,
  * rows past a smaller batch) commits as "no routing" (see moecap_commit).
  * Enqueued on `stream`; the bookkeeping is device memory, so captures and
@@ -508,7 +509,8 @@ MOECAP_API moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* 
 /* The inverse of moecap_read: stores rows captured elsewhere (a prefill
  * instance under prefill/decode disaggregation) at `slots` (host memory).
  * ids: [T, layers, top_k], any integer dtype moecap_read accepts, values in
- * [0, num_experts) or -1; weights required iff the capturer keeps weights.
+ * [0, num_experts) or -1 (all ones in uint8 / uint16 when that is no expert
+ * id, as moecap_read writes it); weights required iff the capturer keeps weights.
  * A token whose ids are all -1 makes its slot EMPTY; one with some -1 ids
  * VALID | INVALID_IDS; any other VALID. A slot listed twice keeps the last.
  * ids and weights may be host memory or on the capturer's GPU; device inputs

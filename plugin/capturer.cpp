@@ -208,8 +208,10 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
   }
   if (!recording_) check_guards(on_host());
-  if (n == 0) return;
 
+  // Even with no rows the call is enqueued: it starts a step and stamps the
+  // layer as holding none of it, so the rows an earlier step left there
+  // commit as "no routing".
   CaptureParams p{};
   p.ids = tensor_data(ids);
   p.weights = weights_elem >= 0 ? tensor_data(weights) : nullptr;
@@ -555,12 +557,18 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
   const HostView w_view = w_elem >= 0 ? host_view(weights, "weights", stream) : HostView{};
   const int64_t row = plan_.row_elements;
   const uint8_t* in = tensor_data(&id_view.tensor);
-  const bool in_signed = in_elem == kI8 || in_elem == kI16 || in_elem == kI32 || in_elem == kI64;
-  for (int64_t i = 0; i < t * row; ++i) {
+  // -1 is "no routing"; in an unsigned dtype it is all ones, as moecap_read
+  // writes it there (never a real id: read allows the dtype only above every id).
+  const int64_t all_ones = in_elem == kU8 ? 0xFF : in_elem == kU16 ? 0xFFFF : -1;
+  const auto id_at = [&](int64_t i) {
     const int64_t v = load_int(in, in_elem, i);
-    if (v >= c.num_experts || (v < 0 && !(in_signed && v == -1))) {
+    return v == all_ones && v >= c.num_experts ? int64_t{-1} : v;
+  };
+  for (int64_t i = 0; i < t * row; ++i) {
+    const int64_t v = id_at(i);
+    if (v >= c.num_experts || v < -1) {
       fail(MOECAP_ERROR_OUT_OF_RANGE, "ids[", i / row, "][", (i % row) / c.top_k, "][", i % c.top_k, "] is ", v,
-           "; ids must be in [0, num_experts = ", c.num_experts, ") or -1");
+           "; ids must be in [0, num_experts = ", c.num_experts, ") or -1 (all ones in an unsigned dtype)");
     }
   }
   // The host writes these rows now: after every queued read of them into
@@ -578,7 +586,7 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
     uint8_t* dst = host_ids + slot * plan_.id_row_bytes();
     int64_t none = 0;
     for (int64_t e = 0; e < row; ++e) {
-      const int64_t v = load_int(in, in_elem, i * row + e);
+      const int64_t v = id_at(i * row + e);
       none += v == -1 ? 1 : 0;
       store_int(dst, plan_.id_elem, e, v == -1 ? plan_.no_expert : v);
     }

@@ -251,7 +251,8 @@ class CudaBackend final : public Backend {
   void capture(const CaptureParams& p, EngineStream stream) override {
     ContextScope scope(d_, ctx());
     keep_owner_in_capture(cu_stream(stream));
-    launch(capture_, p, p.n * p.top_k, fork(cu_stream(stream)));
+    // At least one block: a zero-row capture still stamps its layer.
+    launch(capture_, p, std::max<int64_t>(1, p.n * p.top_k), fork(cu_stream(stream)));
   }
 
   void commit(const CommitParams& p, CommitPlacement where, EngineStream stream) override {

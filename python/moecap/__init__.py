@@ -229,10 +229,12 @@ class Config(_Fields):
         device = str(self.device)
         if device == "cuda":
             device = "cuda:0"
-        if device != "cpu" and not (device.startswith("cuda:") and device[len("cuda:"):].isdigit()):
+        ordinal = device[len("cuda:"):]
+        if device != "cpu" and not (device.startswith("cuda:") and ordinal.isascii() and ordinal.isdigit()):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', not {self.device!r}")
         if device != "cpu":
-            _check_fits("config: device's ordinal", int(device[len("cuda:"):]), 32)
+            _check_fits("config: device's ordinal", int(ordinal), 32)
+            device = f"cuda:{int(ordinal)}"  # 'cuda:01' is 'cuda:1', so equal configs compare equal
         set_field(self, "device", device)
         if self.guards is not None:
             set_field(self, "guards", bool(self.guards))
@@ -459,7 +461,19 @@ def _host_slots(slots: Any, host_slots: int) -> Any:
     """slots as a NumPy int64 index, checked as moecap_read checks its slots (its messages)."""
     import numpy as np
     if isinstance(slots, (list, tuple)):
-        slots = np.asarray(slots, dtype=np.int64)
+        # Each entry an int as Python means it (operator.index): 1.7, "1" and
+        # True are refused, not truncated or cast.
+        try:
+            values = [operator.index(v) for v in slots if not isinstance(v, (bool, np.bool_))]
+        except TypeError as e:
+            raise MoecapError(Status.INVALID_ARGUMENT, f"slot_states: slots must hold ints: {e}") from None
+        if len(values) != len(slots):
+            raise MoecapError(Status.INVALID_ARGUMENT, "slot_states: slots must hold ints, not bool")
+        bad = [i for i, v in enumerate(values) if not 0 <= v < host_slots]
+        if bad:
+            raise MoecapError(Status.OUT_OF_RANGE,
+                              f"slot_states: slots[{bad[0]}] is {values[bad[0]]}; it must be in [0, {host_slots})")
+        slots = np.asarray(values, dtype=np.int64)
     elif not isinstance(slots, np.ndarray):
         try:
             slots = np.from_dlpack(slots)

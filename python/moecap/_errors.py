@@ -27,4 +27,10 @@ class MoecapError(RuntimeError):
         except ValueError:  # a status from a newer library
             self.status = status
             name = f"status {status}"
+        self._message = message
         super().__init__(f"{name}: {message}")
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from (status, message), not from the formatted text in args,
+        # so pickling (a worker process's error reaching its pool) and copy work.
+        return (type(self), (int(self.status), self._message), self.__dict__.copy())

@@ -40,7 +40,7 @@ def _codec(call: Any, *args: Any) -> Any:
     try:
         return call(*args)
     except MoecapError as e:
-        raise RecordError(e.status, str(e).split(": ", 1)[-1]) from None
+        raise RecordError(e.status, e._message) from None
 
 
 def id_bits(num_experts: int, packed: bool) -> int:
@@ -151,8 +151,11 @@ class RoutedExperts:
     def from_read(cls, ids: ArrayLike, num_experts: int, weights: Optional[ArrayLike] = None, start: int = 0, *,
                   layers: Optional[Sequence[int]] = None, num_hidden_layers: Optional[int] = None) -> RoutedExperts:
         """A read's output: a token whose every id is -1 was an empty slot (never
-        committed, or invalidated), which moecap_read reports as -1 ids."""
+        committed, or invalidated), which moecap_read reports as -1 ids (all
+        ones in a uint8 or uint16 output)."""
         ids = _to_numpy(ids)
+        if ids.dtype in (np.uint8, np.uint16) and np.iinfo(ids.dtype).max >= int(num_experts):
+            ids = np.where(ids == np.iinfo(ids.dtype).max, -1, ids.astype(np.int32))
         valid = ~(ids < 0).all(axis=(1, 2)) if ids.size else np.ones(ids.shape[0], dtype=bool)
         return cls(ids, num_experts, weights=weights, valid=valid, start=start, layers=layers,
                    num_hidden_layers=num_hidden_layers)

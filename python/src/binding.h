@@ -46,6 +46,11 @@ void check(moecap_status status, std::initializer_list<Rename> renames);
 // `function` and the argument `name`), not by nanobind's TypeError.
 int32_t as_int32(int64_t value, const char* function, const char* name);
 
+// An integer argument taken as a handle (one that may also be None): anything
+// with __index__ (int, NumPy and 0-d torch integers). Another type raises
+// TypeError and a value beyond int64 OUT_OF_RANGE, both naming the argument.
+int64_t int_argument(nb::handle value, const char* function, const char* name);
+
 // A DLTensor describing a Python tensor's memory in place (no copy). `keep`
 // holds the Python object, so the memory lives at least as long as this.
 struct Borrowed {

@@ -305,6 +305,26 @@ int32_t as_int32(int64_t value, const char* function, const char* name) {
   return static_cast<int32_t>(value);
 }
 
+int64_t int_argument(nb::handle value, const char* function, const char* name) {
+  PyObject* index = PyNumber_Index(value.ptr());
+  if (index == nullptr) {
+    PyErr_Clear();
+    throw nb::type_error((std::string(function) + ": " + name + " must be an int, not " +
+                          nb::cast<std::string>(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())))
+                                                    .attr("__name__")))
+                             .c_str());
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index, &overflow);
+  const std::string text = overflow != 0 ? nb::cast<std::string>(nb::str(nb::handle(index))) : std::string();
+  Py_DECREF(index);
+  if (overflow != 0) {
+    raise_error(MOECAP_ERROR_OUT_OF_RANGE, std::string(function) + ": " + name + " is " + text +
+                                               "; it must fit in int64 [-9223372036854775808, 9223372036854775807]");
+  }
+  return v;
+}
+
 namespace {
 
 // The TypeError for an object no path could describe. A producer that has

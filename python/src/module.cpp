@@ -249,7 +249,7 @@ class Capturer {
                                 "len(tokens_per_rank)"),
                        0,
                        tokens_per_rank.data(),
-                       graph ? nb::cast<int64_t>(padded_tokens_per_rank) : 0};
+                       graph ? int_argument(padded_tokens_per_rank, "moecap_local_rows", "padded_tokens_per_rank") : 0};
     moecap_rows rows{sizeof(moecap_rows), 0, 0, 0};
     check(moecap_local_rows(live(), &batch, &rows), {{"batch->num_ranks", "len(tokens_per_rank)"}, {"batch->", ""}});
     return {rows.start, rows.count, rows.total};
@@ -502,7 +502,10 @@ NB_MODULE(_moecap, m) {
       [](Tensor tensor) {
         Borrowed b;
         borrow(tensor, "slots", false, b);
-        if (b.dl.ndim < 1) throw nb::value_error("moecap: argument 'slots' must be 1-D");
+        if (b.dl.ndim != 1) {
+          raise_error(MOECAP_ERROR_INVALID_ARGUMENT,
+                      "moecap_read: slots has ndim " + std::to_string(b.dl.ndim) + "; expected 1");
+        }
         return b.shape[0];
       },
       "Length of the first dimension of any tensor (DLPack producers need not have len()).");

@@ -40,6 +40,9 @@ def test_ints_and_devices_are_checked_before_the_library_sees_them():
         moecap.Config(**CONFIG, device="tpu")
     assert moecap.Config(**CONFIG, device="cuda").device == "cuda:0"
     assert moecap.Config(**CONFIG, device=torch.device("cuda", 1)).device == "cuda:1"
+    assert moecap.Config(**CONFIG, device="cuda:01") == moecap.Config(**CONFIG, device="cuda:1")
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda"):
+        moecap.Config(**CONFIG, device="cuda:\u0661")  # a digit, but not an ASCII one
 
 
 @pytest.mark.parametrize("field, value, bits", [
@@ -64,6 +67,42 @@ def test_an_int_argument_beyond_int32_is_out_of_range_not_a_binding_type_error()
                 call()
             assert e.value.status == moecap.Status.OUT_OF_RANGE
         cap.capture(1, ids)  # and the capturer goes on
+
+
+def test_an_int_argument_that_may_be_none_is_checked_like_the_others():
+    with moecap.Capturer(**CONFIG) as cap:
+        for value in (4.0, "4", np.float64(4)):
+            with pytest.raises(TypeError, match="moecap_local_rows: padded_tokens_per_rank must be an int, not"):
+                cap.local_rows(0, [3], value)
+        with pytest.raises(moecap.MoecapError, match="padded_tokens_per_rank is 1180591620717411303424; it must fit "
+                                                     "in int64") as e:
+            cap.local_rows(0, [3], 2**70)
+        assert e.value.status == moecap.Status.OUT_OF_RANGE
+        assert cap.local_rows(0, [3], np.int64(4)) == cap.local_rows(0, [3], torch.tensor(4)) == (0, 3, 4)
+
+
+def test_errors_cross_process_boundaries_and_copy_whole():
+    """A worker's MoecapError reaches its pool (pickle) with its status and message."""
+    import copy
+    import pickle
+    from moecap.record import RecordError
+    with moecap.Capturer(**CONFIG) as cap:
+        with pytest.raises(moecap.MoecapError) as caught:
+            cap.capture(5, np.zeros((1, 2), np.int32))
+    for error in (caught.value, RecordError(moecap.Status.INVALID_ARGUMENT, "a record's header"),
+                  moecap.MoecapError(1234, "a status from a newer library")):
+        for again in (pickle.loads(pickle.dumps(error)), copy.copy(error), copy.deepcopy(error)):
+            assert type(again) is type(error)
+            assert again.status == error.status and str(again) == str(error)
+
+
+def test_a_zero_dimensional_slots_is_a_moecap_error_whether_read_allocates_or_not():
+    with moecap.Capturer(**CONFIG) as cap:
+        out = np.zeros((1, 2, 2), np.int32)
+        for call in (lambda: cap.read(np.array(2)), lambda: cap.read(np.array(2), out=out)):
+            with pytest.raises(moecap.MoecapError, match="moecap_read: slots has ndim 0; expected 1") as e:
+                call()
+            assert e.value.status == moecap.Status.INVALID_ARGUMENT
 
 
 def test_errors_name_the_python_arguments_not_the_c_ones():

@@ -223,6 +223,16 @@ def test_from_read_marks_empty_slots_invalid():
     assert r.ids[2].tolist() == [[3, -1]]
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_from_read_takes_an_unsigned_reads_all_ones_as_minus_one_where_it_is_no_expert(dtype):
+    top = np.iinfo(dtype).max
+    r = RoutedExperts.from_read(np.array([[[1, 2]], [[top, top]], [[3, top]]], dtype=dtype), 4)
+    assert r.valid.tolist() == [True, False, True]
+    assert r.ids.tolist() == [[[1, 2]], [[-1, -1]], [[3, -1]]]
+    if dtype == np.uint8:  # with 256 experts 255 is an expert, in uint8 as in every other dtype
+        assert RoutedExperts.from_read(np.array([[[255, 0]]], dtype=dtype), 256).ids.tolist() == [[[255, 0]]]
+
+
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
 def test_unsigned_ids_past_the_experts_are_refused_even_where_int64_would_make_them_minus_one(dtype):
     top = np.iinfo(dtype).max

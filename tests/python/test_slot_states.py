@@ -43,6 +43,18 @@ def test_malformed_slots_are_invalid_arguments(slots, what):
     assert read_error.value.status == moecap.Status.INVALID_ARGUMENT
 
 
+@pytest.mark.parametrize("slots, status, what", [
+    ([1.7], moecap.Status.INVALID_ARGUMENT, "slots must hold ints"), (["1"], moecap.Status.INVALID_ARGUMENT, "ints"),
+    ([True], moecap.Status.INVALID_ARGUMENT, "not bool"), ([[1]], moecap.Status.INVALID_ARGUMENT, "ints"),
+    ([0, 2**70], moecap.Status.OUT_OF_RANGE, rf"slots\[1\] is {2**70}; it must be in \[0, {SLOTS}\)")])
+def test_a_list_holds_ints_and_nothing_is_truncated_or_cast(slots, status, what):
+    cap = make()
+    with pytest.raises(moecap.MoecapError, match=what) as e:
+        cap.slot_states(slots)
+    assert e.value.status == status
+    assert cap.slot_states([np.int32(SLOTS - 1)]).tolist() == [moecap.SLOT_VALID]
+
+
 def test_lists_and_arrays_give_the_states():
     cap = make()
     assert cap.slot_states([SLOTS - 1, 0]).tolist() == [moecap.SLOT_VALID, moecap.SLOT_EMPTY]

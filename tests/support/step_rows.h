@@ -6,7 +6,7 @@
 // read -1 for what it did not write, never another request's routing; and
 // several commits in one step (prefill part, decode part, accepted verify
 // rows) must still commit what the step captured; a rank without tokens ends
-// its step with an empty commit.
+// its step with an empty commit, and captures without rows start one.
 #pragma once
 
 #include <doctest/doctest.h>
@@ -145,6 +145,14 @@ inline void run(moecap_capturer* h, const moecap_config& c, Memory& m) {
   commit(h, m, 0, {10, 11});
   CHECK(read(h, c, 10, MOECAP_ERROR_NO_ROUTING) == row(c, 7, 0, {1}));
   CHECK(read(h, c, 11, MOECAP_ERROR_NO_ROUTING) == row(c, 7, 1, {1}));
+
+  // Step 8: every capture has no rows (an empty gathered batch); they still
+  // start a step, so rows 2-3, another rank's rows of step 6 that no commit
+  // took, read -1 in every layer.
+  for (int32_t l = 0; l < c.num_layers; ++l) capture(h, c, m, l, 8, 0);
+  commit(h, m, 2, {12, 13});
+  CHECK(read(h, c, 12, MOECAP_ERROR_NO_ROUTING) == row(c, 8, 2, {0, 1, 2}));
+  CHECK(read(h, c, 13, MOECAP_ERROR_NO_ROUTING) == row(c, 8, 3, {0, 1, 2}));
 
   moecap_error_counts e{};
   e.struct_size = sizeof e;

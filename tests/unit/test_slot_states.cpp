@@ -255,6 +255,57 @@ TEST_CASE("write marks its slots: real rows valid, all -1 rows empty, some -1 ro
   CHECK(out.at(2 * row + 1) == 2);
 }
 
+TEST_CASE("write takes back what a read into uint8 or uint16 gave: all ones is -1 where it is no expert id") {
+  for (DLDataType dtype : {u8(), u16()}) {
+    CAPTURE(static_cast<int>(dtype.bits));
+    moecap_config c = small_config();
+    Handle cap(c);
+    const int64_t row = c.num_layers * c.top_k;
+    capture_and_commit(cap.h, c, 0, {1});
+    HostTensor slots({2}, i64());
+    slots.fill<int64_t>({1, 5});  // committed; never committed
+    HostTensor out({2, c.num_layers, c.top_k}, dtype);
+    REQUIRE(moecap_read(cap.h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
+    CHECK(out.at(row) == (dtype.bits == 8 ? 0xFF : 0xFFFF));
+    HostTensor to({2}, i64());
+    to.fill<int64_t>({10, 11});
+    REQUIRE_MESSAGE(moecap_write(cap.h, to.get(), out.get(), nullptr, nullptr) == MOECAP_OK,
+                    std::string(moecap_last_error()));
+    CHECK(state_of(cap.h, 10) == MOECAP_SLOT_VALID);
+    CHECK(state_of(cap.h, 11) == MOECAP_SLOT_EMPTY);
+    HostTensor back({2, c.num_layers, c.top_k}, i64());
+    REQUIRE(moecap_read(cap.h, to.get(), back.get(), nullptr, 0, nullptr) == MOECAP_OK);
+    for (int64_t e = 0; e < row; ++e) {
+      CHECK(back.at(e) == route(0, e / c.top_k, e % c.top_k, c.num_experts));
+      CHECK(back.at(row + e) == -1);
+    }
+  }
+  // With 256 experts a uint8 255 is expert 255. With 255 it is -1 in uint8,
+  // and out of range in uint16, whose all ones is 65535.
+  moecap_config c = small_config();
+  c.num_experts = 256;
+  Handle cap(c);
+  HostTensor to({1}, i64());
+  to.fill<int64_t>({3});
+  HostTensor ids({1, c.num_layers, c.top_k}, u8());
+  for (int64_t e = 0; e < ids.numel(); ++e) ids.set(e, 255);
+  REQUIRE(moecap_write(cap.h, to.get(), ids.get(), nullptr, nullptr) == MOECAP_OK);
+  CHECK(state_of(cap.h, 3) == MOECAP_SLOT_VALID);
+  HostTensor back({1, c.num_layers, c.top_k}, i64());
+  REQUIRE(moecap_read(cap.h, to.get(), back.get(), nullptr, 0, nullptr) == MOECAP_OK);
+  CHECK(back.at(0) == 255);
+  moecap_config small = small_config();
+  small.num_experts = 255;
+  Handle cap255(small);
+  ids.set(0, 254);
+  REQUIRE(moecap_write(cap255.h, to.get(), ids.get(), nullptr, nullptr) == MOECAP_OK);
+  CHECK(state_of(cap255.h, 3) == (MOECAP_SLOT_VALID | MOECAP_SLOT_INVALID_IDS));
+  HostTensor u16ids({1, c.num_layers, c.top_k}, u16());
+  for (int64_t e = 0; e < u16ids.numel(); ++e) u16ids.set(e, 255);
+  CHECK(moecap_write(cap255.h, to.get(), u16ids.get(), nullptr, nullptr) == MOECAP_ERROR_OUT_OF_RANGE);
+  CHECK(error_has("moecap_write: ids[0][0][0] is 255; ids must be in [0, num_experts = 255) or -1"));
+}
+
 TEST_CASE("invalidate refuses bad input and changes nothing") {
   moecap_config c = small_config();
   Handle cap(c);
