@@ -143,18 +143,24 @@ class UnknownArchitecture(TypeError):
     """attach cannot tell how this model picks its experts: pass a selector."""
 
 
-def _config_int(model, keys, what):
-    try:
-        return _model.config_int(getattr(model, "config", None), keys, what)
-    except ValueError as e:
-        raise UnknownArchitecture(f"{type(model).__name__}: {e}, nor does its router") from None
-
-
-def _routing_dims(model, router) -> tuple[int, int]:
+def _routing_dims(model, router, given: Any = None) -> tuple[int, int]:
     """(top_k, num_experts): the router's, or the config's where the router
-    keeps neither (Gemma 4)."""
-    return (int(getattr(router, "top_k", 0) or _config_int(model, _model.TOP_K_KEYS, "experts per token")),
-            int(getattr(router, "num_experts", 0) or _config_int(model, _model.EXPERT_KEYS, "routed expert count")))
+    keeps neither (Gemma 4), or else `given`'s (the capturer's config: a
+    selector's model whose config names them otherwise, DBRX's ffn_config)."""
+    def dim(attribute, keys, what):
+        value = getattr(router, attribute, 0)
+        if value:
+            return int(value)
+        try:
+            return _model.config_int(getattr(model, "config", None), keys, what)
+        except ValueError:
+            if given is not None and attribute in given:
+                return int(given[attribute])
+            raise UnknownArchitecture(
+                f"{type(model).__name__}: neither its router ({type(router).__name__}.{attribute}) nor its config "
+                f"({', '.join(keys)}) names its {what}; attach it to a capturer with {attribute} set") from None
+    return dim("top_k", _model.TOP_K_KEYS, "experts per token"), dim("num_experts", _model.EXPERT_KEYS,
+                                                                        "routed expert count")
 
 
 def _router_recorder(model):
@@ -233,17 +239,21 @@ class MoELayer:
     """One MoE layer as attach found it."""
 
     def __init__(self, index: int, name: str, router: torch.nn.Module, block: torch.nn.Module,
-                 model_layer: Optional[int] = None) -> None:
+                 model_layer: Optional[int] = None, outer: Optional[torch.nn.Module] = None) -> None:
         self.index = index      # the capturer's layer number
         self.model_layer = model_layer  # its decoder layer in the model (None where attach cannot tell)
         self.name = name        # qualified name of the router module
         self.router = router
         self.block = block      # the module that owns the router (the sparse MoE block)
         self.shared = self.shared_gate = None
-        for expert_attr, gate_attr in _SHARED:
-            if hasattr(block, expert_attr):
-                self.shared = getattr(block, expert_attr)
-                self.shared_gate = getattr(block, gate_attr, None) if gate_attr else None
+        # The block's shared expert, or else one beside the block in the module
+        # that owns it (`outer`: GraniteMoE-Shared's decoder layer adds its
+        # shared_mlp to the block's output).
+        for owner in (block, outer):
+            found = [(getattr(owner, e), g) for e, g in _SHARED if getattr(owner, e, None) is not None]
+            if found:
+                self.shared, gate_attr = found[0]
+                self.shared_gate = getattr(owner, gate_attr, None) if gate_attr else None
                 break
 
     def __repr__(self) -> str:
@@ -295,7 +305,8 @@ def find_moe_layers(model: torch.nn.Module, routers: Optional[Routers] = None) -
     for i, r in enumerate(routers):
         if id(r) not in names:
             raise ValueError(f"routers[{i}] ({type(r).__name__}) is not a module of this model")
-        layers.append(MoELayer(i, names[id(r)], r, parents.get(id(r), r)))
+        block = parents.get(id(r), r)
+        layers.append(MoELayer(i, names[id(r)], r, block, outer=parents.get(id(block))))
     if not layers:
         raise UnknownArchitecture(f"{type(model).__name__} has no router modules to capture")
     located = _decoder_layers(model, [layer.name for layer in layers])
@@ -468,8 +479,8 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
             "router picked (and routers=[router modules] if the model declares no router class)")
     selector = selector or default_selector
     layers = find_moe_layers(model, routers)
-    top_k, num_experts = _routing_dims(model, layers[0].router)
     config = getattr(capturer, "config", {})
+    top_k, num_experts = _routing_dims(model, layers[0].router, config)
     extra = int(config.get("extra_columns", 0))
     has_shared = any(layer.shared is not None for layer in layers)
     if shared_expert is None:
@@ -501,8 +512,13 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     return Attached(layers, hooks, runner, mapped)
 
 
+# Each hook runs only for the module it was attached to: copy.deepcopy of an
+# attached model copies its hooks (an RL reference model made from the policy),
+# and the copy's layers must not write into this capturer's rows.
 def _router_hook(layer, runner, selector, shared_expert):
     def hook(module, inputs, output):
+        if module is not layer.router:
+            return
         ids, weights = selector(module, inputs, output)
         ids = ids.reshape(-1, ids.shape[-1])
         weights = None if weights is None else weights.reshape(ids.shape)
@@ -517,6 +533,8 @@ def _router_hook(layer, runner, selector, shared_expert):
 
 def _gate_hook(layer, runner):
     def hook(module, inputs, output):
+        if module is not layer.shared_gate:
+            return
         runner.pending[id(layer.block)][2] = output.reshape(-1, 1).float().sigmoid()
     return hook
 
@@ -533,6 +551,8 @@ def _routed_sum_scale(block) -> float:
 
 def _block_hook(layer, runner):
     def hook(module, inputs, output):
+        if module is not layer.block:
+            return
         import torch
         ids, weights, gate = runner.pending.pop(id(layer.block))
         column = torch.full((ids.shape[0], 1), runner.num_experts, dtype=ids.dtype, device=ids.device)
@@ -611,24 +631,28 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
     ids: per MoE layer an int [tokens, top_k] (RoutedExperts.to_megatron()),
     tokens in the order the forward flattens them. weights: None, to take the
     router's own weights for those experts from its logits (how router replay
-    trains), or per layer [tokens, top_k] to force those too.
+    trains), or per layer [tokens, top_k] to force those too. Each layer's ids
+    are checked on its first forward in the block: one outside [0,
+    num_experts), -1 included, raises ValueError naming the layer and entry.
     """
     import torch
     layers = find_moe_layers(model, routers)
     if len(ids) != len(layers):
         raise ValueError(f"ids has {len(ids)} layers; the model has {len(layers)} MoE layers")
+    checked: set[int] = set()  # layers whose ids were range-checked: once each, not every forward
 
     def make(layer):
         def hook(module, inputs, output):
             if _scores_and_logits(module, output):
                 return _forced_scores(module, output, layer.index, ids[layer.index],
-                                      None if weights is None else weights[layer.index])
+                                      None if weights is None else weights[layer.index], checked)
             order = _router_output_order(module, output)
             logits, own_weights, own_ids = (output[i] for i in order)
             forced = torch.as_tensor(ids[layer.index], device=own_ids.device).to(own_ids.dtype)
             if forced.shape != own_ids.reshape(-1, own_ids.shape[-1]).shape:
                 raise ValueError(f"layer {layer.index}: recorded ids {tuple(forced.shape)}, the forward routes "
                                  f"{tuple(own_ids.shape)}")
+            _check_replayed_ids(layer.index, forced, logits.shape[-1], checked)
             if weights is not None:
                 w = torch.as_tensor(weights[layer.index], device=own_weights.device)
             else:
@@ -647,7 +671,23 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
             h.remove()
 
 
-def _forced_scores(router, output, index, ids, weights):
+def _check_replayed_ids(index, forced, num_experts, checked):
+    """Every recorded id of layer `index` names one of the router's experts. An
+    id past them would index the experts out of bounds (or, in grouped
+    kernels, silently mix in memory), and -1 is a token without routing, which
+    no forward can replay."""
+    import torch
+    if index in checked or torch.compiler.is_compiling():  # traced: a data-dependent check would break the graph
+        return
+    bad = ((forced < 0) | (forced >= num_experts)).nonzero()
+    if bad.numel():
+        at = tuple(int(i) for i in bad[0])
+        raise ValueError(f"layer {index}: recorded ids[{at[0]}, {at[1]}] is {int(forced[at])}; expected [0, "
+                         f"{num_experts}) (-1 is a token without routing: it has no experts to replay)")
+    checked.add(index)
+
+
+def _forced_scores(router, output, index, ids, weights, checked):
     """A scores-and-logits router's output for forced experts: the scores of
     `ids` (its own weights for them, or `weights`), 0 elsewhere."""
     import torch
@@ -656,6 +696,7 @@ def _forced_scores(router, output, index, ids, weights):
     if forced.shape != (scores.shape[0], router.top_k):
         raise ValueError(f"layer {index}: recorded ids {tuple(forced.shape)}, the forward routes "
                          f"{(scores.shape[0], router.top_k)}")
+    _check_replayed_ids(index, forced, scores.shape[-1], checked)
     if weights is None:
         w = _recomputed_weights(router, logits, forced)
     else:

@@ -115,12 +115,14 @@ def test_dp2_one_rank_serves_nothing(model_type):
     assert check(ranks) > 0
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "llama4_text", "laguna"])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "llama4_text", "laguna", "granitemoeshared",
+                                        "granitemoehybrid"])
 def test_shared_expert_rides_as_extra_column(model_type):
     """The fused-shared-expert layout: column top_k is expert num_experts with
     the shared expert's gate (Qwen2-MoE: sigmoid of shared_expert_gate;
     DeepSeek-V3: 1.0; Laguna, whose block scales the routed sum by 2.5
-    before adding the shared expert: 1 / 2.5)."""
+    before adding the shared expert: 1 / 2.5; GraniteMoE-Shared, whose
+    decoder layer adds its shared_mlp beside the block: 1.0)."""
     model = hf_serving.build(config_or_skip(model_type))
     layers = hf.find_moe_layers(model)
     router = layers[0].router
@@ -184,6 +186,57 @@ def test_unknown_architecture_is_refused_naming_the_selector():
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(hf.UnknownArchitecture, match="routers="):
         hf.attach(plain, cap, selector=selector)
+
+
+def test_a_selectors_model_whose_router_and_config_name_no_top_k_takes_it_from_the_capturer():
+    """Switch Transformers' top-1 routers return a one-hot mask and keep no
+    top_k, and its config names none: with a selector, attach takes the
+    capturer's, and captures what the selector says in every sparse layer."""
+    switch = getattr(transformers, "SwitchTransformersConfig", None)
+    if switch is None:
+        pytest.skip("no Switch Transformers in this transformers")
+    config = switch(vocab_size=hf_serving.VOCAB, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+                    num_heads=2, num_experts=8, encoder_sparse_step=1, decoder_sparse_step=1)
+    torch.manual_seed(0)
+    model = transformers.SwitchTransformersForConditionalGeneration(config).eval()
+    picked = {}
+
+    def selector(router, inputs, output):
+        ids = output[0].argmax(-1).reshape(-1, 1)
+        picked[id(router)] = ids
+        return ids, None
+
+    cap = moecap.Capturer(num_layers=4, top_k=1, num_experts=8, host_slots=8, max_running_requests=1,
+                          chunked_prefill_size=8)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 4))
+    with hf.attach(model, cap, selector=selector) as handle, torch.no_grad():
+        model(input_ids=tokens, decoder_input_ids=tokens)
+    cap.commit(np.arange(4))
+    want = torch.stack([picked[id(layer.router)].reshape(-1) for layer in handle.layers], 1).numpy()
+    assert np.array_equal(cap.read(np.arange(4), strict=True)[:, :, 0], want)
+
+
+def test_a_deepcopy_of_an_attached_model_writes_nothing_into_its_capturer():
+    """copy.deepcopy copies an attached model's hooks (an RL reference model
+    made from the policy): the copy's forward must not write its routing into
+    the policy's rows, while attached or after detach."""
+    import copy
+    model = hf_serving.build(config_or_skip("qwen2_moe"))  # a gated shared expert: router, gate and block hooks
+    cap = moecap.Capturer(num_layers=2, top_k=2, num_experts=8, host_slots=8, max_running_requests=1,
+                          chunked_prefill_size=4, weight_dtype="f32", extra_columns=1)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 4))
+    handle = hf.attach(model, cap)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        model(tokens)
+        cap.commit(np.arange(4))
+        want = cap.read(np.arange(4), strict=True)
+        model(tokens)
+        reference(torch.randint(3, hf_serving.VOCAB, (1, 5)))  # 5 rows: more than the capturer holds
+        cap.commit(np.arange(4, 8))
+        assert np.array_equal(cap.read(np.arange(4, 8), strict=True), want)
+        handle.detach()
+        reference(torch.randint(3, hf_serving.VOCAB, (1, 5)))
 
 
 def test_capturer_shape_mismatch_is_refused():
@@ -330,6 +383,25 @@ def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type)
     for layer in layers:
         assert torch.equal(own[layer.index][0], free[layer.index][0])
         torch.testing.assert_close(own[layer.index][1].float(), free[layer.index][1].float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "llama4_text"])
+def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
+    """An id past the experts would index them out of bounds (or silently
+    mix memory in a grouped kernel); -1 is a token without routing."""
+    model = hf_serving.build(config_or_skip(model_type))
+    layers = hf.find_moe_layers(model)
+    top_k, num_experts = hf._routing_dims(model, layers[0].router)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 3))
+    for bad in (num_experts, -1):
+        ids = [torch.arange(top_k).repeat(3, 1) for _ in layers]
+        ids[-1][2, top_k - 1] = bad
+        weights = [torch.full((3, top_k), 1.0 / top_k) for _ in layers]
+        for w in (None, weights):
+            with pytest.raises(ValueError, match=rf"layer {len(layers) - 1}: recorded ids\[2, {top_k - 1}\] is "
+                                                 rf"{bad}; expected \[0, {num_experts}\)"):
+                with torch.no_grad(), hf.replay(model, ids, w):
+                    model(tokens)
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
