@@ -121,6 +121,7 @@ def test_the_adapters_layer_map_from_a_hub_config_without_transformers_lists():
     assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=6, moe_layers_enum="2,3,4,5")) == (2, 3, 4, 5)
     assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=4, moe_layers_enum=[1, 3, 7])) == (1, 3)
     assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=4, num_dense_layers=2)) == (2, 3)
+    assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=4, dense_mlp_idx=1)) == (1, 2, 3)  # Inkling
     assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=4, mlp_layer_types=["dense", "hash_moe", "moe",
                                                                                           "sparse"])) == (1, 2, 3)
     assert moe_layers_from_config(SimpleNamespace(num_hidden_layers=3, layers_block_type=["mamba", "moe",

@@ -469,6 +469,63 @@ def test_device_buffer_is_u8_up_to_255_experts_and_payloads_equal_either_way(sgl
     assert checked == 12
 
 
+def test_a_split_prefill_commits_once_its_last_layer_range_ran_and_equals_sglangs(sgl):
+    """--enable-pdmux runs a prefill a range of layers per forward on one
+    ForwardBatch (ForwardMode.SPLIT_PREFILL), on_forward_end after each with
+    split_index advanced; SGLang copies the whole batch each time, moecap
+    commits once every layer ran (an earlier commit would consume the rows and
+    end the step, leaving the later layers alone in the slots)."""
+    torch = sgl.torch
+    with server(sgl, chunked_prefill_size=-1):
+        theirs, ours = create_pair(sgl, num_tokens=64, max_running=16)
+        sched = Scheduler(sgl, 64, 2, np.random.default_rng(1))
+        sched.reqs[0] = [0, 0, 6]
+        loc = sched.alloc(6)
+        sched.keep(0, loc)
+        rows = np.random.default_rng(1).integers(0, NUM_EXPERTS, size=(6, len(MOE_LAYERS), TOP_K))
+        config = types.SimpleNamespace(allow_routed_experts_capture=True)
+        for cap in (theirs, ours):
+            fb = sgl.ForwardBatch(forward_mode=sgl.ForwardMode.SPLIT_PREFILL, batch_size=1,
+                                  input_ids=torch.zeros(6, dtype=torch.long), req_pool_indices=torch.zeros(1, dtype=torch.long),
+                                  seq_lens=torch.tensor([6]), out_cache_loc=torch.tensor(loc, dtype=torch.long),
+                                  seq_lens_sum=6)
+            sgl.re.set_global_experts_capturer(cap)
+            try:
+                for first, last in ((0, 2), (2, 4), (4, NUM_LAYERS)):  # split_forward_count 2
+                    for i, layer in enumerate(MOE_LAYERS):
+                        if first <= layer < last:
+                            ids = torch.from_numpy(np.ascontiguousarray(rows[:, i, :]).astype(np.int32))
+                            sgl.topk.capture_routed_experts_if_allowed(config, layer, ids)
+                    fb.split_index = last  # model_runner.forward_split_prefill advances it before on_forward_end
+                    assert cap.on_forward_end(forward_batch=fb, can_run_graph=False, cuda_graph_batch=None,
+                                              no_copy_to_cpu=False) is None
+            finally:
+                sgl.re.set_global_experts_capturer(None)
+        want, _ = payloads(sgl, theirs, sched, 0, 7, 0)
+        got, _ = payloads(sgl, ours, sched, 0, 7, 0)
+        assert got == want
+        decoded = RoutedExperts.from_sglang(got, NUM_EXPERTS, NUM_LAYERS, TOP_K, layers=MOE_LAYERS)
+        assert np.array_equal(decoded.ids, rows)
+
+
+def test_inklings_dense_leading_layers_are_read_from_its_config(sgl):
+    """Inkling's MoE layers capture through their own gate (no TopK module for
+    the factory to find): the layer map comes from its config's dense_mlp_idx."""
+    inkling = pytest.importorskip("sglang.srt.configs.inkling")
+    hf = inkling.InklingModelConfig(num_hidden_layers=4, n_routed_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K,
+                                    dense_mlp_idx=1)
+    model = types.SimpleNamespace(shared_experts_config=sgl.SharedExpertsConfig(num_fused_shared_experts=0))
+    with server(sgl):
+        sgl.adapter.install()
+        try:
+            ours = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=types.SimpleNamespace(hf_text_config=hf),
+                                                       num_tokens=50, max_running_requests=2, device="cpu")
+        finally:
+            sgl.adapter.uninstall()
+        assert ours.moe_layers == (1, 2, 3)
+        ours.destroy()
+
+
 # --- the payload contract (no SGLang needed) --------------------------------------------------
 
 def routing(tokens=6, start=0, valid=None, experts=NUM_EXPERTS):

@@ -41,7 +41,8 @@ def moe_layers_from_config(config):
     explicit list (Llama 4's moe_layers, else its interleave_moe_layer_step;
     Step 3.5's moe_layers_enum), Ernie 4.5's moe_layer_start_index,
     moe_layer_end_index and moe_layer_interval, DeepSeek's
-    first_k_dense_replace (LFM2-MoE's and AFMoE's num_dense_layers) and
+    first_k_dense_replace (LFM2-MoE's and AFMoE's num_dense_layers, Inkling's
+    dense_mlp_idx) and
     moe_layer_freq, Qwen-MoE's mlp_only_layers and decoder_sparse_step; every
     layer otherwise."""
     n = int(config.num_hidden_layers)
@@ -67,7 +68,8 @@ def moe_layers_from_config(config):
         last = getattr(config, "moe_layer_end_index", -1)
         last = n - 1 if last is None or int(last) == -1 else int(last)
         return check_layers([i for i in range(n) if (i + 1) % interval == 0 and first <= i <= last], n)
-    first_dense = int(getattr(config, "first_k_dense_replace", 0) or getattr(config, "num_dense_layers", 0) or 0)
+    first_dense = int(getattr(config, "first_k_dense_replace", 0) or getattr(config, "num_dense_layers", 0)
+                      or getattr(config, "dense_mlp_idx", 0) or 0)
     freq = getattr(config, "moe_layer_freq", 1)
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     mlp_only = set(getattr(config, "mlp_only_layers", None) or ())

@@ -165,6 +165,8 @@ class MoecapRoutedExpertsCapturer:
 
     def on_forward_end(self, forward_batch, can_run_graph, cuda_graph_batch, no_copy_to_cpu=False):
         """Commits this rank's rows of the forward to their KV slots (stream-ordered; returns None)."""
+        if self._split_prefill_continues(forward_batch):
+            return None
         slots = forward_batch.out_cache_loc_virtual
         if slots is None:
             slots = forward_batch.out_cache_loc
@@ -183,6 +185,19 @@ class MoecapRoutedExpertsCapturer:
         # Also with no rows (an idle DP rank): an empty commit ends the step.
         self.capturer.commit(slots, src_start=start)
         return None
+
+    def _split_prefill_continues(self, forward_batch):
+        """A split prefill (--enable-pdmux) runs the model a range of layers per
+        forward and ends each with on_forward_end; its rows hold every layer only
+        once split_index reached the last layer, so the commit waits for that.
+        (SGLang's own capturer copies the whole batch after each range.) A decode
+        batch PDMux runs between two ranges, on another stream, is unordered with
+        them, which a capturer's steps do not allow: that prefill's earlier layers
+        then read as no routing, never as another batch's."""
+        mode = getattr(forward_batch, "forward_mode", None)
+        is_split = getattr(mode, "is_split_prefill", None)
+        return callable(is_split) and bool(is_split()) and \
+            int(getattr(forward_batch, "split_index", self.num_layers)) < self.num_layers
 
     def get_topk(self, req_pool_idx, seqlen, req_to_token_pool, start_len=0):
         """int32 [seqlen - 1 - start_len, num_hidden_layers, top_k] (CPU), or None
