@@ -297,7 +297,9 @@ MOECAP_API moecap_status moecap_create(const moecap_config* config, moecap_captu
  * and, on CUDA, while any CUgraph or CUgraphExec holding moecap's nodes
  * exists (the engine's captures, moecap graphs, their child-graph clones):
  * each holds a CUDA user object, and the memory is freed, on a thread of
- * moecap's, once the driver releases the last of them. Before it returns,
+ * moecap's, once the driver releases the last of them; reads into GPU
+ * tensors still queued on their streams finish before the memory they
+ * gather from is freed (the freeing waits for them). Before it returns,
  * the commits and side-stream calls still pending have run (host) or
  * finished (CUDA), so the caller may free the tensors they read, even while
  * views or graphs keep the memory. Illegal while the capturer records a graph. Legal while another
@@ -428,7 +430,10 @@ typedef struct moecap_commit_args {
  * as VALID | INVALID_IDS (its unwritten layers read -1, weight 0), never as
  * expert 0 or as an earlier request's routing. A device id outside
  * [0, num_experts) other than that code (a bad value a kernel wrote) is
- * counted in invalid_ids. A row listed twice is read twice, then consumed.
+ * counted in invalid_ids, per entry that reads it for a slot (not for slot
+ * -1; an entry whose slot a later entry takes is read and counted by the
+ * host backend, skipped by CUDA's). A row listed twice is read twice, then
+ * consumed.
  * A slot listed twice gets the row of its last entry whose slot and row are
  * in range (on every backend; an entry skipped at run time leaves the slot
  * to the entry before it).

@@ -107,9 +107,11 @@ class Backend {
   virtual bool commits_done(bool block, const SlotList* slots = nullptr,
                             std::unique_lock<std::mutex>* unlock_while_waiting = nullptr) = 0;
   // Waits until reads into device tensors enqueued so far no longer read
-  // the host cache rows of `slots` (before the host writes them). Blocking
-  // waits here and below release LockHold::current() while they sleep.
-  virtual void reads_done(const SlotList& slots) = 0;
+  // the host cache rows of `slots` (before the host writes them), or with
+  // nullptr until every such read finished (before the cache is freed: a
+  // read gathers from it on the engine's stream). Blocking waits here and
+  // below release LockHold::current() while they sleep.
+  virtual void reads_done(const SlotList* slots) = 0;
   // The error counters; with clear, zeroed in the same atomic step, so
   // that increments by replays running meanwhile are read or kept.
   virtual ErrorWord take_errors(ErrorWord* counters, bool clear) = 0;

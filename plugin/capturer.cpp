@@ -77,6 +77,7 @@ Capturer::Capturer(const Plan& plan) : plan_(plan) {
 Capturer::~Capturer() {
   try {
     backend_->commits_done(true);
+    backend_->reads_done(nullptr);  // reads into GPU tensors still gather from the cache freed below
   } catch (...) {
     // Destroy at process exit may find the driver gone; the memory goes with it.
   }
@@ -574,7 +575,7 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
   // The host writes these rows now: after every queued read of them into
   // device tensors, and every commit that may write them.
   const Backend::SlotList slot_list{tensor_data(slots), elem_of(slots->dtype), t};
-  backend_->reads_done(slot_list);
+  backend_->reads_done(&slot_list);
   settle(true, &slot_list, lock);
 
   uint8_t* host_ids = host_block_ + host_ids_.offset;

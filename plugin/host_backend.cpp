@@ -71,7 +71,7 @@ class HostBackend final : public Backend {
     run_forked();
     return true;
   }
-  void reads_done(const SlotList&) override {}
+  void reads_done(const SlotList*) override {}
   ErrorWord take_errors(ErrorWord* counters, bool clear) override {
     if (!clear) return *counters;
     ErrorWord out{};

@@ -377,12 +377,13 @@ class CudaBackend final : public Backend {
     return true;
   }
 
-  void reads_done(const SlotList& slots) override {
+  void reads_done(const SlotList* slots) override {
     HostCallScope scope(d_, ctx());
-    const std::vector<int64_t> wanted = sorted_slots(slots);
+    std::vector<int64_t> wanted;
+    if (slots != nullptr) wanted = sorted_slots(*slots);
     std::vector<CUevent> waits;
     for (const InFlight& f : reads_) {
-      if (touches(f, &wanted)) waits.push_back(f.event.get());
+      if (touches(f, slots != nullptr ? &wanted : nullptr)) waits.push_back(f.event.get());
     }
     {
       // Read events are retired to the spare pool, never destroyed before the backend.
@@ -484,9 +485,10 @@ class CudaBackend final : public Backend {
   CaptureInfo capture_info(CUstream s) {
     int status = kCaptureStatusNone;
     CaptureInfo info;
-    const CUgraphNode* deps = nullptr;
-    size_t ndeps = 0;
-    check(d_, d_.cuStreamGetCaptureInfo(s, &status, &info.id, &info.graph, &deps, &ndeps), "cuStreamGetCaptureInfo");
+    // No dependencies asked for: where the capture's current edges carry data
+    // (a programmatic launch), asking for the nodes without it is a lossy
+    // query, which the driver refuses (CUDA_ERROR_LOSSY_QUERY).
+    check(d_, d_.cuStreamGetCaptureInfo(s, &status, &info.id, &info.graph, nullptr, nullptr), "cuStreamGetCaptureInfo");
     return status == kCaptureStatusActive ? info : CaptureInfo{};
   }
   uint64_t capture_id(CUstream s) { return capture_info(s).id; }

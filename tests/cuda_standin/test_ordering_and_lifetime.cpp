@@ -219,3 +219,24 @@ TEST_CASE("the events of commits captured in graphs are freed with the graphs") 
   CHECK(moecap_destroy(h) == MOECAP_OK);
 }
 
+
+TEST_CASE("moecap_destroy lets a read into a GPU tensor still queued on the engine's stream finish first") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  forward(ids, 45, 1);
+  capture_layers(h, ids.get(), 1, s);
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  slot.set(0, 5);
+  commit(h, slot.get(), s);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  const moecap_config c = cuda_config();
+  Tensor out({1, c.num_layers, c.top_k}, moecap_test::i64(), kDLCUDA);
+  const int64_t violations = standin_violations();
+  REQUIRE(moecap_read(h, slot.get(), out.get(), nullptr, 0, s) == MOECAP_OK);
+  REQUIRE(standin_pending(s) > 0);  // the gather has not run
+  CHECK(moecap_destroy(h) == MOECAP_OK);  // frees the pinned cache the gather reads, and its module
+  standin_run_stream(s);
+  CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
+  CHECK(device_row(out) == expected_row(45, 0));
+}
