@@ -408,7 +408,7 @@ class Capturer(_moecap.Capturer):
         at capture; ``strict=True`` raises MoecapError(NO_ROUTING) instead and
         writes nothing. ``slot_states`` says which slots hold routing."""
         if out is None:
-            shape = (_moecap.leading_dim(slots), self.config.num_layers, self.config.top_k)
+            shape = (_moecap.read_slots_length(slots), self.config.num_layers, self.config.top_k)
             torch = _torch_if_imported()
             if torch is not None and isinstance(slots, torch.Tensor):
                 out = torch.empty(shape, dtype=_torch_dtype(torch, dtype or torch.int32))

@@ -158,7 +158,7 @@ def _routing_dims(model, router, given: Any = None) -> tuple[int, int]:
                 return int(given[attribute])
             raise UnknownArchitecture(
                 f"{type(model).__name__}: neither its router ({type(router).__name__}.{attribute}) nor its config "
-                f"({', '.join(keys)}) names its {what}; attach it to a capturer with {attribute} set") from None
+                f"({', '.join(keys)}) names its {what}") from None
     return dim("top_k", _model.TOP_K_KEYS, "experts per token"), dim("num_experts", _model.EXPERT_KEYS,
                                                                         "routed expert count")
 
@@ -477,10 +477,11 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
             f"it knows {', '.join(sorted(KNOWN))}. Pass selector=fn(router, inputs, output) -> "
             "(ids [tokens, top_k] int, weights [tokens, top_k] float or None) returning the experts the "
             "router picked (and routers=[router modules] if the model declares no router class)")
-    selector = selector or default_selector
     layers = find_moe_layers(model, routers)
     config = getattr(capturer, "config", {})
-    top_k, num_experts = _routing_dims(model, layers[0].router, config)
+    # A selector's model may keep its dims where attach cannot read them: the capturer's then.
+    top_k, num_experts = _routing_dims(model, layers[0].router, config if selector is not None else None)
+    selector = selector or default_selector
     extra = int(config.get("extra_columns", 0))
     has_shared = any(layer.shared is not None for layer in layers)
     if shared_expert is None:
@@ -631,15 +632,24 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
     ids: per MoE layer an int [tokens, top_k] (RoutedExperts.to_megatron()),
     tokens in the order the forward flattens them. weights: None, to take the
     router's own weights for those experts from its logits (how router replay
-    trains), or per layer [tokens, top_k] to force those too. Each layer's ids
-    are checked on its first forward in the block: one outside [0,
-    num_experts), -1 included, raises ValueError naming the layer and entry.
+    trains), or per layer [tokens, top_k] to force those too. The ids are
+    checked when the block is entered (for a selector's model, whose expert
+    count attach cannot tell, on each layer's first eager forward): one
+    outside [0, num_experts), -1 included, raises ValueError naming the layer
+    and entry.
     """
     import torch
     layers = find_moe_layers(model, routers)
     if len(ids) != len(layers):
         raise ValueError(f"ids has {len(ids)} layers; the model has {len(layers)} MoE layers")
     checked: set[int] = set()  # layers whose ids were range-checked: once each, not every forward
+    try:
+        _, num_experts = _routing_dims(model, layers[0].router)
+    except UnknownArchitecture:  # a selector's model: each layer is checked on its first eager forward
+        num_experts = None
+    if num_experts is not None:  # here, eagerly, so that a compiled forward runs checked ids too
+        for layer in layers:
+            _check_replayed_ids(layer.index, torch.as_tensor(ids[layer.index]), num_experts, checked)
 
     def make(layer):
         def hook(module, inputs, output):
@@ -648,11 +658,12 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
                                       None if weights is None else weights[layer.index], checked)
             order = _router_output_order(module, output)
             logits, own_weights, own_ids = (output[i] for i in order)
-            forced = torch.as_tensor(ids[layer.index], device=own_ids.device).to(own_ids.dtype)
+            given = torch.as_tensor(ids[layer.index], device=own_ids.device)
+            _check_replayed_ids(layer.index, given, logits.shape[-1], checked)  # before a cast could wrap them
+            forced = given.to(own_ids.dtype)
             if forced.shape != own_ids.reshape(-1, own_ids.shape[-1]).shape:
                 raise ValueError(f"layer {layer.index}: recorded ids {tuple(forced.shape)}, the forward routes "
                                  f"{tuple(own_ids.shape)}")
-            _check_replayed_ids(layer.index, forced, logits.shape[-1], checked)
             if weights is not None:
                 w = torch.as_tensor(weights[layer.index], device=own_weights.device)
             else:
@@ -675,7 +686,8 @@ def _check_replayed_ids(index, forced, num_experts, checked):
     """Every recorded id of layer `index` names one of the router's experts. An
     id past them would index the experts out of bounds (or, in grouped
     kernels, silently mix in memory), and -1 is a token without routing, which
-    no forward can replay."""
+    no forward can replay. Compared at the ids' own dtype: a cast first could
+    wrap an int64 id into range."""
     import torch
     if index in checked or torch.compiler.is_compiling():  # traced: a data-dependent check would break the graph
         return
@@ -692,11 +704,12 @@ def _forced_scores(router, output, index, ids, weights, checked):
     `ids` (its own weights for them, or `weights`), 0 elsewhere."""
     import torch
     scores, logits = output
-    forced = torch.as_tensor(ids, device=scores.device).long()
+    given = torch.as_tensor(ids, device=scores.device)
+    _check_replayed_ids(index, given, scores.shape[-1], checked)
+    forced = given.long()
     if forced.shape != (scores.shape[0], router.top_k):
         raise ValueError(f"layer {index}: recorded ids {tuple(forced.shape)}, the forward routes "
                          f"{(scores.shape[0], router.top_k)}")
-    _check_replayed_ids(index, forced, scores.shape[-1], checked)
     if weights is None:
         w = _recomputed_weights(router, logits, forced)
     else:

@@ -498,7 +498,7 @@ NB_MODULE(_moecap, m) {
       },
       "The layout for a config, without allocating.");
   m.def(
-      "leading_dim",
+      "read_slots_length",
       [](Tensor tensor) {
         Borrowed b;
         borrow(tensor, "slots", false, b);
@@ -508,7 +508,8 @@ NB_MODULE(_moecap, m) {
         }
         return b.shape[0];
       },
-      "Length of the first dimension of any tensor (DLPack producers need not have len()).");
+      "Entries of a read's slots, any 1-D tensor (DLPack producers need not have len()); "
+      "MoecapError as moecap_read refuses another ndim.");
   m.def("_fast_paths", &set_fast_paths, nb::arg("exchange_api"), nb::arg("torch_attributes"),
         "Test hook: which tensor-description fast paths borrow() tries.");
   bind_constants(m);

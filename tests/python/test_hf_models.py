@@ -116,13 +116,14 @@ def test_dp2_one_rank_serves_nothing(model_type):
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "llama4_text", "laguna", "granitemoeshared",
-                                        "granitemoehybrid"])
+                                        "granitemoehybrid", "granitemoe_swa"])
 def test_shared_expert_rides_as_extra_column(model_type):
     """The fused-shared-expert layout: column top_k is expert num_experts with
     the shared expert's gate (Qwen2-MoE: sigmoid of shared_expert_gate;
     DeepSeek-V3: 1.0; Laguna, whose block scales the routed sum by 2.5
     before adding the shared expert: 1 / 2.5; GraniteMoE-Shared, whose
-    decoder layer adds its shared_mlp beside the block: 1.0)."""
+    decoder layer (and -Hybrid's, -SWA's) adds its shared_mlp beside the
+    block: 1.0)."""
     model = hf_serving.build(config_or_skip(model_type))
     layers = hf.find_moe_layers(model)
     router = layers[0].router
@@ -402,6 +403,13 @@ def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
                                                  rf"{bad}; expected \[0, {num_experts}\)"):
                 with torch.no_grad(), hf.replay(model, ids, w):
                     model(tokens)
+    # Checked when the block is entered: a compiled forward never runs unchecked ids, and an int64 id is
+    # compared as given, not after a cast to the router's dtype (2**32 + 1 would be 1 in int32).
+    ids = [torch.arange(top_k).repeat(3, 1) for _ in layers]
+    ids[0][0, 0] = 2**32 + 1
+    with pytest.raises(ValueError, match=rf"layer 0: recorded ids\[0, 0\] is {2**32 + 1}"):
+        with hf.replay(model, ids):
+            pass
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)

@@ -146,13 +146,17 @@ inline void run(moecap_capturer* h, const moecap_config& c, Memory& m) {
   CHECK(read(h, c, 10, MOECAP_ERROR_NO_ROUTING) == row(c, 7, 0, {1}));
   CHECK(read(h, c, 11, MOECAP_ERROR_NO_ROUTING) == row(c, 7, 1, {1}));
 
-  // Step 8: every capture has no rows (an empty gathered batch); they still
-  // start a step, so rows 2-3, another rank's rows of step 6 that no commit
-  // took, read -1 in every layer.
-  for (int32_t l = 0; l < c.num_layers; ++l) capture(h, c, m, l, 8, 0);
+  // Step 8: every rank fills every row of every layer; this rank has no
+  // tokens and commits an empty list. Step 9: every capture has no rows (an
+  // empty gathered batch); they still start a step, so rows 2-3, another
+  // rank's rows of step 8 that no commit took, read -1 in every layer (were
+  // step 9 no step, its commit would be step 8's second and take them).
+  for (int32_t l = 0; l < c.num_layers; ++l) capture(h, c, m, l, 8, total);
+  commit(h, m, 0, {});
+  for (int32_t l = 0; l < c.num_layers; ++l) capture(h, c, m, l, 9, 0);
   commit(h, m, 2, {12, 13});
-  CHECK(read(h, c, 12, MOECAP_ERROR_NO_ROUTING) == row(c, 8, 2, {0, 1, 2}));
-  CHECK(read(h, c, 13, MOECAP_ERROR_NO_ROUTING) == row(c, 8, 3, {0, 1, 2}));
+  CHECK(read(h, c, 12, MOECAP_ERROR_NO_ROUTING) == row(c, 9, 2, {0, 1, 2}));
+  CHECK(read(h, c, 13, MOECAP_ERROR_NO_ROUTING) == row(c, 9, 3, {0, 1, 2}));
 
   moecap_error_counts e{};
   e.struct_size = sizeof e;
