@@ -320,11 +320,25 @@ def prime_rl_serialize(routed_experts, start):
             "start": start, "dtype": np.dtype(dtype).name}
 
 
-def prime_rl_orchestrator(payload, num_tokens):
-    """Decode (np.dtype(payload.get("dtype", "uint8"))), then _encode_routed_experts:
-    truncate or zero-pad the token axis to num_tokens."""
+def verifiers_node_rows(payload, path_len, node_tokens):
+    """verifiers' _attribute_routed_experts for a turn's one new node of
+    node_tokens tokens after path_len attributed ones: its slice of the rows,
+    or, where the engine omitted the final position (no forward follows it),
+    the slice and a copy of the last row; None where the slice falls outside."""
     arr = np.frombuffer(base64.b64decode(payload["data"]), dtype=np.dtype(payload.get("dtype", "uint8")))
     arr = arr.reshape(payload["shape"])
+    off = path_len - int(payload.get("start", 0) or 0)
+    end = needed = off + node_tokens
+    if node_tokens and 0 <= off and end <= arr.shape[0]:
+        return arr[off:end].copy()
+    if node_tokens and arr.shape[0] and 0 <= off and end == needed == arr.shape[0] + 1:
+        return np.concatenate([arr[off:], arr[-1:]], axis=0)
+    return None
+
+
+def prime_rl_orchestrator(arr, num_tokens):
+    """_encode_routed_experts on a branch's rows: truncate or zero-pad the token
+    axis to num_tokens (a backstop: verifiers already gave every token a row)."""
     if arr.shape[0] < num_tokens:
         arr = np.concatenate([arr, np.zeros((num_tokens - arr.shape[0], *arr.shape[1:]), dtype=arr.dtype)])
     return arr[:num_tokens]
@@ -339,8 +353,9 @@ def test_prime_rl_dict_is_what_its_wrapper_serializes(num_experts, dtype):
     ours = r.to_prime_rl(num_tokens=7)
     assert ours == prime_rl_serialize(engine_rows(r, np.int64), 0) and ours["dtype"] == dtype
     assert list(ours) == ["data", "shape", "start", "dtype"]
-    sample = prime_rl_orchestrator(ours, 7)
-    assert np.array_equal(sample, prime_rl.trainer_array(r)) and (sample[-1] == 0).all()
+    sample = prime_rl_orchestrator(verifiers_node_rows(ours, 0, 7), 7)
+    assert np.array_equal(sample, prime_rl.trainer_array(r))
+    assert np.array_equal(sample[-1], sample[-2]) and sample[-1].any()  # the last row again, not zeros
     batch = torch.from_numpy(sample.astype(np.int64))[None]  # (batch, seq, num_hidden_layers, top_k)
     scores = torch.rand(7, num_experts)
     for i, layer in enumerate(LAYERS):  # the trainer indexes the global layer, its router gathers there
@@ -354,6 +369,8 @@ def test_prime_rl_keeps_the_start_of_a_continuation():
     r = routing(np.random.default_rng(12), tokens=3, start=5)
     payload = r.to_prime_rl(num_tokens=9)
     assert payload["start"] == 5 and payload["shape"] == [3, HIDDEN, TOP_K]
+    # verifiers gives the continuation's node (positions 5-8) its rows and the last one again
+    assert np.array_equal(verifiers_node_rows(payload, 5, 4), prime_rl.trainer_array(r))
     back = prime_rl.decode(payload, 8, layers=LAYERS)
     assert back == r and back.start == 5
     with pytest.raises(ValueError, match="prime-rl has no value for 'no routing'"):

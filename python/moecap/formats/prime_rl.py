@@ -7,10 +7,12 @@ bytes, "shape": [rows, L, K], "start": prompt start, "dtype": name}``
 255, then uint16 (it asserts ids are in [0, 65535]). vLLM's rows run from
 routed_experts_prompt_start (``start``) to T-1; the layer axis is every model
 layer, dense layers 0, which prime-rl's trainer models index with the global
-layer number. The orchestrator then aligns a sequence to its len(token_ids)
-rows, zero-padding the tail (the last token's row is 0) and hands
-``[batch, seq, layers, top_k]`` to the trainer, whose MoE router gathers its
-scores at those ids.
+layer number. verifiers (its rollout graph, ``_attribute_routed_experts``)
+gives the turn's last node a copy of the last forwarded row for the final
+position, which no forward reached, so a sequence has len(token_ids) rows; the
+orchestrator aligns to that length (its zero padding of a shorter tail is a
+backstop that then never runs) and hands ``[batch, seq, layers, top_k]`` to
+the trainer, whose MoE router gathers its scores at those ids.
 
 Rows: T-1-start (the dict carries start). Tokens without routing: refused
 (prime-rl asserts ids are non-negative and has no other "none").
@@ -39,12 +41,14 @@ def encode(routed, num_tokens=None):
 
 
 def trainer_array(routed, num_tokens=None):
-    """[T-start, L, K] of the payload's dtype: the rows and the orchestrator's
-    zero row for the last token (what prime-rl's trainer receives per sample)."""
+    """[T-start, L, K] of the payload's dtype, what prime-rl's trainer receives
+    per sample: the rows, and for the last token verifiers' copy of the last
+    row (the orchestrator's zero row where there is no row to copy)."""
     payload = encode(routed, num_tokens)
     rows = np.frombuffer(base64.b64decode(payload["data"]), dtype=_DTYPES[payload["dtype"]])
     rows = rows.reshape(payload["shape"])
-    return np.concatenate([rows, np.zeros((1, *rows.shape[1:]), dtype=rows.dtype)])
+    last = rows[-1:] if rows.shape[0] else np.zeros((1, *rows.shape[1:]), dtype=rows.dtype)
+    return np.concatenate([rows, last])
 
 
 def decode(payload, num_experts, layers=None, num_hidden_layers=None):

@@ -2,8 +2,8 @@
 """SkyRL (vLLM rollout, Megatron's RouterReplay): the packed routed_experts.
 
 SkyRL's inference server sends vLLM's T-1 rows as ``{"data": base64, "shape":
-[T-1, L, K], "dtype": name}`` (``pack_routed_experts``; data first, so its
-client can cut the base64 out of the raw body), with the dtype made canonical
+[T-1, L, K], "dtype": name}`` (``pack_routed_experts``, keys in that order;
+its client parses the JSON), with the dtype made canonical
 from the largest id present (``compact_routed_expert_indices``: uint8 below
 256, int16 below 2**15, else int32), and its client refuses any other dtype
 for the same values and any negative id. The layer axis is every model layer,
