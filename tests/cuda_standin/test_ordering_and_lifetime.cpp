@@ -24,6 +24,23 @@ std::vector<int64_t> device_row(Tensor& out) {
   return std::vector<int64_t>(out.as<int64_t>(), out.as<int64_t>() + c.num_layers * c.top_k);
 }
 
+// One slot's row as a GPU tensor (int64 [1, layers, top_k]).
+Tensor gpu_row() {
+  const moecap_config c = cuda_config();
+  return Tensor({1, c.num_layers, c.top_k}, moecap_test::i64(), kDLCUDA);
+}
+
+// Forward `token`'s routing committed to `slot` and landed, then a read of
+// the slot into `out` (a GPU tensor) queued on `s`, not yet run.
+void queue_gpu_read(moecap_capturer* h, Stream s, Tensor& ids, moecap_test::HostTensor& slot, int token,
+                    Tensor& out) {
+  forward(ids, token, 1);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slot.get(), s);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  REQUIRE(moecap_read(h, slot.get(), out.get(), nullptr, 0, s) == MOECAP_OK);
+}
+
 // Waits until the capturer's memory (its device and pinned blocks, claims,
 // snapshot ring: four allocations) is freed, by whichever thread releases it.
 void wait_until_freed(int64_t held) {
@@ -67,15 +84,11 @@ TEST_CASE("write waiting for a GPU read and for the engine's stream does not hol
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
   Tensor ids = routing_buffer();
-  forward(ids, 44, 1);
-  capture_layers(h, ids.get(), 1, s);
   moecap_test::HostTensor slot({1}, moecap_test::i64());
   slot.set(0, 4);
-  commit(h, slot.get(), s);
-  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  Tensor out = gpu_row();
+  queue_gpu_read(h, s, ids, slot, 44, out);  // write waits for it
   const moecap_config c = cuda_config();
-  Tensor out({1, c.num_layers, c.top_k}, moecap_test::i64(), kDLCUDA);
-  REQUIRE(moecap_read(h, slot.get(), out.get(), nullptr, 0, s) == MOECAP_OK);  // write waits for it
   moecap_test::HostTensor reuse({1, c.num_layers, c.top_k}, moecap_test::i32());
   for (int64_t i = 0; i < reuse.numel(); ++i) reuse.set(i, 1);
   CHECK(other_calls_proceed(h, ids, [&] {
@@ -224,16 +237,11 @@ TEST_CASE("moecap_destroy lets a read into a GPU tensor still queued on the engi
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
   Tensor ids = routing_buffer();
-  forward(ids, 45, 1);
-  capture_layers(h, ids.get(), 1, s);
   moecap_test::HostTensor slot({1}, moecap_test::i64());
   slot.set(0, 5);
-  commit(h, slot.get(), s);
-  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
-  const moecap_config c = cuda_config();
-  Tensor out({1, c.num_layers, c.top_k}, moecap_test::i64(), kDLCUDA);
+  Tensor out = gpu_row();
   const int64_t violations = standin_violations();
-  REQUIRE(moecap_read(h, slot.get(), out.get(), nullptr, 0, s) == MOECAP_OK);
+  queue_gpu_read(h, s, ids, slot, 45, out);
   REQUIRE(standin_pending(s) > 0);  // the gather has not run
   CHECK(moecap_destroy(h) == MOECAP_OK);  // frees the pinned cache the gather reads, and its module
   standin_run_stream(s);
