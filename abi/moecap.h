@@ -285,7 +285,8 @@ MOECAP_API moecap_status moecap_plan(const moecap_config* config, moecap_plan_in
 /* Capturer lifetime                                                        */
 /* ------------------------------------------------------------------------ */
 
-/* Allocates every buffer of the plan (zeroed) and, for CUDA, loads the
+/* Allocates every buffer of the plan (the device ids "no routing": -1, all
+ * ones in an unsigned dtype; every other buffer zeroed) and, for CUDA, loads the
  * driver and kernels on the primary context of config->device_id. *out is
  * set only on MOECAP_OK. Call it before capturing graphs: an allocation the
  * driver refuses because a capture is in progress is reported as

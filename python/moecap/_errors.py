@@ -20,7 +20,7 @@ class MoecapError(RuntimeError):
 
     status: Union[Status, int]
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str) -> None:
         try:
             self.status = Status(status)
             name = self.status.name

@@ -374,10 +374,22 @@ class Attached:
         self._runner = runner
         self.layer_map = layer_map
 
-    num_layers = property(lambda self: len(self.layers))
-    num_experts = property(lambda self: self._runner.num_experts)
-    top_k = property(lambda self: self._runner.top_k)
-    shared_column = property(lambda self: self._runner.shared_column, doc="1 if the shared expert rides as column top_k")
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_experts(self) -> int:
+        return self._runner.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self._runner.top_k
+
+    @property
+    def shared_column(self) -> int:
+        """1 if the shared expert rides as column top_k."""
+        return self._runner.shared_column
 
     def idle_step(self) -> None:
         """For an attention-DP rank with no tokens this step: joins each MoE

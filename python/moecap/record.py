@@ -14,7 +14,7 @@ has the table).
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -161,17 +161,17 @@ class RoutedExperts:
                    num_hidden_layers=num_hidden_layers)
 
     @property
-    def layer_map(self):
+    def layer_map(self) -> LayerMap:
         return LayerMap(self.layers, self.num_hidden_layers)
 
-    def with_layer_map(self, layers, num_hidden_layers=None):
+    def with_layer_map(self, layers: Sequence[int], num_hidden_layers: Optional[int] = None) -> RoutedExperts:
         """The same routing placed at model layers `layers` (e.g. a record read
         back with from_bytes, which does not carry the map)."""
         return type(self)(self.ids, self.num_experts, weights=self.weights, valid=self.valid, start=self.start,
                           layers=layers, num_hidden_layers=num_hidden_layers)
 
     @classmethod
-    def concat(cls, parts):
+    def concat(cls, parts: Iterable[RoutedExperts]) -> RoutedExperts:
         """One routing from consecutive pieces of a sequence (a prefix, then the
         routing of each continuation, as multi-turn serving reads them): each
         piece starts where the one before it ends, with the same num_experts,
@@ -194,7 +194,7 @@ class RoutedExperts:
                    valid=np.concatenate([p.valid for p in parts]), start=first.start, layers=first.layers,
                    num_hidden_layers=first.num_hidden_layers)
 
-    def all_layers(self, dense=0):
+    def all_layers(self, dense: int = 0) -> np.ndarray:
         """ids over every model layer: [tokens, num_hidden_layers, top_k] in the
         signed ids dtype, dense layers filled with `dense`, MoE layers the ids
         (-1 in every MoE layer of a token that has no routing)."""

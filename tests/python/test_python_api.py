@@ -81,6 +81,32 @@ def test_an_int_argument_that_may_be_none_is_checked_like_the_others():
         assert cap.local_rows(0, [3], np.int64(4)) == cap.local_rows(0, [3], torch.tensor(4)) == (0, 3, 4)
 
 
+def test_the_pure_python_modules_annotate_their_public_functions():
+    """As docs/PYTHON.md says: every public function, method and property of
+    moecap, engine, hf, ops and record has its parameters and result typed."""
+    import inspect
+
+    from moecap import engine, hf, ops, record
+    missing = []
+    for module in (moecap, engine, hf, ops, record):
+        for name, obj in vars(module).items():
+            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            members = [(name, obj)]
+            if inspect.isclass(obj):
+                members = [(f"{name}.{m}", v) for m, v in vars(obj).items() if not m.startswith("_") or m == "__init__"]
+            for qualified, f in members:
+                f = f.fget if isinstance(f, property) else getattr(f, "__func__", f)
+                if not inspect.isfunction(f) or not f.__module__.startswith("moecap"):
+                    continue
+                signature = inspect.signature(f)
+                untyped = [p.name for p in signature.parameters.values() if p.name not in ("self", "cls")
+                           and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.annotation is p.empty]
+                if signature.return_annotation is signature.empty or untyped:
+                    missing.append(f"{module.__name__}.{qualified}")
+    assert missing == []
+
+
 def test_errors_cross_process_boundaries_and_copy_whole():
     """A worker's MoecapError reaches its pool (pickle) with its status and message."""
     import copy

@@ -5,7 +5,7 @@ vLLM's aux-output connector (``AuxOutputWorkerConnector``) builds one
 ``RoutedExpertsCapturer(max_num_batched_tokens, vllm_config)``, binds
 ``capture(layer_id, topk_ids)`` to every MoE router's ``select_experts``
 (``bind_routed_experts_capturer``), and after each forward takes
-``snapshot_routing_data(num_rows)``: ``[num_rows, num_hidden_layers, top_k]``
+``snapshot_routing_data(num_tokens)``: ``[num_tokens, num_hidden_layers, top_k]``
 in ``output_dtype_name`` (uint8 up to 256 experts, else uint16), which it
 copies to the host, stages per request and trims to T-1 rows in the
 scheduler's ``take_output``. ``MoecapRoutedExpertsCapturer`` has that
@@ -14,7 +14,7 @@ interface over a ``moecap.Capturer``:
 - capture restores this DP rank's rows with vLLM's own rule (DP/SP/TP
   layouts) and writes them into moecap's device buffer at the micro-batch
   offset, under the layer's MoE ordinal (dense layers take no memory);
-- snapshot_routing_data copies rows [0, num_rows) out of the device buffer
+- snapshot_routing_data copies rows [0, num_tokens) out of the device buffer
   and commits them to no slot, which consumes them: every row reads "no
   routing" until each MoE layer writes it again. So a token some MoE layer
   did not write this step (a kernel that bypasses the router hook, the
