@@ -460,19 +460,22 @@ class Capturer(_moecap.Capturer):
 def _host_slots(slots: Any, host_slots: int) -> Any:
     """slots as a NumPy int64 index, checked as moecap_read checks its slots (its messages)."""
     import numpy as np
+    def outside(i: int, value: int) -> MoecapError:
+        return MoecapError(Status.OUT_OF_RANGE, f"slot_states: slots[{i}] is {value}; it must be in [0, {host_slots})")
+
     if isinstance(slots, (list, tuple)):
         # Each entry an int as Python means it (operator.index): 1.7, "1" and
-        # True are refused, not truncated or cast.
+        # True are refused, not truncated or cast; ranged before NumPy, which
+        # cannot hold 2**70.
         try:
-            values = [operator.index(v) for v in slots if not isinstance(v, (bool, np.bool_))]
+            if any(isinstance(v, (bool, np.bool_)) for v in slots):
+                raise TypeError("not bool")
+            values = [operator.index(v) for v in slots]
         except TypeError as e:
             raise MoecapError(Status.INVALID_ARGUMENT, f"slot_states: slots must hold ints: {e}") from None
-        if len(values) != len(slots):
-            raise MoecapError(Status.INVALID_ARGUMENT, "slot_states: slots must hold ints, not bool")
-        bad = [i for i, v in enumerate(values) if not 0 <= v < host_slots]
-        if bad:
-            raise MoecapError(Status.OUT_OF_RANGE,
-                              f"slot_states: slots[{bad[0]}] is {values[bad[0]]}; it must be in [0, {host_slots})")
+        for i, v in enumerate(values):
+            if not 0 <= v < host_slots:
+                raise outside(i, v)
         slots = np.asarray(values, dtype=np.int64)
     elif not isinstance(slots, np.ndarray):
         try:
@@ -491,9 +494,7 @@ def _host_slots(slots: Any, host_slots: int) -> Any:
                           f"expected {slots.itemsize}")
     bad = np.flatnonzero((slots < 0) | (slots >= host_slots))
     if bad.size:
-        i = int(bad[0])
-        raise MoecapError(Status.OUT_OF_RANGE,
-                          f"slot_states: slots[{i}] is {int(slots[i])}; it must be in [0, {host_slots})")
+        raise outside(int(bad[0]), int(slots[bad[0]]))
     return slots
 
 

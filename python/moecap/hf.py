@@ -250,10 +250,10 @@ class MoELayer:
         # that owns it (`outer`: GraniteMoE-Shared's decoder layer adds its
         # shared_mlp to the block's output).
         for owner in (block, outer):
-            found = [(getattr(owner, e), g) for e, g in _SHARED if getattr(owner, e, None) is not None]
-            if found:
-                self.shared, gate_attr = found[0]
-                self.shared_gate = getattr(owner, gate_attr, None) if gate_attr else None
+            found = next(((e, g) for e, g in _SHARED if getattr(owner, e, None) is not None), None)
+            if found is not None:
+                self.shared = getattr(owner, found[0])
+                self.shared_gate = getattr(owner, found[1], None) if found[1] else None
                 break
 
     def __repr__(self) -> str:
@@ -517,21 +517,26 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     runner = _Runner(capturer, gather, keep_weights, int(bool(shared_expert)), num_experts, top_k, stream)
     hooks = []
     for layer in layers:
-        hooks.append(layer.router.register_forward_hook(_router_hook(layer, runner, selector, shared_expert)))
+        hooks.append(_hook_own(layer.router, _router_hook(layer, runner, selector, shared_expert)))
         if shared_expert:
-            hooks.append(layer.block.register_forward_hook(_block_hook(layer, runner)))
+            hooks.append(_hook_own(layer.block, _block_hook(layer, runner)))
             if layer.shared_gate is not None:
-                hooks.append(layer.shared_gate.register_forward_hook(_gate_hook(layer, runner)))
+                hooks.append(_hook_own(layer.shared_gate, _gate_hook(layer, runner)))
     return Attached(layers, hooks, runner, mapped)
 
 
-# Each hook runs only for the module it was attached to: copy.deepcopy of an
-# attached model copies its hooks (an RL reference model made from the policy),
-# and the copy's layers must not write into this capturer's rows.
+def _hook_own(module, hook):
+    """Registers `hook` on `module`, to run for that module only: copy.deepcopy
+    of an attached model copies its hooks (an RL reference model made from the
+    policy), and the copy's layers must not write into this capturer's rows."""
+    def own(m, inputs, output):
+        if m is module:
+            hook(m, inputs, output)
+    return module.register_forward_hook(own)
+
+
 def _router_hook(layer, runner, selector, shared_expert):
     def hook(module, inputs, output):
-        if module is not layer.router:
-            return
         ids, weights = selector(module, inputs, output)
         ids = ids.reshape(-1, ids.shape[-1])
         weights = None if weights is None else weights.reshape(ids.shape)
@@ -546,8 +551,6 @@ def _router_hook(layer, runner, selector, shared_expert):
 
 def _gate_hook(layer, runner):
     def hook(module, inputs, output):
-        if module is not layer.shared_gate:
-            return
         runner.pending[id(layer.block)][2] = output.reshape(-1, 1).float().sigmoid()
     return hook
 
@@ -564,8 +567,6 @@ def _routed_sum_scale(block) -> float:
 
 def _block_hook(layer, runner):
     def hook(module, inputs, output):
-        if module is not layer.block:
-            return
         import torch
         ids, weights, gate = runner.pending.pop(id(layer.block))
         column = torch.full((ids.shape[0], 1), runner.num_experts, dtype=ids.dtype, device=ids.device)

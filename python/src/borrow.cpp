@@ -306,20 +306,17 @@ int32_t as_int32(int64_t value, const char* function, const char* name) {
 }
 
 int64_t int_argument(nb::handle value, const char* function, const char* name) {
-  PyObject* index = PyNumber_Index(value.ptr());
-  if (index == nullptr) {
+  const nb::object index = nb::steal(PyNumber_Index(value.ptr()));
+  if (!index.is_valid()) {
     PyErr_Clear();
-    throw nb::type_error((std::string(function) + ": " + name + " must be an int, not " +
-                          nb::cast<std::string>(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())))
-                                                    .attr("__name__")))
+    throw nb::type_error((std::string(function) + ": " + name + " must be an int, not " + Py_TYPE(value.ptr())->tp_name)
                              .c_str());
   }
   int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(index, &overflow);
-  const std::string text = overflow != 0 ? nb::cast<std::string>(nb::str(nb::handle(index))) : std::string();
-  Py_DECREF(index);
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
   if (overflow != 0) {
-    raise_error(MOECAP_ERROR_OUT_OF_RANGE, std::string(function) + ": " + name + " is " + text +
+    raise_error(MOECAP_ERROR_OUT_OF_RANGE, std::string(function) + ": " + name + " is " +
+                                               nb::cast<std::string>(nb::str(index)) +
                                                "; it must fit in int64 [-9223372036854775808, 9223372036854775807]");
   }
   return v;
