@@ -242,6 +242,27 @@ def test_a_second_micro_batch_lands_past_the_first_and_an_id_outside_it_is_refus
     assert not sent[4].any() and torch.equal(sent[:4], snapshots[0][:4].to(sent.dtype))
 
 
+def test_a_models_row_restore_replaces_vllms_rule(vl):
+    """vLLM 0.34's binding sets capturer.restore_rows to the first bound
+    module's restore_routed_experts_rows (a model whose router sees its rows
+    in another order or layout); capture then keeps what that hook returns.
+    Set here as the binding sets it, so the test runs on 0.33 as well."""
+    cfg = vl.config()
+    theirs, ours = pair(vl, cfg)
+    seen = []
+
+    def restore_routed_experts_rows(topk_ids, ctx):  # this model's rule: its rows arrive reversed
+        seen.append(ctx)
+        return topk_ids.flip(0)
+
+    ours.restore_rows = restore_routed_experts_rows
+    rows = np.random.default_rng(4).integers(0, NUM_EXPERTS, size=(6, len(MOE_LAYERS), TOP_K))
+    a, b = step(vl, cfg, (theirs, ours), rows, 6)
+    assert len(seen) == len(MOE_LAYERS) and all(ctx is not None for ctx in seen)
+    assert np.array_equal(b.numpy()[:, list(MOE_LAYERS)], rows[::-1])
+    assert vl.torch.equal(a.flip(0), b)  # vLLM's default rule, on the same rows, kept them in order
+
+
 def test_install_routes_binding_through_the_adapter(vl):
     """install() swaps the aux-output worker's capturer class and binder; the
     binder learns the MoE layers from the model's modules before vLLM's own

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""moecap behind vLLM 0.33's RoutedExpertsCapturer interface.
+"""moecap behind vLLM's RoutedExpertsCapturer interface (0.33 and 0.34).
 
 vLLM's aux-output connector (``AuxOutputWorkerConnector``) builds one
 ``RoutedExpertsCapturer(max_num_batched_tokens, vllm_config)``, binds
@@ -12,8 +12,10 @@ scheduler's ``take_output``. ``MoecapRoutedExpertsCapturer`` has that
 interface over a ``moecap.Capturer``:
 
 - capture restores this DP rank's rows with vLLM's own rule (DP/SP/TP
-  layouts) and writes them into moecap's device buffer at the micro-batch
-  offset, under the layer's MoE ordinal (dense layers take no memory);
+  layouts), or with the model's ``restore_routed_experts_rows`` where vLLM
+  0.34's binding installs one as ``restore_rows``, and writes them into
+  moecap's device buffer at the micro-batch offset, under the layer's MoE
+  ordinal (dense layers take no memory);
 - snapshot_routing_data copies rows [0, num_tokens) out of the device buffer
   and commits them to no slot, which consumes them: every row reads "no
   routing" until each MoE layer writes it again. So a token some MoE layer
@@ -67,6 +69,9 @@ class MoecapRoutedExpertsCapturer:
         self.vllm_config = vllm_config
         self.dp_rank = vllm_config.parallel_config.data_parallel_rank
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        # What capture restores this rank's rows with. vLLM 0.34's binding replaces it with
+        # the first bound module's restore_routed_experts_rows, as on its own capturer.
+        self.restore_rows = self._restore_local_topk_ids
         self.invalid = invalid
         if device is None:
             from vllm.platforms import current_platform
@@ -124,8 +129,7 @@ class MoecapRoutedExpertsCapturer:
                              f"for ({list(self.moe_layers)})")
         from vllm.forward_context import get_forward_context
         from vllm.v1.worker.ubatching import dbo_current_ubatch_token_offset
-        module = _vllm_capturer_module()
-        local = module.RoutedExpertsCapturer._restore_local_topk_ids(self, topk_ids, get_forward_context())
+        local = self.restore_rows(topk_ids, get_forward_context())
         offset = dbo_current_ubatch_token_offset()
         torch = _torch()
         if local.dtype not in (torch.int32, torch.int64):  # the monolithic-kernel sink hands int16
@@ -145,6 +149,10 @@ class MoecapRoutedExpertsCapturer:
             # into a real expert's id.
             inside = (local >= 0) & (local < self.num_experts)
             self._device_ids[ordinal, offset:offset + n] = local.masked_fill(~inside, -1).to(self._device_ids.dtype)
+
+    def _restore_local_topk_ids(self, topk_ids, ctx):
+        """This DP rank's rows of the batch the router saw, by vLLM's own rule."""
+        return _vllm_capturer_module().RoutedExpertsCapturer._restore_local_topk_ids(self, topk_ids, ctx)
 
     def snapshot_routing_data(self, num_tokens):
         """[num_tokens, num_hidden_layers, top_k] in output_dtype (dense layers 0);
