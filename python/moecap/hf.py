@@ -181,11 +181,28 @@ def _model_type(model):
     return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
 
+def _known_type(model) -> Optional[str]:
+    """The KNOWN model type whose routers `model` runs: its own, or else that
+    of the model class that records its routers (a config type that builds
+    another's model, as Sarvam's build GLM-4.5's and DeepSeek-V3's; a
+    multimodal wrapper whose language model is known, as Aria's)."""
+    if _model_type(model) in KNOWN:
+        return _model_type(model)
+    router = _router_class(model)
+    for candidate in model.modules():
+        recorder = (getattr(candidate, "_can_record_outputs", None) or {}).get("router_logits")
+        kind = getattr(getattr(type(candidate), "config_class", None), "model_type", None)
+        if router is not None and getattr(recorder, "target_class", None) is router and kind in KNOWN:
+            return kind
+    return None
+
+
 def _router_output_order(router: Any, output: Any) -> tuple[int, int, int]:
     """Positions (logits, weights, indices) in a transformers >= 5 router's
     output: three tensors, the indices the one integer tensor, the weights the
     floating one of the indices' shape. Most routers return (logits, weights,
-    indices); GraniteMoE, from transformers 5.19, (indices, weights, logits)."""
+    indices); GraniteMoE's and Aria's, in transformers 5.19, (indices,
+    weights, logits)."""
     if isinstance(output, tuple) and len(output) == 3 and all(hasattr(o, "dtype") for o in output):
         integer = [i for i, o in enumerate(output) if not o.dtype.is_floating_point]
         if len(integer) == 1:
@@ -474,18 +491,19 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     data parallelism, fn(layer, ids, weights) -> (ids, weights) that
     all-gathers every rank's rows back to back (the engine's DP gather).
     selector: fn(router, inputs, output) -> (ids, weights) for a model whose
-    routers do not return (logits, weights, indices); required for a
-    model_type outside KNOWN. stream: where every capture is enqueued (None:
+    routers do not return (logits, weights, indices); required unless the
+    model's type, or that of the model class recording its routers, is in
+    KNOWN. stream: where every capture is enqueued (None:
     the capturer's default).
 
     The model compiles with torch.compile(fullgraph=True): traced, the hooks
     capture through the capturer's custom ops (moecap.ops) on torch's current
     stream; with a stream they call the extension, which Dynamo cannot trace.
     """
-    model_type = _model_type(model)
-    if selector is None and model_type not in KNOWN:
+    if selector is None and _known_type(model) is None:
         raise UnknownArchitecture(
-            f"moecap.hf does not know how {type(model).__name__} (model_type {model_type!r}) picks its experts; "
+            f"moecap.hf does not know how {type(model).__name__} (model_type {_model_type(model)!r}) picks its "
+            "experts; "
             f"it knows {', '.join(sorted(KNOWN))}. Pass selector=fn(router, inputs, output) -> "
             "(ids [tokens, top_k] int, weights [tokens, top_k] float or None) returning the experts the "
             "router picked (and routers=[router modules] if the model declares no router class)")

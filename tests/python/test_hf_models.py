@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import moecap  # noqa: E402
 from moecap import hf  # noqa: E402
+from moecap.integrations import _model  # noqa: E402
 
 import hf_serving  # noqa: E402
 
@@ -160,12 +161,13 @@ def test_shared_expert_rides_as_extra_column(model_type):
     assert np.array_equal(cap.read(commit_slots), routed.numpy())
 
 
-def test_unknown_architecture_is_refused_naming_the_selector():
+def test_unknown_architecture_is_refused_naming_the_selector(monkeypatch):
     _, config = hf_serving.tiny_config("mixtral")
     if config is None:
         pytest.skip(f"transformers {transformers.__version__} has no MixtralConfig")
     model = hf_serving.build(config)
     model.config.model_type = "my_moe"
+    monkeypatch.delitem(hf.KNOWN, "mixtral")  # so that neither its type nor its model class's is known
     cap = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=8, max_running_requests=1,
                           chunked_prefill_size=8)
     with pytest.raises(hf.UnknownArchitecture, match="model_type 'my_moe'.*selector="):
@@ -187,6 +189,28 @@ def test_unknown_architecture_is_refused_naming_the_selector():
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(hf.UnknownArchitecture, match="routers="):
         hf.attach(plain, cap, selector=selector)
+
+
+def test_a_config_type_that_builds_a_known_model_is_known():
+    """Sarvam's config types build GLM-4.5's and DeepSeek-V3's models: their
+    model_type is not in KNOWN, the model class that records their routers
+    is, and attach captures what it captures under the known type."""
+    _, config = hf_serving.tiny_config("glm4_moe")
+    if config is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Glm4MoeConfig")
+    model = hf_serving.build(config)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 5))
+    reads = []
+    for model_type in ("glm4_moe", "sarvam_moe"):
+        model.config.model_type = model_type
+        cap = moecap.Capturer(num_layers=2, top_k=2, num_experts=8, host_slots=8, max_running_requests=1,
+                              chunked_prefill_size=8)
+        with hf.attach(model, cap), torch.no_grad():
+            model(tokens)
+        cap.commit(np.arange(5))
+        reads.append(cap.read(np.arange(5)))
+    assert (reads[0] >= 0).all() and np.array_equal(reads[0], reads[1])
+    assert "sarvam_moe" not in hf.KNOWN
 
 
 def test_a_selectors_model_whose_router_and_config_name_no_top_k_takes_it_from_the_capturer():
@@ -275,7 +299,9 @@ def test_layer_map_places_moe_layers_among_dense_ones(model_type):
     unrecorded = hf_serving.Unrecorded(model, layers)
     with hf.attach(model, cap) as handle, torch.no_grad():
         assert handle.layer_map == cap.layer_map == want
-        out = model(tokens, output_router_logits=True)
+        # use_cache=False here and below: a training forward's (and Nemotron-H in transformers 5.25 cannot
+        # start a cache without position_ids)
+        out = model(tokens, output_router_logits=True, use_cache=False)
     unrecorded.close()
     table.start("r")
     table.append("r", np.arange(5))
@@ -367,18 +393,18 @@ def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type)
     tokens = torch.randint(3, hf_serving.VOCAB, (2, 5))
     hooks = [layer.router.register_forward_hook(remember(layer)) for layer in layers]
     with torch.no_grad():
-        model(tokens)
+        model(tokens, use_cache=False)
     for h in hooks:
         h.remove()
     free = dict(own)
     forced = [free[layer.index][0] for layer in layers]
     if model_type == "phimoe":  # sparsemixer's weights depend on the order it picked in: not recomputed
         with pytest.raises(hf.UnknownArchitecture, match="pass weights="), torch.no_grad(), hf.replay(model, forced):
-            model(tokens)
+            model(tokens, use_cache=False)
         return
     with torch.no_grad(), hf.replay(model, forced):
         hooks = [layer.router.register_forward_hook(remember(layer)) for layer in layers]
-        model(tokens)
+        model(tokens, use_cache=False)
         for h in hooks:
             h.remove()
     for layer in layers:
@@ -402,7 +428,7 @@ def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
             with pytest.raises(ValueError, match=rf"layer {len(layers) - 1}: recorded ids\[2, {top_k - 1}\] is "
                                                  rf"{bad}; expected \[0, {num_experts}\)"):
                 with torch.no_grad(), hf.replay(model, ids, w):
-                    model(tokens)
+                    model(tokens, use_cache=False)
     # Checked when the block is entered: a compiled forward never runs unchecked ids, and an int64 id is
     # compared as given, not after a cast to the router's dtype (2**32 + 1 would be 1 in int32).
     ids = [torch.arange(top_k).repeat(3, 1) for _ in layers]
@@ -477,8 +503,10 @@ def test_a_detached_capturer_is_freed_without_the_garbage_collector():
 
 def test_a_recorder_that_names_its_layer_finds_only_those_modules():
     """Jamba records router_logits from any nn.Linear named "router": the
-    layers are those, not every linear layer of the model (attach still
-    refuses Jamba: its router returns bare logits)."""
+    layers are those, not every linear layer of the model, and the engine
+    adapters read the same layers from its config (expert_layer_period and
+    _offset). attach refuses Jamba, not in KNOWN (in transformers 5.19 its
+    router returns bare logits)."""
     jamba = getattr(transformers, "JambaConfig", None)
     if jamba is None:
         pytest.skip("no Jamba in this transformers")
@@ -490,6 +518,7 @@ def test_a_recorder_that_names_its_layer_finds_only_those_modules():
     layers = hf.find_moe_layers(model)
     assert [(layer.name, layer.model_layer) for layer in layers] == [
         ("model.layers.1.feed_forward.router", 1), ("model.layers.3.feed_forward.router", 3)]
+    assert _model.moe_layers_from_config(config) == (1, 3)
     cap = moecap.Capturer(num_layers=2, top_k=2, num_experts=4, host_slots=16, max_running_requests=1,
                           chunked_prefill_size=16)
     with pytest.raises(hf.UnknownArchitecture, match="'jamba'"):

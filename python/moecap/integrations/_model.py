@@ -39,7 +39,8 @@ def moe_layers_from_config(config):
     rules: a per-layer list (transformers' mlp_layer_types, "sparse" or "moe"
     where a layer routes; Nemotron-H's layers_block_type, "moe"), an
     explicit list (Llama 4's moe_layers, else its interleave_moe_layer_step;
-    Step 3.5's moe_layers_enum), Ernie 4.5's moe_layer_start_index,
+    Step 3.5's moe_layers_enum), Jamba's expert_layer_period and
+    expert_layer_offset, Ernie 4.5's moe_layer_start_index,
     moe_layer_end_index and moe_layer_interval, DeepSeek's
     first_k_dense_replace (LFM2-MoE's and AFMoE's num_dense_layers, Inkling's
     dense_mlp_idx) and
@@ -68,6 +69,10 @@ def moe_layers_from_config(config):
         last = getattr(config, "moe_layer_end_index", -1)
         last = n - 1 if last is None or int(last) == -1 else int(last)
         return check_layers([i for i in range(n) if (i + 1) % interval == 0 and first <= i <= last], n)
+    period = getattr(config, "expert_layer_period", None)  # Jamba's: layer i routes where i % period == offset
+    if isinstance(period, int) and period >= 1:
+        offset = int(getattr(config, "expert_layer_offset", 0) or 0)
+        return check_layers([i for i in range(n) if i % period == offset], n)
     first_dense = int(getattr(config, "first_k_dense_replace", 0) or getattr(config, "num_dense_layers", 0)
                       or getattr(config, "dense_mlp_idx", 0) or 0)
     freq = getattr(config, "moe_layer_freq", 1)
