@@ -9,7 +9,8 @@
 # vLLM): python/requirements-engines-deps.txt (exact pins of what their
 # capture paths import) and python/requirements-engines.txt (the engines),
 # both with --no-deps, so they never move torch, NumPy, transformers, JAX or
-# megatron-core (checked after the install).
+# megatron-core (checked after the install); and python/requirements-transformers-newest.txt
+# into a folder of its own, <venv>/newest-transformers.
 # Reused while the requirements and the base interpreter are what it was made
 # from (a stamp file); updated in place when only the requirements changed,
 # rebuilt from scratch when the interpreter did. Prints the venv's
@@ -26,6 +27,7 @@ base=${MOECAP_VENV_PYTHON:-python3}
 requirements=$root/python/requirements-dev.txt
 engine_deps=$root/python/requirements-engines-deps.txt
 engines=$root/python/requirements-engines.txt
+newest_transformers=$root/python/requirements-transformers-newest.txt
 constraints=$root/python/constraints.txt  # the whole venv at exact versions, transitive packages too
 
 base_path=$(command -v "$base") || { echo "venv: no $base on PATH (set MOECAP_VENV_PYTHON)" >&2; exit 1; }
@@ -36,7 +38,7 @@ if [ ! -f "$include/Python.h" ]; then
   echo "venv: $base_path has no C headers ($include/Python.h); install its -dev package or set MOECAP_VENV_PYTHON" >&2
   exit 1
 fi
-stamp="$(cat "$requirements" "$engine_deps" "$engines" "$constraints" | sha256sum | cut -d' ' -f1) $base_id"
+stamp="$(cat "$requirements" "$engine_deps" "$engines" "$newest_transformers" "$constraints" | sha256sum | cut -d' ' -f1) $base_id"
 # One creator at a time (several checkouts on one machine share the venv).
 mkdir -p "$(dirname "$venv")"
 exec 9>"$venv.lock"
@@ -59,6 +61,10 @@ fi
 # paths import, pinned, without resolving.
 "$venv/bin/python" -m pip install -q --no-deps -r "$engine_deps" >&2
 "$venv/bin/python" -m pip install -q --no-deps -r "$engines" >&2
+# The newest transformers, in a folder of its own that only the test of moecap.hf
+# against it puts on its path.
+rm -rf "$venv/newest-transformers"
+"$venv/bin/python" -m pip install -q --no-deps --target "$venv/newest-transformers" -r "$newest_transformers" >&2
 # The pins the other tests rely on must have survived.
 "$venv/bin/python" - "$requirements" >&2 <<'PY'
 import re, sys
