@@ -133,6 +133,39 @@ KNOWN = {
              "dense first layers"),
     "axk2": ("AXK2TopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias, dropped groups masked to 0 "
              "(or no groups); shared experts; dense first layers; indexed MLA"),
+    "bailing_hybrid": ("BailingHybridTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared "
+                       "experts; dense first layers; linear-attention (Kimi delta) and MLA layers"),
+    "beam": ("BeamTopKRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias, sorted, unscaled (the block "
+             "scales the routed sum by routed_scaling_factor); dense first layers"),
+    "dots3_note_text": ("Dots3NoteTextTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared "
+                        "experts; dense first layers; indexed MLA and sliding-window layers"),
+    "dots3_note": ("Dots3NoteTextTopkRouter: dots3_note_text's, in its multimodal wrapper (the vision tower's MoE "
+                   "routers are not captured)"),
+    "ergo": ("ErgoTopkRouter: top-k of sigmoid + correction bias, renormalized, scaled; shared expert; "
+             "dense first layers"),
+    "flint": "FlintTopKRouter: top-k of sigmoid (renormalized if norm_topk_prob); shared expert; dense first layers",
+    "hy_v4_vl": ("HYV4VLTopkRouter (multimodal wrapper): DeepSeek-V3's grouped top-k of sigmoid + correction bias; "
+                 "shared experts; dense first layers; indexed MLA, hyper-connections"),
+    "inkling2_text": ("Inkling2TopKRouter: top-k of score_fn (sigmoid) + correction bias, renormalized, scaled; "
+                      "hybrid sliding-window layers"),
+    "inkling2": "Inkling2TopKRouter: inkling2_text's, in its multimodal wrapper",
+    "inkling2_loop_text": ("Inkling2LoopTopKRouter: Inkling 2's top-k of score_fn (sigmoid) + correction bias, "
+                           "renormalized, scaled; looped layers"),
+    "inkling2_loop": "Inkling2LoopTopKRouter: inkling2_loop_text's, in its multimodal wrapper",
+    "kolibri1": ("Kolibri1TopKRouter: top-k of logits + correction bias, sigmoid of those logits (renormalized if "
+                 "norm_topk_prob); shared expert; sliding-window layers"),
+    "kolibri1_1": ("Kolibri1_1TopKRouter: Kolibri 1's top-k of logits + correction bias, sigmoid of those logits; "
+                   "shared expert; dense first layers; layers sharing keys and values"),
+    "lara_mini": ("LaraMiniTopKRouter: softmax of float32 logits, top-k (renormalized if norm_topk_prob); shared "
+                  "expert; linear-attention and sliding-window layers"),
+    "minicpm5_moe": ("MiniCPM5MoeTopkRouter: DeepSeek-V3's grouped top-k of sigmoid + correction bias; shared experts; "
+                     "dense first layers"),
+    "mistral_large4": ("MistralLarge4TextTopkRouter (multimodal wrapper): Mistral 4's grouped top-k of softmax of "
+                       "float32 logits, always renormalized; shared experts; dense first layers; indexed MLA"),
+    "muse_spark": ("MuseSparkTopkRouter (multimodal wrapper): top-k of sigmoid (of logits times output_multiplier) + "
+                   "correction bias, renormalized, scaled"),
+    "unlimited_ocr": ("UnlimitedOcrTextTopkRouter (multimodal wrapper): DeepSeek-V2's softmax, greedy or "
+                      "group-limited greedy top-k, no renormalization; shared experts; dense first layers"),
 }
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
@@ -609,7 +642,7 @@ def _recomputed_weights(router, logits, ids):
         w = torch.softmax(logits.float(), dim=-1).gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
     if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe", "Qwen3Next", "FlexOlmo", "HunYuan", "Qwen3_5Moe",
-                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText", "Mellum")):
+                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText", "Mellum", "LaraMini")):
         w = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
         if kind.startswith(("HunYuan", "Qwen3_5Moe", "Qwen3VLMoe")) or router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
@@ -625,7 +658,7 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith("Gemma4Text"):  # its "logits" are already the softmax
         w = logits.float().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True) * router.per_expert_scale[ids]
-    if kind.startswith(("DeepseekV2", "DeepseekOcr2Text")):
+    if kind.startswith(("DeepseekV2", "DeepseekOcr2Text", "UnlimitedOcrText")):
         return logits.float().softmax(dim=-1).gather(1, ids) * router.routed_scaling_factor
     if kind.startswith("Ernie4_5_Moe"):
         w = torch.softmax(logits.float(), dim=1).gather(1, ids)
@@ -633,9 +666,16 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith(("MiniMaxM2", "Step3p7", "MiniMaxM3VL", "Laguna")):
         w = logits.float().sigmoid().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
-    if kind.startswith("DeepseekV4"):  # top-k and hash routers weigh alike, by their own score function
+    if kind.startswith(("DeepseekV4", "Inkling2")):  # DeepSeek-V4's top-k and hash routers weigh alike: score_fn
         w = router.score_fn(logits).gather(1, ids)
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
+    if kind.startswith(("Ergo", "MuseSpark")):  # Muse Spark's logits come scaled by its output_multiplier
+        w = logits.float().sigmoid().gather(1, ids)
+        eps = getattr(router, "norm_topk_prob_eps", 1e-20)
+        return w / (w.sum(dim=-1, keepdim=True) + eps) * router.routed_scaling_factor
+    if kind.startswith(("Flint", "Kolibri1")):  # the sigmoid of the picked logits (Kolibri 1 picks them biased)
+        w = logits.float().gather(1, ids).sigmoid()
+        return w / w.sum(dim=-1, keepdim=True) if router.norm_topk_prob else w
     if kind.startswith("Lfm2Moe"):
         w = logits.sigmoid().gather(1, ids)
         if router.norm_topk_prob:
@@ -647,11 +687,12 @@ def _recomputed_weights(router, logits, ids):
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale
     if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH", "GlmMoeDsa", "KimiLinear",
                         "Mistral4", "Glm5NextText", "Glm4vMoeText", "ExaoneMoe", "MiMoV2Flash", "HYV4", "AXK1",
-                        "AXK2")):
-        w = (logits.softmax(-1) if kind.startswith("Mistral4") else logits.sigmoid()).gather(1, ids)
-        if router.norm_topk_prob:
+                        "AXK2", "MiniCPM5Moe", "BailingHybrid", "Dots3NoteText", "MistralLarge4Text", "Beam")):
+        softmax = kind.startswith(("Mistral4", "MistralLarge4"))
+        w = (logits.softmax(-1) if softmax else logits.sigmoid()).gather(1, ids)
+        if getattr(router, "norm_topk_prob", True):  # Mistral Large 4's always renormalizes
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * router.routed_scaling_factor
+        return w * getattr(router, "routed_scaling_factor", 1.0)  # Beam's block scales its routed sum instead
     raise UnknownArchitecture(f"replay cannot recompute {kind}'s weights for forced experts; pass weights=")
 
 

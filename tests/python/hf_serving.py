@@ -42,6 +42,7 @@ def tiny_config(model_type):
     grouped_bare = {k: v for k, v in grouped.items() if k != "first_k_dense_replace"}
     vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
                   spatial_merge_size=1, temporal_patch_size=1)
+    small_vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     specs = {
         "mixtral": ("MixtralConfig", dict(num_local_experts=8)),
         # dense layer 1 between MoE layers 0 and 2; a gated shared expert
@@ -262,6 +263,123 @@ def tiny_config(model_type):
         "axk2": ("AXK2Config", dict(grouped, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                     v_head_dim=8, num_key_value_heads=2, index_topk=4, index_head_dim=8,
                                     index_n_heads=2, gated_norm_rank=4)),
+        # transformers 5.25's. DeepSeek-V3's router under hybrid Kimi delta attention (a linear-attention layer, an
+        # MLA one); dense first layer
+        "bailing_hybrid": ("BailingHybridConfig", dict(
+            num_experts=8, num_experts_per_token=2, moe_intermediate_size=16, num_shared_experts=1,
+            num_expert_group=2, topk_group=1, routed_scaling_factor=2.5, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8, head_dim=16, linear_head_dim=8, linear_num_heads=2,
+            num_key_value_heads=2, layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"], first_k_dense_replace=1, num_nextn_predict_layers=0,
+            expert_swiglu_limit_list=[0, 0, 0], share_expert_swiglu_limit_list=[0, 0, 0])),
+        # DeepSeek-V3's grouped top-k, sorted, unscaled (the block scales the routed sum); dense first layer
+        "beam": ("BeamConfig", dict(num_experts=8, moe_intermediate_size=16, n_group=2, topk_group=1,
+                                    routed_scaling_factor=2.5, head_dim=16, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                    mlp_layer_types=["dense", "sparse", "sparse"])),
+        # DeepSeek-V3's router; MLA with an indexer beside a sliding-window layer; dense first layer
+        "dots3_note_text": ("Dots3NoteTextConfig", dict(
+            grouped_bare, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+            num_key_value_heads=2, head_dim=8, mlp_layer_types=["dense", "sparse", "sparse"], index_topk=4,
+            index_head_dim=8, index_n_heads=2, sliding_window=8, shared_experts_intermediate_size=16,
+            layer_types=["indexed_attention", "sliding_attention", "indexed_attention"])),
+        # top-k of sigmoid + the router's correction bias, renormalized, scaled; shared expert; dense first layer
+        "ergo": ("ErgoConfig", dict(num_experts=8, moe_intermediate_size=16, shared_intermediate_size=16,
+                                    first_dense_intermediate_size=32, num_dense_blocks=1,
+                                    moe_routed_scaling_factor=2.5, sliding_window=8, head_dim=16,
+                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                    mlp_layer_types=["dense", "sparse", "sparse"])),
+        # top-k of sigmoid, renormalized; shared expert; dense first layer
+        "flint": ("FlintConfig", dict(num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                      mlp_only_layers=[0], sliding_window=8, head_dim=16,
+                                      layer_types=["full_attention", "sliding_attention", "full_attention"])),
+        # served only inside its wrapper: DeepSeek-V3's router; indexed MLA, hyper-connections; dense first layer
+        "hy_v4_vl_text": ("HYV4VLTextConfig", dict(
+            grouped_bare, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+            num_key_value_heads=2, head_dim=8, mlp_layer_types=["dense", "sparse", "sparse"], index_topk=4,
+            index_head_dim=8, index_n_heads=2, hc_mult=2, layer_types=["indexed_attention"] * 3,
+            indexer_types=["full", "shared", "full"],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]))),
+        # top-k of sigmoid + correction bias, renormalized, scaled; hybrid sliding-window layers. Its LM head's
+        # output is unpadded_vocab_size: the tiny vocabulary, so that greedy decode picks tokens it embeds
+        "inkling2_text": ("Inkling2TextConfig", dict(n_routed_experts=8, moe_intermediate_size=16, head_dim=16,
+                                                     unpadded_vocab_size=VOCAB,
+                                                     swa_num_attention_heads=2, swa_num_key_value_heads=1,
+                                                     swa_head_dim=16, sliding_window_size=8,
+                                                     layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+                                                     n_layers_per_attn_res_block=3)),
+        "inkling2_loop_text": ("Inkling2LoopTextConfig", dict(n_routed_experts=8, moe_intermediate_size=16,
+                                                              unpadded_vocab_size=VOCAB,
+                                                              head_dim=16, swa_num_attention_heads=2,
+                                                              swa_num_key_value_heads=1, swa_head_dim=16,
+                                                              sliding_window_size=8,
+                                                              layer_types=["hybrid_sliding", "hybrid",
+                                                                           "hybrid_sliding"],
+                                                              n_layers_per_attn_res_block=3)),
+        # top-k of logits + correction bias, sigmoid of those, renormalized; shared expert; sliding-window layers
+        "kolibri1": ("Kolibri1Config", dict(num_experts=8, num_local_experts=8, moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=16, head_dim=16, sliding_window=8,
+                                            layer_types=["sliding_attention", "full_attention",
+                                                         "sliding_attention"])),
+        # Kolibri 1's router; dense first layer; layers reading another's keys and values
+        "kolibri1_1": ("Kolibri1_1Config", dict(num_local_experts=8, moe_intermediate_size=16,
+                                                shared_expert_intermediate_size=16, head_dim=16, sliding_window=8,
+                                                mlp_only_layers=[0], mlp_only_intermediate_size=32,
+                                                layer_types=["sliding_attention"] * 3, index_layers=[],
+                                                kv_source_layers=[0, 1, 2], index_num_heads=1)),
+        # Qwen3-Next's router on float32 logits; linear-attention, sliding-window and full layers
+        "lara_mini": ("LaraMiniConfig", dict(num_experts=8, moe_intermediate_size=16,
+                                             shared_expert_intermediate_size=16, head_dim=16, linear_key_head_dim=8,
+                                             linear_value_head_dim=8, linear_num_key_heads=2,
+                                             linear_num_value_heads=2, sliding_window=8,
+                                             layer_types=["linear_attention", "sliding_attention",
+                                                          "full_attention"])),
+        # DeepSeek-V3's router; dense first layer
+        "minicpm5_moe": ("MiniCPM5MoeConfig", dict(grouped_bare, head_dim=16,
+                                                   mlp_layer_types=["dense", "sparse", "sparse"])),
+        # served only inside its wrapper: Mistral 4's router on float32 logits, always renormalized; indexed MLA;
+        # dense first layer
+        "mistral_large4_text": ("MistralLarge4TextConfig", dict(
+            grouped, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+            num_key_value_heads=2, head_dim=8, mlp_layer_types=["dense", "sparse", "sparse"], index_topk=4,
+            index_head_dim=8, index_n_heads=2, layer_types=["indexed_attention"] * 3, indexer_types=["full"] * 3,
+            no_rope_layers=[1, 1, 0], kv_source_layers=[0, 1, 2])),
+        # served only inside its wrapper: top-k of sigmoid (of scaled logits) + correction bias, renormalized, scaled
+        "muse_spark_text": ("MuseSparkTextConfig", dict(num_local_experts=8, moe_intermediate_size=16,
+                                                        moe_hidden_size=16, head_dim=16, sliding_window=8,
+                                                        routed_scaling_factor=2.5,
+                                                        layer_types=["sliding_attention", "full_attention",
+                                                                     "sliding_attention"],
+                                                        layer_rope_theta=[10000.0, 0, 10000.0],
+                                                        mlp_layer_types=["sparse"] * 3)),
+        # served only inside its wrapper: DeepSeek-V2's softmax, group-limited greedy top-k; dense first layer
+        "unlimited_ocr_text": ("UnlimitedOcrTextConfig", dict(n_routed_experts=8, moe_intermediate_size=16,
+                                                              n_shared_experts=1, n_group=2, topk_group=1,
+                                                              topk_method="group_limited_greedy",
+                                                              routed_scaling_factor=2.5, head_dim=16,
+                                                              mlp_layer_types=["dense", "sparse", "sparse"],
+                                                              sliding_window=8,
+                                                              layer_types=["reference_sliding_attention"] * 3)),
+        # their multimodal wrappers, each with a one-layer vision tower (and audio tower, where it has one)
+        "hy_v4_vl": ("HYV4VLConfig", dict(text_config="hy_v4_vl_text", vision_config=dict(
+            small_vision, num_key_value_heads=2, out_hidden_size=32))),
+        "mistral_large4": ("MistralLarge4Config", dict(text_config="mistral_large4_text",
+                                                       vision_config=dict(small_vision, head_dim=16, image_size=28))),
+        "muse_spark": ("MuseSparkConfig", dict(text_config="muse_spark_text", vision_config=small_vision,
+                                               audio_config=dict(hidden_sizes=[8, 8, 8, 8], depths=[1, 1, 1, 1],
+                                                                 out_hidden_size=32),
+                                               out_hidden_size=32, projector_hidden_size=32)),
+        # its vision tower's own MoE routers are not recorded: the language model's are the captured ones
+        "dots3_note": ("Dots3NoteConfig", dict(text_config="dots3_note_text", vision_config=dict(
+            small_vision, moe_intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+            router_scaling_factor=1.0, mlp_layer_types=["sparse"], adapter_in_dim=32, adapter_out_dim=32),
+            audio_config=dict(small_vision, num_key_value_heads=2, head_dim=16, adapter_input_size=32,
+                              adapter_out_dim=32, downsample_hidden_size=8, conv_output_size=32))),
+        "inkling2": ("Inkling2Config", dict(text_config="inkling2_text", vision_config=dict(
+            small_vision, projection_hidden_dim=32, text_hidden_size=32))),
+        "inkling2_loop": ("Inkling2LoopConfig", dict(text_config="inkling2_loop_text", vision_config=dict(
+            small_vision, projection_hidden_dim=32, text_hidden_size=32))),
+        "unlimited_ocr": ("UnlimitedOcrConfig", dict(text_config="unlimited_ocr_text")),
     }
     class_name, extra = specs[model_type]
     cls = getattr(transformers, class_name, None)
@@ -368,7 +486,7 @@ def reference(layer, logits, inputs=None):
         w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), router.top_k, dim=-1)
         return ids, w / w.sum(dim=-1, keepdim=True)
     if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe", "Qwen3Next", "FlexOlmo", "HunYuan", "Qwen3_5Moe",
-                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText", "Mellum")):
+                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText", "Mellum", "LaraMini")):
         w, ids = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), router.top_k, dim=-1)
         if kind.startswith(("HunYuan", "Qwen3_5Moe", "Qwen3VLMoe")) or router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
@@ -389,7 +507,7 @@ def reference(layer, logits, inputs=None):
         from transformers.models.phimoe.modeling_phimoe import sparsemixer
         w, ids = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=False, top_k=router.top_k)
         return ids, w
-    if kind.startswith(("DeepseekV2", "DeepseekOcr2Text")):
+    if kind.startswith(("DeepseekV2", "DeepseekOcr2Text", "UnlimitedOcrText")):
         scores = logits.float().softmax(dim=-1)
         if router.topk_method == "group_limited_greedy":  # else greedy: the top-k of all experts
             groups = scores.view(-1, router.num_group, router.num_experts // router.num_group).max(dim=-1).values
@@ -426,25 +544,40 @@ def reference(layer, logits, inputs=None):
         w = scores.gather(1, ids)
         scale = router.route_scale if afmoe else router.router_scaling_factor
         return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale
+    if kind.startswith(("Flint", "Kolibri1")):  # Flint: top-k of the sigmoid; Kolibri 1: of the biased logits
+        if kind.startswith("Flint"):
+            w, ids = torch.topk(logits.float().sigmoid(), router.top_k, dim=-1)
+        else:
+            ids = torch.topk(logits.float() + router.e_score_correction_bias, router.top_k, dim=-1)[1]
+            w = logits.float().gather(1, ids).sigmoid()
+        return ids, (w / w.sum(dim=-1, keepdim=True) if router.norm_topk_prob else w)
+    if kind.startswith(("Ergo", "MuseSpark", "Inkling2")):  # the router's bias; Muse Spark's logits come scaled
+        scores = router.score_fn(logits.float()) if kind.startswith("Inkling2") else logits.float().sigmoid()
+        ids = torch.topk(scores + router.e_score_correction_bias, router.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        eps = getattr(router, "norm_topk_prob_eps", 1e-20)
+        return ids, w / (w.sum(dim=-1, keepdim=True) + eps) * router.routed_scaling_factor
     if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH", "GlmMoeDsa", "KimiLinear",
                         "Mistral4", "Glm5NextText", "Glm4vMoeText", "ExaoneMoe", "MiMoV2Flash", "HYV4", "AXK1",
-                        "AXK2")):
-        softmax = kind.startswith("Mistral4")  # softmax in the logits' dtype, no bias, dropped groups score 0
+                        "AXK2", "MiniCPM5Moe", "BailingHybrid", "Dots3NoteText", "MistralLarge4Text", "Beam")):
+        # Mistral 4's (and Mistral Large 4's): softmax in the logits' dtype, no bias, dropped groups score 0
+        softmax = kind.startswith(("Mistral4", "MistralLarge4"))
+        ordered = kind.startswith("Beam")  # Beam's top-k (of the groups too) is sorted
         scores = logits.softmax(-1) if softmax else logits.float().sigmoid()
         choice = scores if softmax else scores + router.e_score_correction_bias
         if router.num_group is not None:  # A.X-K2's light checkpoints route without groups
             groups = choice.view(-1, router.num_group, router.num_experts // router.num_group)
             group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
             keep = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, router.topk_group, dim=-1,
-                                                                         sorted=False)[1], 1)
+                                                                         sorted=ordered)[1], 1)
             mask = keep.unsqueeze(-1).expand_as(groups).reshape(-1, router.num_experts).bool()
             # A.X-K2 too scores dropped groups 0: an expert whose biased score is negative loses to them
             choice = choice.masked_fill(~mask, 0.0 if softmax or kind.startswith("AXK2") else float("-inf"))
-        ids = torch.topk(choice, router.top_k, dim=-1, sorted=False)[1]
+        ids = torch.topk(choice, router.top_k, dim=-1, sorted=ordered)[1]
         w = scores.gather(1, ids)
-        if router.norm_topk_prob:
+        if getattr(router, "norm_topk_prob", True):  # Mistral Large 4's always renormalizes
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, w * router.routed_scaling_factor
+        return ids, w * getattr(router, "routed_scaling_factor", 1.0)  # Beam's block scales its routed sum
     raise AssertionError(f"no reference for {kind}")
 
 

@@ -26,7 +26,8 @@ ARCHITECTURES = sorted(hf.KNOWN)
 # attention layer in Nemotron-H;
 # layer 0 is dense in the DeepSeek family, Cohere2-MoE and the others whose mlp_layer_types start "dense"
 # (first_k_dense_replace=1 or mlp_layer_types; Solar Open has no such rule), in Ernie 4.5
-# (moe_layer_start_index=1) and in LFM2-MoE and AFMoE (num_dense_layers=1); the others are MoE throughout.
+# (moe_layer_start_index=1), in LFM2-MoE and AFMoE (num_dense_layers=1) and in Flint and Kolibri 1.1
+# (mlp_only_layers=[0]); the others are MoE throughout.
 LAYER_MAPS = {t: ((0, 1, 2), 3) for t in ARCHITECTURES}
 LAYER_MAPS.update({t: ((0, 2), 3) for t in ("qwen2_moe", "qwen3_next", "nemotron_h", "qwen3_vl_moe",
                                             "qwen3_omni_moe_thinker", "mellum", "llama4_text", "llama4")})
@@ -34,7 +35,10 @@ LAYER_MAPS.update({t: ((1, 2), 3) for t in ("deepseek_v3", "deepseek_v2", "glm4_
                                             "deepseek_v32", "glm_moe_dsa", "kimi_linear", "mistral4", "glm4v_moe",
                                             "cohere2_moe", "glm4_moe_lite", "glm5_next", "deepseek_ocr2",
                                             "lfm2_moe", "exaone_moe", "afmoe", "mimo_v2_flash", "step3p7", "hy_v3",
-                                            "hy_v4", "minimax_m3_vl_text", "minimax_m3_vl", "laguna", "axk1", "axk2")})
+                                            "hy_v4", "minimax_m3_vl_text", "minimax_m3_vl", "laguna", "axk1", "axk2",
+                                            "bailing_hybrid", "beam", "dots3_note_text", "dots3_note", "ergo",
+                                            "flint", "hy_v4_vl", "kolibri1_1", "minicpm5_moe", "mistral_large4",
+                                            "unlimited_ocr")})
 
 
 def config_or_skip(model_type):
