@@ -12,7 +12,8 @@ top-k then softmax as GraniteMoE and GPT-OSS; DeepSeek-V3's grouped top-k
 over biased sigmoid scores and its kin; biases held by the block, per-expert
 scales, PhiMoE's sparsemixer; `KNOWN` lists the model types checked, each
 with its rule). attach hooks those modules' outputs, so nothing is
-re-derived, numbers the MoE layers in order (dense
+re-derived (Inkling's router returns a fourth output, its shared experts'
+per-token weights, read by its class), numbers the MoE layers in order (dense
 layers in between are skipped, and each MoE layer's decoder layer is kept in
 the handle's and the capturer's ``layer_map``, so a request read back knows
 which model layers it covers), and captures each layer's ids (and weights,
@@ -166,6 +167,10 @@ KNOWN = {
                    "correction bias, renormalized, scaled"),
     "unlimited_ocr": ("UnlimitedOcrTextTopkRouter (multimodal wrapper): DeepSeek-V2's softmax, greedy or "
                       "group-limited greedy top-k, no renormalization; shared experts; dense first layers"),
+    "inkling_text": ("InklingTopkRouter: top-k of sigmoid + correction bias; the picked and the shared experts' "
+                     "sigmoids normalized together, scaled (its own 4-tuple, the shared experts' weights, "
+                     "gammas, last); shared experts; dense first layers (dense_mlp_idx); hybrid sliding layers"),
+    "inkling_mm_model": "InklingTopkRouter: inkling_text's, in its multimodal wrapper",
 }
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
@@ -235,7 +240,11 @@ def _router_output_order(router: Any, output: Any) -> tuple[int, int, int]:
     output: three tensors, the indices the one integer tensor, the weights the
     floating one of the indices' shape. Most routers return (logits, weights,
     indices); GraniteMoE's and Aria's, in transformers 5.19, (indices,
-    weights, logits)."""
+    weights, logits). Inkling's returns a fourth, its shared experts' weights
+    (_shared_gammas): its first three are read so. No other 4-tuple is
+    (Zaya's (logits, probabilities, indices, router states) is refused)."""
+    if _shared_gammas(router, output) is not None:
+        output = output[:3]
     if isinstance(output, tuple) and len(output) == 3 and all(hasattr(o, "dtype") for o in output):
         integer = [i for i, o in enumerate(output) if not o.dtype.is_floating_point]
         if len(integer) == 1:
@@ -253,6 +262,30 @@ def _router_output_order(router: Any, output: Any) -> tuple[int, int, int]:
     raise UnknownArchitecture(
         f"{type(router).__name__} returned {type(output).__name__}, not (logits, weights, indices); "
         "pass selector=fn(router, inputs, output) -> (ids, weights)")
+
+
+# Routers that return (routed logits [n, num_experts], weights [n, top_k],
+# indices [n, top_k], shared gammas [n, n_shared_experts]): Inkling's, whose
+# shared experts are weighed per token by the gammas, normalized together with
+# the picked experts' weights.
+_WITH_SHARED_GAMMAS = ("InklingTopkRouter",)
+
+
+def _shared_gammas(router: Any, output: Any) -> Optional[int]:
+    """The position of the shared experts' gammas in `router`'s output (3), or
+    None: only a _WITH_SHARED_GAMMAS router's 4-tuple of that exact form, its
+    logits one column per routed expert and its gammas one per shared one."""
+    if not (type(router).__name__.startswith(_WITH_SHARED_GAMMAS) and isinstance(output, tuple)
+            and len(output) == 4 and all(hasattr(o, "dtype") and hasattr(o, "shape") for o in output)):
+        return None
+    logits, weights, ids, gammas = output
+    shared, experts = getattr(router, "n_shared_experts", None), getattr(router, "num_experts", None)
+    if (not ids.dtype.is_floating_point and all(o.dtype.is_floating_point for o in (logits, weights, gammas))
+            and ids.dim() >= 1 and tuple(weights.shape) == tuple(ids.shape) and logits.shape[-1] == experts
+            and gammas.dim() == ids.dim() and tuple(gammas.shape[:-1]) == tuple(ids.shape[:-1])
+            and isinstance(shared, int) and shared >= 1 and gammas.shape[-1] == shared):
+        return 3
+    return None
 
 
 def _scores_every_expert(logits: Any, ids: Any) -> bool:
@@ -519,7 +552,8 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     weights are captured iff the capturer keeps them (weight_dtype).
     shared_expert: append the shared expert as column top_k (id num_experts,
     weight its gate, or without one 1.0, or 1 / the factor a block scales
-    its routed sum by); default: iff the capturer has
+    its routed sum by; Inkling's: the gamma its router gives it per token,
+    refused where it has several shared experts); default: iff the capturer has
     extra_columns and the model has a shared expert. gather: for attention
     data parallelism, fn(layer, ids, weights) -> (ids, weights) that
     all-gathers every rank's rows back to back (the engine's DP gather).
@@ -557,6 +591,12 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
                              f"({len(layers)} MoE layers, top-{top_k} of {num_experts} experts)")
     if shared_expert and extra < 1:
         raise ValueError("shared_expert=True needs a capturer with extra_columns >= 1")
+    shared_count = getattr(layers[0].router, "n_shared_experts", 1)
+    if shared_expert and type(layers[0].router).__name__.startswith(_WITH_SHARED_GAMMAS) and shared_count != 1:
+        # Each of Inkling's shared experts has its own per-token gamma: one column cannot carry them.
+        raise ValueError(f"shared_expert=True: {type(model).__name__} has {shared_count} shared experts, each "
+                         "weighed per token by its own gamma, and the shared column carries one expert's weight; "
+                         "pass shared_expert=False (or a capturer without extra_columns)")
     keep_weights = config.get("weight_dtype") is not None
     mapped = layer_map(model, layers)
     if mapped is not None:
@@ -594,7 +634,10 @@ def _router_hook(layer, runner, selector, shared_expert):
         if runner.keep_weights and weights is None:
             raise ValueError(f"the capturer keeps weights but the selector gave none for layer {layer.index}")
         if shared_expert:  # completed by the block hook, once the shared gate ran
-            runner.pending[id(layer.block)] = [ids, weights, None]
+            # Inkling's router weighs its shared expert itself, per token: its gamma is the column's weight
+            at = _shared_gammas(module, output)
+            gate = None if at is None else output[at].reshape(-1, 1).float()
+            runner.pending[id(layer.block)] = [ids, weights, gate]
         else:
             runner.deliver(layer, ids, weights)
     return hook
@@ -666,6 +709,8 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith(("MiniMaxM2", "Step3p7", "MiniMaxM3VL", "Laguna")):
         w = logits.float().sigmoid().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
+    if kind.startswith(_WITH_SHARED_GAMMAS):  # needs the shared experts' logits too: (routed, gammas)
+        return _weights_and_gammas(router, logits, ids)[0]
     if kind.startswith(("DeepseekV4", "Inkling2")):  # DeepSeek-V4's top-k and hash routers weigh alike: score_fn
         w = router.score_fn(logits).gather(1, ids)
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
@@ -696,6 +741,37 @@ def _recomputed_weights(router, logits, ids):
     raise UnknownArchitecture(f"replay cannot recompute {kind}'s weights for forced experts; pass weights=")
 
 
+def _weights_and_gammas(router, logits, ids):
+    """Inkling's weights for experts `ids` and its shared experts' gammas, from
+    its full logits [n, num_experts + n_shared_experts] (routed, then shared):
+    the sigmoids of the picked and the shared experts' logits, normalized
+    together, times route_scale and global_scale."""
+    import torch
+    shared = router.n_shared_experts
+    if logits.shape[-1] != router.num_experts + shared:
+        raise UnknownArchitecture(f"{type(router).__name__}'s weights need its shared experts' logits too: "
+                                  f"[tokens, {router.num_experts + shared}] logits, not {tuple(logits.shape)}")
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    picked = torch.cat([logits[:, :router.num_experts].gather(1, ids), logits[:, router.num_experts:]], dim=-1)
+    log_probs = torch.nn.functional.logsigmoid(picked)
+    w = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
+    w = w * router.route_scale * router.global_scale.float()
+    return w[:, :ids.shape[-1]], w[:, ids.shape[-1]:]
+
+
+def _full_logits(router, inputs, routed):
+    """Inkling's logits over its routed and shared experts: the routed ones it
+    returned, and the shared ones taken again from its input, as it took them."""
+    import torch
+    if not inputs:
+        raise UnknownArchitecture(f"{type(router).__name__} was called without positional hidden states: replay "
+                                  "cannot take its shared experts' logits; pass weights=")
+    flat = inputs[0].reshape(-1, router.hidden_dim)
+    weight = router.weight[router.num_experts:]
+    shared = torch.nn.functional.linear(flat.to(routed.dtype), weight.to(routed.dtype))
+    return torch.cat([routed.reshape(-1, routed.shape[-1]), shared], dim=-1)
+
+
 @contextlib.contextmanager
 def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequence[Any]] = None,
            routers: Optional[Routers] = None) -> Iterator[list[MoELayer]]:
@@ -704,7 +780,10 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
     ids: per MoE layer an int [tokens, top_k] (RoutedExperts.to_megatron()),
     tokens in the order the forward flattens them. weights: None, to take the
     router's own weights for those experts from its logits (how router replay
-    trains), or per layer [tokens, top_k] to force those too. The ids are
+    trains), or per layer [tokens, top_k] to force those too. Inkling's router
+    returns its shared experts' gammas as a fourth output, normalized together
+    with the picked experts' weights: recomputed for the forced experts with
+    weights=None, left as the router gave them with weights given. The ids are
     checked when the block is entered (for a selector's model, whose expert
     count attach cannot tell, on each layer's first eager forward): one
     outside [0, num_experts), -1 included, raises ValueError naming the layer
@@ -729,6 +808,7 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
                 return _forced_scores(module, output, layer.index, ids[layer.index],
                                       None if weights is None else weights[layer.index], checked)
             order = _router_output_order(module, output)
+            gammas_at = _shared_gammas(module, output)
             logits, own_weights, own_ids = (output[i] for i in order)
             given = torch.as_tensor(ids[layer.index], device=own_ids.device)
             _check_replayed_ids(layer.index, given, logits.shape[-1], checked)  # before a cast could wrap them
@@ -736,11 +816,15 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
             if forced.shape != own_ids.reshape(-1, own_ids.shape[-1]).shape:
                 raise ValueError(f"layer {layer.index}: recorded ids {tuple(forced.shape)}, the forward routes "
                                  f"{tuple(own_ids.shape)}")
+            replaced = list(output)  # a fourth output (Inkling's gammas) stays in its place
             if weights is not None:
                 w = torch.as_tensor(weights[layer.index], device=own_weights.device)
+            elif gammas_at is not None:
+                w, gammas = _weights_and_gammas(module, _full_logits(module, inputs, logits), forced.long())
+                own_gammas = output[gammas_at]
+                replaced[gammas_at] = gammas.to(own_gammas.dtype).reshape(own_gammas.shape)
             else:
                 w = _recomputed_weights(module, logits, forced)
-            replaced = [None] * 3
             replaced[order[0]], replaced[order[1]], replaced[order[2]] = (
                 logits, w.to(own_weights.dtype).reshape(own_weights.shape), forced.reshape(own_ids.shape))
             return tuple(replaced)

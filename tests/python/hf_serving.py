@@ -316,6 +316,15 @@ def tiny_config(model_type):
                                                               layer_types=["hybrid_sliding", "hybrid",
                                                                            "hybrid_sliding"],
                                                               n_layers_per_attn_res_block=3)),
+        # top-k of sigmoid + correction bias; the picked and the shared expert's sigmoids normalized together,
+        # scaled (route_scale other than 1); one shared expert, so its per-token gamma rides as the shared column;
+        # dense first layer (dense_mlp_idx, which the config turns into mlp_layer_types); hybrid sliding layers
+        "inkling_text": ("InklingTextConfig", dict(n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=1,
+                                                   route_scale=2.5, dense_mlp_idx=1, head_dim=16,
+                                                   unpadded_vocab_size=VOCAB, swa_num_attention_heads=2,
+                                                   swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=8,
+                                                   d_rel=4, rel_extent=16,
+                                                   layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"])),
         # top-k of logits + correction bias, sigmoid of those, renormalized; shared expert; sliding-window layers
         "kolibri1": ("Kolibri1Config", dict(num_experts=8, num_local_experts=8, moe_intermediate_size=16,
                                             shared_expert_intermediate_size=16, head_dim=16, sliding_window=8,
@@ -380,6 +389,9 @@ def tiny_config(model_type):
         "inkling2_loop": ("Inkling2LoopConfig", dict(text_config="inkling2_loop_text", vision_config=dict(
             small_vision, projection_hidden_dim=32, text_hidden_size=32))),
         "unlimited_ocr": ("UnlimitedOcrConfig", dict(text_config="unlimited_ocr_text")),
+        "inkling_mm_model": ("InklingConfig", dict(text_config="inkling_text", vision_config=dict(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, text_hidden_size=32),
+            audio_config=dict(text_hidden_size=32))),
     }
     class_name, extra = specs[model_type]
     cls = getattr(transformers, class_name, None)
@@ -437,17 +449,22 @@ def new_cache(model):
 class Unrecorded:
     """The routers output_router_logits leaves out (DeepSeek-V4's hash routers:
     the model records one router class): the inputs each was called with in a
-    forward, by MoE layer index, for `references`."""
+    forward, by MoE layer index, for `references`. And the inputs of the
+    routers whose recorded logits leave out their shared experts' (Inkling's),
+    in `shared`."""
 
     def __init__(self, model, layers):
         recorded = hf._router_class(model)
-        self.inputs = {}
-        self.hooks = [layer.router.register_forward_hook(self._keep(layer.index)) for layer in layers
+        self.inputs, self.shared = {}, {}
+        self.hooks = [layer.router.register_forward_hook(self._keep(self.inputs, layer.index)) for layer in layers
                       if not isinstance(layer.router, recorded)]
+        self.hooks += [layer.router.register_forward_hook(self._keep(self.shared, layer.index)) for layer in layers
+                       if type(layer.router).__name__.startswith("InklingTopkRouter")]
 
-    def _keep(self, index):
+    @staticmethod
+    def _keep(into, index):
         def hook(module, inputs, output):
-            self.inputs[index] = inputs
+            into[index] = inputs
         return hook
 
     def close(self):
@@ -461,12 +478,31 @@ def references(layers, out, unrecorded):
     model does not record."""
     recorded = iter(out.router_logits)
     return [reference(layer, None, unrecorded.inputs.pop(layer.index)) if layer.index in unrecorded.inputs
-            else reference(layer, next(recorded)) for layer in layers]
+            else reference(layer, next(recorded), unrecorded.shared.pop(layer.index, None)) for layer in layers]
+
+
+def inkling(router, logits, inputs):
+    """Inkling's rule: (ids, weights, shared gammas). The top-k of the sigmoid
+    of its routed logits + correction bias; the sigmoids of the picked and of
+    the shared experts' logits (taken from its input, `inputs`: the recorded
+    logits leave them out), normalized together, times route_scale and
+    global_scale."""
+    if inputs is None:
+        raise AssertionError("Inkling's reference needs its router's inputs (Unrecorded.shared)")
+    hidden = inputs[0].reshape(-1, router.hidden_dim).float()
+    shared = hidden @ router.weight[router.num_experts:].float().T
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    ids = torch.topk(logits.sigmoid() + router.e_score_correction_bias.float(), router.top_k, dim=-1,
+                     sorted=False)[1]
+    picked = torch.cat([logits.gather(1, ids), shared], dim=-1).sigmoid()
+    w = picked / picked.sum(dim=-1, keepdim=True) * router.route_scale * router.global_scale.float()
+    return ids, w[:, :router.top_k], w[:, router.top_k:]
 
 
 def reference(layer, logits, inputs=None):
     """The model's own top-k from a MoE layer's output_router_logits (or, for a
-    router the model does not record, from its inputs): (ids, weights)."""
+    router the model does not record, from its inputs; Inkling's takes its
+    shared experts' logits from its inputs): (ids, weights)."""
     router = layer.router
     kind = type(router).__name__
     if kind.startswith("DeepseekV4HashRouter"):  # experts fixed per token id; its logits are its linear's
@@ -477,6 +513,8 @@ def reference(layer, logits, inputs=None):
         w = scores.gather(1, ids)
         return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     logits = logits.reshape(-1, logits.shape[-1])
+    if kind.startswith("InklingTopkRouter"):  # its shared experts' logits come from its inputs
+        return inkling(router, logits, inputs)[:2]
     if kind.startswith("DeepseekV4TopK"):  # sqrt-softplus scores, biased for the choice
         scores = torch.nn.functional.softplus(logits).sqrt()
         ids = torch.topk(scores + router.e_score_correction_bias, router.top_k, dim=-1, sorted=False)[1]

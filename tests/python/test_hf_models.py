@@ -4,6 +4,7 @@ downloads), served by the small engine in hf_serving: every request's routing
 read back from the capturer equals the model's own output_router_logits top-k
 (ids exactly, weights within float32 precision), at dp 1 and at dp 2 with
 ranks that are idle for some steps and one that serves nothing at all."""
+import contextlib
 import os
 
 import numpy as np
@@ -26,8 +27,8 @@ ARCHITECTURES = sorted(hf.KNOWN)
 # attention layer in Nemotron-H;
 # layer 0 is dense in the DeepSeek family, Cohere2-MoE and the others whose mlp_layer_types start "dense"
 # (first_k_dense_replace=1 or mlp_layer_types; Solar Open has no such rule), in Ernie 4.5
-# (moe_layer_start_index=1), in LFM2-MoE and AFMoE (num_dense_layers=1) and in Flint and Kolibri 1.1
-# (mlp_only_layers=[0]); the others are MoE throughout.
+# (moe_layer_start_index=1), in LFM2-MoE and AFMoE (num_dense_layers=1), in Flint and Kolibri 1.1
+# (mlp_only_layers=[0]) and in Inkling (dense_mlp_idx=1); the others are MoE throughout.
 LAYER_MAPS = {t: ((0, 1, 2), 3) for t in ARCHITECTURES}
 LAYER_MAPS.update({t: ((0, 2), 3) for t in ("qwen2_moe", "qwen3_next", "nemotron_h", "qwen3_vl_moe",
                                             "qwen3_omni_moe_thinker", "mellum", "llama4_text", "llama4")})
@@ -38,7 +39,7 @@ LAYER_MAPS.update({t: ((1, 2), 3) for t in ("deepseek_v3", "deepseek_v2", "glm4_
                                             "hy_v4", "minimax_m3_vl_text", "minimax_m3_vl", "laguna", "axk1", "axk2",
                                             "bailing_hybrid", "beam", "dots3_note_text", "dots3_note", "ergo",
                                             "flint", "hy_v4_vl", "kolibri1_1", "minicpm5_moe", "mistral_large4",
-                                            "unlimited_ocr")})
+                                            "unlimited_ocr", "inkling_text", "inkling_mm_model")})
 
 
 def config_or_skip(model_type):
@@ -121,14 +122,15 @@ def test_dp2_one_rank_serves_nothing(model_type):
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "llama4_text", "laguna", "granitemoeshared",
-                                        "granitemoehybrid", "granitemoe_swa"])
+                                        "granitemoehybrid", "granitemoe_swa", "inkling_text"])
 def test_shared_expert_rides_as_extra_column(model_type):
     """The fused-shared-expert layout: column top_k is expert num_experts with
     the shared expert's gate (Qwen2-MoE: sigmoid of shared_expert_gate;
     DeepSeek-V3: 1.0; Laguna, whose block scales the routed sum by 2.5
     before adding the shared expert: 1 / 2.5; GraniteMoE-Shared, whose
     decoder layer (and -Hybrid's, -SWA's) adds its shared_mlp beside the
-    block: 1.0)."""
+    block: 1.0; Inkling, whose router weighs its shared expert per token:
+    that gamma)."""
     model = hf_serving.build(config_or_skip(model_type))
     layers = hf.find_moe_layers(model)
     router = layers[0].router
@@ -146,12 +148,19 @@ def test_shared_expert_rides_as_extra_column(model_type):
         for layer in layers:
             layer.shared_gate.register_forward_hook(
                 lambda m, i, o, idx=layer.index: gates.__setitem__(idx, torch.sigmoid(o.reshape(-1).float())))
+    unrecorded = hf_serving.Unrecorded(model, layers)  # Inkling's reference takes its router's inputs
     with hf.attach(model, cap, gather=spy) as handle, torch.no_grad():
         assert handle.shared_column == 1
         out = model(tokens, output_router_logits=True)
+    unrecorded.close()
     for layer, logits in zip(layers, out.router_logits):
         ids, weights = seen[layer.index]
-        want_ids, want_w = hf_serving.reference(layer, logits)
+        if layer.index in unrecorded.shared:  # Inkling: its shared expert's gamma, per token
+            want_ids, want_w, gamma = hf_serving.inkling(layer.router, logits, unrecorded.shared[layer.index])
+            gates[layer.index] = gamma.reshape(-1)
+            assert not torch.allclose(gamma, gamma[:1])  # a per-token weight, not a constant
+        else:
+            want_ids, want_w = hf_serving.reference(layer, logits)
         assert ids.shape == (6, router.top_k + 1)
         assert torch.equal(ids[:, :-1], want_ids) and (ids[:, -1] == router.num_experts).all()
         torch.testing.assert_close(weights[:, :-1], want_w.float())
@@ -527,3 +536,101 @@ def test_a_recorder_that_names_its_layer_finds_only_those_modules():
                           chunked_prefill_size=16)
     with pytest.raises(hf.UnknownArchitecture, match="'jamba'"):
         hf.attach(model, cap)
+
+
+def test_only_inklings_four_tuple_is_read_as_routing():
+    """Inkling's router returns (routed logits [n, E], weights [n, k], ids
+    [n, k], shared gammas [n, n_shared]): read by its class and that form.
+    Any other 4-tuple is refused, not read as routing: Zaya's (logits
+    [n, E + 1] with its skip expert, probabilities, ids, router states
+    [b, s, h]), from a Zaya router or from one named as Inkling's, and
+    Inkling's own form from a router not known to return it."""
+    class InklingTopkRouter:
+        num_experts, n_shared_experts, top_k = 8, 1, 2
+
+    class ZayaRouter:
+        num_experts, top_k = 8, 2
+
+    ids, weights, gammas = torch.tensor([[3, 1], [0, 7]]), torch.rand(2, 2), torch.rand(2, 1)
+    got_ids, got_weights = hf.default_selector(InklingTopkRouter(), None, (torch.randn(2, 8), weights, ids, gammas))
+    assert got_ids is ids and got_weights is weights
+    zaya = (torch.randn(2, 9), weights, ids, torch.randn(1, 2, 4))
+    for router, output in ((ZayaRouter(), zaya), (InklingTopkRouter(), zaya), (None, zaya),
+                           (ZayaRouter(), (torch.randn(2, 8), weights, ids, gammas)),
+                           (None, (torch.randn(2, 8), weights, ids, gammas)),
+                           # Inkling's form but for its logits [n, E + 1], or gammas for 2 shared experts, or ids last
+                           (InklingTopkRouter(), (torch.randn(2, 9), weights, ids, gammas)),
+                           (InklingTopkRouter(), (torch.randn(2, 8), weights, ids, torch.rand(2, 2))),
+                           (InklingTopkRouter(), (torch.randn(2, 8), weights, gammas, ids))):
+        with pytest.raises(hf.UnknownArchitecture, match="pass selector="):
+            hf.default_selector(router, None, output)
+
+
+def test_inkling_replay_recomputes_weights_and_gammas_for_forced_experts():
+    """Forced to experts other than its own, Inkling's router gives back a
+    4-tuple: its logits, the forced ids, and the weights and shared gammas its
+    rule gives them (normalized together, so both change); with weights given,
+    its gammas as it gave them."""
+    model = hf_serving.build(config_or_skip("inkling_text"))
+    layers = hf.find_moe_layers(model)
+    tokens = torch.randint(3, hf_serving.VOCAB, (2, 5))
+    seen = {}
+
+    def remember(layer):
+        def hook(module, inputs, output):
+            assert isinstance(output, tuple) and len(output) == 4
+            seen[layer.index] = (tuple(o.clone() for o in output), inputs)
+        return hook
+
+    def run(*replayed):
+        with torch.no_grad(), (hf.replay(model, *replayed) if replayed else contextlib.nullcontext()):
+            hooks = [layer.router.register_forward_hook(remember(layer)) for layer in layers]
+            model(tokens, use_cache=False)
+            for h in hooks:
+                h.remove()
+        return dict(seen)
+
+    free = run()
+    own = run([free[layer.index][0][2].reshape(-1, 2) for layer in layers])
+    for layer in layers:  # forced to its own experts, the router gives back its own 4-tuple
+        for got, want in zip(own[layer.index][0], free[layer.index][0]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # other experts: each token's picks shifted by one (still distinct)
+    forced = [(free[layer.index][0][2].reshape(-1, 2) + 1) % 8 for layer in layers]
+    replayed = run(forced)
+    for layer in layers:
+        (logits, w, ids, gammas), inputs = replayed[layer.index]
+        assert torch.equal(ids, forced[layer.index])
+        shared = inputs[0].reshape(-1, layer.router.hidden_dim).float() @ layer.router.weight[8:].float().T
+        picked = torch.cat([logits.float().gather(1, ids), shared], dim=-1).sigmoid()
+        want = picked / picked.sum(dim=-1, keepdim=True) * layer.router.route_scale
+        torch.testing.assert_close(w.float(), want[:, :2])
+        torch.testing.assert_close(gammas.float(), want[:, 2:])
+        assert not torch.allclose(gammas, free[layer.index][0][3])  # the forced picks change the shared weight too
+    given = [torch.full((10, 2), 0.5) for _ in layers]
+    replayed = run(forced, given)
+    for layer in layers:
+        _, w, ids, gammas = replayed[layer.index][0]
+        assert torch.equal(ids, forced[layer.index]) and (w == 0.5).all()
+        # the gammas the router gave for its own picks on this input
+        logits, inputs = replayed[layer.index][0][0], replayed[layer.index][1]
+        torch.testing.assert_close(gammas, hf_serving.inkling(layer.router, logits, inputs)[2])
+
+
+def test_inkling_with_several_shared_experts_refuses_the_shared_column():
+    """Inkling's shared experts are weighed per token each by its own gamma:
+    one shared column cannot carry them, and attach says so (without the
+    column it captures the routed experts)."""
+    config = config_or_skip("inkling_text")
+    config.n_shared_experts = 2
+    model = hf_serving.build(config)
+    assert hf.find_moe_layers(model)[0].router.n_shared_experts == 2
+    cap = moecap.Capturer(num_layers=2, top_k=2, num_experts=8, host_slots=8, max_running_requests=1,
+                          chunked_prefill_size=8, weight_dtype="f32", extra_columns=1)
+    for shared_expert in (None, True):  # the default asks for the column too, the capturer having one
+        with pytest.raises(ValueError, match="2 shared experts, each weighed per token by its own gamma"):
+            hf.attach(model, cap, shared_expert=shared_expert)
+    with hf.attach(model, cap, shared_expert=False), torch.no_grad():
+        model(torch.randint(3, hf_serving.VOCAB, (1, 4)))
+    cap.commit(np.arange(4))
+    assert (cap.read(np.arange(4), strict=True) >= 0).all()
