@@ -675,9 +675,10 @@ def _block_hook(layer, runner):
 
 # --- replay: force routers to recorded experts ----------------------------------
 
-def _recomputed_weights(router, logits, ids):
+def _recomputed_weights(router, logits, ids, hidden_dtype=None):
     """The weights `router` gives experts `ids` from its own logits: what
-    Megatron-style router replay trains through."""
+    Megatron-style router replay trains through. hidden_dtype: its input's
+    dtype, where the router rounds its weights through it."""
     import torch
     kind = type(router).__name__
     logits = logits.reshape(-1, logits.shape[-1])
@@ -709,15 +710,15 @@ def _recomputed_weights(router, logits, ids):
     if kind.startswith(("MiniMaxM2", "Step3p7", "MiniMaxM3VL", "Laguna")):
         w = logits.float().sigmoid().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
-    if kind.startswith(_WITH_SHARED_GAMMAS):  # needs the shared experts' logits too: (routed, gammas)
-        return _weights_and_gammas(router, logits, ids)[0]
     if kind.startswith(("DeepseekV4", "Inkling2")):  # DeepSeek-V4's top-k and hash routers weigh alike: score_fn
         w = router.score_fn(logits).gather(1, ids)
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     if kind.startswith(("Ergo", "MuseSpark")):  # Muse Spark's logits come scaled by its output_multiplier
         w = logits.float().sigmoid().gather(1, ids)
         eps = getattr(router, "norm_topk_prob_eps", 1e-20)
-        return w / (w.sum(dim=-1, keepdim=True) + eps) * router.routed_scaling_factor
+        w = w / (w.sum(dim=-1, keepdim=True) + eps) * router.routed_scaling_factor
+        # Ergo's router rounds its float32 weights through its input's dtype
+        return w.to(hidden_dtype).float() if kind.startswith("Ergo") and hidden_dtype is not None else w
     if kind.startswith(("Flint", "Kolibri1")):  # the sigmoid of the picked logits (Kolibri 1 picks them biased)
         w = logits.float().gather(1, ids).sigmoid()
         return w / w.sum(dim=-1, keepdim=True) if router.norm_topk_prob else w
@@ -735,9 +736,9 @@ def _recomputed_weights(router, logits, ids):
                         "AXK2", "MiniCPM5Moe", "BailingHybrid", "Dots3NoteText", "MistralLarge4Text", "Beam")):
         softmax = kind.startswith(("Mistral4", "MistralLarge4"))
         w = (logits.softmax(-1) if softmax else logits.sigmoid()).gather(1, ids)
-        if getattr(router, "norm_topk_prob", True):  # Mistral Large 4's always renormalizes
+        if kind.startswith("MistralLarge4") or router.norm_topk_prob:  # Mistral Large 4's always renormalizes
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * getattr(router, "routed_scaling_factor", 1.0)  # Beam's block scales its routed sum instead
+        return w if kind.startswith("Beam") else w * router.routed_scaling_factor  # Beam's block scales its sum
     raise UnknownArchitecture(f"replay cannot recompute {kind}'s weights for forced experts; pass weights=")
 
 
@@ -768,7 +769,10 @@ def _full_logits(router, inputs, routed):
                                   "cannot take its shared experts' logits; pass weights=")
     flat = inputs[0].reshape(-1, router.hidden_dim)
     weight = router.weight[router.num_experts:]
-    shared = torch.nn.functional.linear(flat.to(routed.dtype), weight.to(routed.dtype))
+    # At the routed logits' dtype with autocast off: float32 where the router turns autocast off itself
+    # (transformers 5.25), autocast's dtype where its product ran under autocast (5.19).
+    with torch.autocast(flat.device.type, enabled=False):
+        shared = torch.nn.functional.linear(flat.to(routed.dtype), weight.to(routed.dtype))
     return torch.cat([routed.reshape(-1, routed.shape[-1]), shared], dim=-1)
 
 
@@ -824,7 +828,7 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
                 own_gammas = output[gammas_at]
                 replaced[gammas_at] = gammas.to(own_gammas.dtype).reshape(own_gammas.shape)
             else:
-                w = _recomputed_weights(module, logits, forced)
+                w = _recomputed_weights(module, logits, forced, inputs[0].dtype if inputs else None)
             replaced[order[0]], replaced[order[1]], replaced[order[2]] = (
                 logits, w.to(own_weights.dtype).reshape(own_weights.shape), forced.reshape(own_ids.shape))
             return tuple(replaced)

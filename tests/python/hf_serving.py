@@ -325,9 +325,11 @@ def tiny_config(model_type):
                                                    swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=8,
                                                    d_rel=4, rel_extent=16,
                                                    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"])),
-        # top-k of logits + correction bias, sigmoid of those, renormalized; shared expert; sliding-window layers
+        # top-k of logits + correction bias, sigmoid of those, renormalized (Kolibri 1.1 below keeps the default,
+        # not); shared expert; sliding-window layers
         "kolibri1": ("Kolibri1Config", dict(num_experts=8, num_local_experts=8, moe_intermediate_size=16,
-                                            shared_expert_intermediate_size=16, head_dim=16, sliding_window=8,
+                                            norm_topk_prob=True, shared_expert_intermediate_size=16, head_dim=16,
+                                            sliding_window=8,
                                             layer_types=["sliding_attention", "full_attention",
                                                          "sliding_attention"])),
         # Kolibri 1's router; dense first layer; layers reading another's keys and values
@@ -613,9 +615,9 @@ def reference(layer, logits, inputs=None):
             choice = choice.masked_fill(~mask, 0.0 if softmax or kind.startswith("AXK2") else float("-inf"))
         ids = torch.topk(choice, router.top_k, dim=-1, sorted=ordered)[1]
         w = scores.gather(1, ids)
-        if getattr(router, "norm_topk_prob", True):  # Mistral Large 4's always renormalizes
+        if kind.startswith("MistralLarge4") or router.norm_topk_prob:  # Mistral Large 4's always renormalizes
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, w * getattr(router, "routed_scaling_factor", 1.0)  # Beam's block scales its routed sum
+        return ids, w if kind.startswith("Beam") else w * router.routed_scaling_factor  # Beam's block scales its sum
     raise AssertionError(f"no reference for {kind}")
 
 

@@ -12,6 +12,8 @@ import sys
 here = pathlib.Path(__file__).resolve().parent
 newest = pathlib.Path(sys.prefix) / "newest-transformers"
 if not newest.is_dir():
+    if (pathlib.Path(sys.prefix) / ".moecap-stamp").exists():  # a venv scripts/venv.sh made: it should be there
+        sys.exit(f"{newest} is missing from a venv scripts/venv.sh made: rerun scripts/venv.sh")
     print(f"{newest} is missing (made by scripts/venv.sh): moecap.hf not tested against the newest transformers")
     sys.exit(77)
 pins = (here.parents[1] / "python" / "requirements-transformers-newest.txt").read_text()

@@ -388,41 +388,63 @@ def test_moe_layers_are_found_in_a_model_whose_shared_expert_has_no_gate_and_in_
     assert [layer.model_layer for layer in hf.find_moe_layers(model)] == [1, 2]
 
 
+def replay_own_routing(model, tokens, context=contextlib.nullcontext):
+    """Each router's (ids, weights) in a free forward, and in one replaying
+    those ids with weights=None; forwards inside context()."""
+    layers = hf.find_moe_layers(model)
+    seen = {}
+
+    def remember(layer):
+        def hook(module, inputs, output):
+            ids, weights = hf.default_selector(module, inputs, output)
+            seen[layer.index] = (ids.reshape(-1, ids.shape[-1]).clone(), weights.reshape(-1, ids.shape[-1]).clone())
+        return hook
+
+    def forward(replay):
+        with torch.no_grad(), context(), replay:
+            hooks = [layer.router.register_forward_hook(remember(layer)) for layer in layers]
+            model(tokens, use_cache=False)
+            for h in hooks:
+                h.remove()
+        return dict(seen)
+
+    free = forward(contextlib.nullcontext())
+    return free, forward(hf.replay(model, [free[layer.index][0] for layer in layers]))
+
+
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
 def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type):
     """replay(weights=None) recomputes each router's weights for the forced
     experts from its logits, as router replay trains through: forced to the
     experts it picked itself, every router gives back the weights it gave."""
     model = hf_serving.build(config_or_skip(model_type))
-    layers = hf.find_moe_layers(model)
-    own = {}
-
-    def remember(layer):
-        def hook(module, inputs, output):
-            ids, weights = hf.default_selector(module, inputs, output)
-            own[layer.index] = (ids.reshape(-1, ids.shape[-1]).clone(), weights.reshape(-1, ids.shape[-1]).clone())
-        return hook
-
     tokens = torch.randint(3, hf_serving.VOCAB, (2, 5))
-    hooks = [layer.router.register_forward_hook(remember(layer)) for layer in layers]
-    with torch.no_grad():
-        model(tokens, use_cache=False)
-    for h in hooks:
-        h.remove()
-    free = dict(own)
-    forced = [free[layer.index][0] for layer in layers]
     if model_type == "phimoe":  # sparsemixer's weights depend on the order it picked in: not recomputed
-        with pytest.raises(hf.UnknownArchitecture, match="pass weights="), torch.no_grad(), hf.replay(model, forced):
-            model(tokens, use_cache=False)
+        with pytest.raises(hf.UnknownArchitecture, match="pass weights="):
+            replay_own_routing(model, tokens)
         return
-    with torch.no_grad(), hf.replay(model, forced):
-        hooks = [layer.router.register_forward_hook(remember(layer)) for layer in layers]
-        model(tokens, use_cache=False)
-        for h in hooks:
-            h.remove()
-    for layer in layers:
-        assert torch.equal(own[layer.index][0], free[layer.index][0])
-        torch.testing.assert_close(own[layer.index][1].float(), free[layer.index][1].float(), rtol=1e-5, atol=1e-6)
+    free, own = replay_own_routing(model, tokens)
+    for index, (ids, weights) in free.items():
+        assert torch.equal(own[index][0], ids)
+        torch.testing.assert_close(own[index][1].float(), weights.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type, precision", [("ergo", "bf16"), ("qwen3_moe", "bf16"),
+                                                   ("inkling_text", "autocast"), ("qwen3_moe", "autocast")])
+def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precision):
+    """Ergo's router rounds its float32 weights through its bf16 input; Inkling's
+    (transformers 5.25) turns autocast off for its logits: replayed, the
+    recomputed weights are rounded as the router rounds them."""
+    config = config_or_skip(model_type)
+    tokens = torch.randint(3, hf_serving.VOCAB, (2, 5))
+    if precision == "bf16":
+        free, own = replay_own_routing(hf_serving.build(config, dtype=torch.bfloat16), tokens)
+    else:
+        free, own = replay_own_routing(hf_serving.build(config), tokens,
+                                       lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    for index, (ids, weights) in free.items():
+        assert torch.equal(own[index][0], ids)
+        torch.testing.assert_close(own[index][1].float(), weights.float(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "llama4_text"])

@@ -69,9 +69,6 @@ class MoecapRoutedExpertsCapturer:
         self.vllm_config = vllm_config
         self.dp_rank = vllm_config.parallel_config.data_parallel_rank
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        # What capture restores this rank's rows with. vLLM 0.34's binding replaces it with
-        # the first bound module's restore_routed_experts_rows, as on its own capturer.
-        self.restore_rows = self._restore_local_topk_ids
         self.invalid = invalid
         if device is None:
             from vllm.platforms import current_platform
@@ -150,8 +147,12 @@ class MoecapRoutedExpertsCapturer:
             inside = (local >= 0) & (local < self.num_experts)
             self._device_ids[ordinal, offset:offset + n] = local.masked_fill(~inside, -1).to(self._device_ids.dtype)
 
-    def _restore_local_topk_ids(self, topk_ids, ctx):
-        """This DP rank's rows of the batch the router saw, by vLLM's own rule."""
+    def restore_rows(self, topk_ids, ctx):
+        """This DP rank's rows of the batch the router saw, by vLLM's own rule.
+        vLLM 0.34's binding sets the instance's restore_rows to the first bound
+        module's restore_routed_experts_rows, as on its own capturer (a method
+        here, not an attribute bound in __init__: no reference cycle keeps the
+        capturer's buffers alive)."""
         return _vllm_capturer_module().RoutedExpertsCapturer._restore_local_topk_ids(self, topk_ids, ctx)
 
     def snapshot_routing_data(self, num_tokens):
