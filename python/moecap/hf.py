@@ -224,8 +224,9 @@ def _known_type(model) -> Optional[str]:
     of the model class that records its routers (a config type that builds
     another's model, as Sarvam's build GLM-4.5's and DeepSeek-V3's; a
     multimodal wrapper whose language model is known, as Aria's)."""
-    if _model_type(model) in KNOWN:
-        return _model_type(model)
+    model_type = _model_type(model)
+    if model_type in KNOWN:
+        return model_type
     router = _router_class(model)
     for candidate in model.modules():
         recorder = (getattr(candidate, "_can_record_outputs", None) or {}).get("router_logits")
@@ -271,10 +272,10 @@ def _router_output_order(router: Any, output: Any) -> tuple[int, int, int]:
 _WITH_SHARED_GAMMAS = ("InklingTopkRouter",)
 
 
-def _shared_gammas(router: Any, output: Any) -> Optional[int]:
-    """The position of the shared experts' gammas in `router`'s output (3), or
-    None: only a _WITH_SHARED_GAMMAS router's 4-tuple of that exact form, its
-    logits one column per routed expert and its gammas one per shared one."""
+def _shared_gammas(router: Any, output: Any) -> Any:
+    """The shared experts' gammas, the last of `router`'s outputs, or None:
+    only a _WITH_SHARED_GAMMAS router's 4-tuple of that exact form, its logits
+    one column per routed expert and its gammas one per shared one."""
     if not (type(router).__name__.startswith(_WITH_SHARED_GAMMAS) and isinstance(output, tuple)
             and len(output) == 4 and all(hasattr(o, "dtype") and hasattr(o, "shape") for o in output)):
         return None
@@ -284,7 +285,7 @@ def _shared_gammas(router: Any, output: Any) -> Optional[int]:
             and ids.dim() >= 1 and tuple(weights.shape) == tuple(ids.shape) and logits.shape[-1] == experts
             and gammas.dim() == ids.dim() and tuple(gammas.shape[:-1]) == tuple(ids.shape[:-1])
             and isinstance(shared, int) and shared >= 1 and gammas.shape[-1] == shared):
-        return 3
+        return gammas
     return None
 
 
@@ -591,12 +592,12 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
                              f"({len(layers)} MoE layers, top-{top_k} of {num_experts} experts)")
     if shared_expert and extra < 1:
         raise ValueError("shared_expert=True needs a capturer with extra_columns >= 1")
-    shared_count = getattr(layers[0].router, "n_shared_experts", 1)
-    if shared_expert and type(layers[0].router).__name__.startswith(_WITH_SHARED_GAMMAS) and shared_count != 1:
+    router = layers[0].router
+    if shared_expert and type(router).__name__.startswith(_WITH_SHARED_GAMMAS) and router.n_shared_experts != 1:
         # Each of Inkling's shared experts has its own per-token gamma: one column cannot carry them.
-        raise ValueError(f"shared_expert=True: {type(model).__name__} has {shared_count} shared experts, each "
-                         "weighed per token by its own gamma, and the shared column carries one expert's weight; "
-                         "pass shared_expert=False (or a capturer without extra_columns)")
+        raise ValueError(f"shared_expert=True: {type(model).__name__} has {router.n_shared_experts} shared experts, "
+                         "each weighed per token by its own gamma, and the shared column carries one expert's "
+                         "weight; pass shared_expert=False (or a capturer without extra_columns)")
     keep_weights = config.get("weight_dtype") is not None
     mapped = layer_map(model, layers)
     if mapped is not None:
@@ -635,8 +636,8 @@ def _router_hook(layer, runner, selector, shared_expert):
             raise ValueError(f"the capturer keeps weights but the selector gave none for layer {layer.index}")
         if shared_expert:  # completed by the block hook, once the shared gate ran
             # Inkling's router weighs its shared expert itself, per token: its gamma is the column's weight
-            at = _shared_gammas(module, output)
-            gate = None if at is None else output[at].reshape(-1, 1).float()
+            gammas = _shared_gammas(module, output)
+            gate = None if gammas is None else gammas.reshape(-1, 1).float()
             runner.pending[id(layer.block)] = [ids, weights, gate]
         else:
             runner.deliver(layer, ids, weights)
@@ -814,7 +815,7 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
                 return _forced_scores(module, output, layer.index, ids[layer.index],
                                       None if weights is None else weights[layer.index], checked)
             order = _router_output_order(module, output)
-            gammas_at = _shared_gammas(module, output)
+            own_gammas = _shared_gammas(module, output)
             logits, own_weights, own_ids = (output[i] for i in order)
             given = torch.as_tensor(ids[layer.index], device=own_ids.device)
             _check_replayed_ids(layer.index, given, logits.shape[-1], checked)  # before a cast could wrap them
@@ -825,10 +826,9 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
             replaced = list(output)  # a fourth output (Inkling's gammas) stays in its place
             if weights is not None:
                 w = torch.as_tensor(weights[layer.index], device=own_weights.device)
-            elif gammas_at is not None:
+            elif own_gammas is not None:
                 w, gammas = _weights_and_gammas(module, _full_logits(module, inputs, logits), forced.long())
-                own_gammas = output[gammas_at]
-                replaced[gammas_at] = gammas.to(own_gammas.dtype).reshape(own_gammas.shape)
+                replaced[-1] = gammas.to(own_gammas.dtype).reshape(own_gammas.shape)
             else:
                 w = _recomputed_weights(module, logits, forced, inputs[0].dtype if inputs else None)
             replaced[order[0]], replaced[order[1]], replaced[order[2]] = (
