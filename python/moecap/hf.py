@@ -13,7 +13,9 @@ over biased sigmoid scores and its kin; biases held by the block, per-expert
 scales, PhiMoE's sparsemixer; `KNOWN` lists the model types checked, each
 with its rule). attach hooks those modules' outputs, so nothing is
 re-derived (Inkling's router returns a fourth output, its shared experts'
-per-token weights, read by its class), numbers the MoE layers in order (dense
+per-token weights, read by its class; where a block picks the experts from
+its router's bare logits, DBRX's and Jamba's before 5.25, they are read where
+its experts module receives them), numbers the MoE layers in order (dense
 layers in between are skipped, and each MoE layer's decoder layer is kept in
 the handle's and the capturer's ``layer_map``, so a request read back knows
 which model layers it covers), and captures each layer's ids (and weights,
@@ -171,6 +173,10 @@ KNOWN = {
                      "sigmoids normalized together, scaled (its own 4-tuple, the shared experts' weights, "
                      "gammas, last); shared experts; dense first layers (dense_mlp_idx); hybrid sliding layers"),
     "inkling_mm_model": "InklingTopkRouter: inkling_text's, in its multimodal wrapper",
+    "dbrx": ("DbrxRouter: bare logits; its block (DbrxFFN) takes softmax, top-k, divided by their p-norm "
+             "(moe_normalize_expert_weights), read where its experts receive them"),
+    "jamba": ("JambaTopKRouter: softmax, top-k (transformers 5.25); before it, a bare nn.Linear router whose block "
+              "(JambaSparseMoeBlock) picks the same way, read where its experts receive them; Mamba layers"),
 }
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
@@ -183,8 +189,9 @@ class UnknownArchitecture(TypeError):
 
 def _routing_dims(model, router, given: Any = None) -> tuple[int, int]:
     """(top_k, num_experts): the router's, or the config's where the router
-    keeps neither (Gemma 4), or else `given`'s (the capturer's config: a
-    selector's model whose config names them otherwise, DBRX's ffn_config)."""
+    keeps neither (Gemma 4, DBRX, Jamba before 5.25), or else `given`'s (the
+    capturer's config: a selector's model whose config names neither, Switch
+    Transformers')."""
     def dim(attribute, keys, what):
         value = getattr(router, attribute, 0)
         if value:
@@ -317,6 +324,53 @@ _SCORES_AND_LOGITS = ("Llama4Router",)
 def _scores_and_logits(router: Any, output: Any) -> bool:
     return (type(router).__name__.startswith(_SCORES_AND_LOGITS) and isinstance(output, tuple) and len(output) == 2
             and all(hasattr(o, "shape") for o in output) and output[0].shape == output[1].shape)
+
+
+# Blocks whose router returns bare logits [n, num_experts] and which pick the
+# experts themselves (route_tokens_to_experts), then hand them to their experts
+# module through transformers' experts interface, experts(hidden_states,
+# top_k_index, top_k_weights): DBRX's, and Jamba's before transformers 5.25
+# (its router an nn.Linear, quantized or not). attach reads the experts and
+# weights where the experts module receives them: what the model computes
+# with, not re-derived.
+_PICKED_BY_BLOCK = ("DbrxFFN", "JambaSparseMoeBlock")
+
+
+def _picked_by_block(layer: MoELayer) -> bool:
+    import torch
+    bare_logits = type(layer.router).__name__.startswith("DbrxRouter") or isinstance(layer.router, torch.nn.Linear)
+    return (type(layer.block).__name__.startswith(_PICKED_BY_BLOCK) and bare_logits
+            and getattr(layer.block, "experts", None) is not None)
+
+
+def _experts_call(block: Any, args: tuple, kwargs: dict) -> tuple[Union[int, str], Union[int, str]]:
+    """Where top_k_index and top_k_weights sit in a call of `block`'s experts
+    module (an argument position, or a keyword): (ids key, weights key),
+    checked to be an integer tensor and a floating one of its shape."""
+    keys = tuple(position if len(args) > position else name
+                 for position, name in ((1, "top_k_index"), (2, "top_k_weights")))
+    ids, weights = (_call_value(args, kwargs, key) for key in keys)
+    if not (hasattr(ids, "dtype") and hasattr(weights, "dtype") and not ids.dtype.is_floating_point
+            and weights.dtype.is_floating_point and tuple(ids.shape) == tuple(weights.shape)):
+        raise UnknownArchitecture(
+            f"{type(block).__name__}.experts was not called as experts(hidden_states, top_k_index [n, k] int, "
+            "top_k_weights [n, k] float); pass selector=fn(router, inputs, output) -> (ids, weights)")
+    return keys
+
+
+def _call_value(args: tuple, kwargs: dict, key: Union[int, str]) -> Any:
+    return args[key] if isinstance(key, int) else kwargs.get(key)
+
+
+def _with_values(args: tuple, kwargs: dict, values: dict) -> tuple[tuple, dict]:
+    """(args, kwargs) with the entries at `values`' keys replaced."""
+    args, kwargs = list(args), dict(kwargs)
+    for key, value in values.items():
+        if isinstance(key, int):
+            args[key] = value
+        else:
+            kwargs[key] = value
+    return tuple(args), kwargs
 
 
 class MoELayer:
@@ -579,7 +633,7 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     config = getattr(capturer, "config", {})
     # A selector's model may keep its dims where attach cannot read them: the capturer's then.
     top_k, num_experts = _routing_dims(model, layers[0].router, config if selector is not None else None)
-    selector = selector or default_selector
+    own_selector, selector = selector, selector or default_selector
     extra = int(config.get("extra_columns", 0))
     has_shared = any(layer.shared is not None for layer in layers)
     if shared_expert is None:
@@ -609,6 +663,9 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     runner = _Runner(capturer, gather, keep_weights, int(bool(shared_expert)), num_experts, top_k, stream)
     hooks = []
     for layer in layers:
+        if own_selector is None and _picked_by_block(layer):  # none of these blocks has a shared expert
+            hooks.append(_pre_hook_own(layer.block.experts, _experts_hook(layer, runner)))
+            continue
         hooks.append(_hook_own(layer.router, _router_hook(layer, runner, selector, shared_expert)))
         if shared_expert:
             hooks.append(_hook_own(layer.block, _block_hook(layer, runner)))
@@ -625,6 +682,21 @@ def _hook_own(module, hook):
         if m is module:
             hook(m, inputs, output)
     return module.register_forward_hook(own)
+
+
+def _pre_hook_own(module, hook):
+    """_hook_own for a hook that reads (and may replace) `module`'s inputs."""
+    def own(m, args, kwargs):
+        return hook(m, args, kwargs) if m is module else None
+    return module.register_forward_pre_hook(own, with_kwargs=True)
+
+
+def _experts_hook(layer, runner):
+    def hook(module, args, kwargs):
+        ids, weights = (_call_value(args, kwargs, key) for key in _experts_call(layer.block, args, kwargs))
+        ids = ids.reshape(-1, ids.shape[-1])
+        runner.deliver(layer, ids, weights.reshape(ids.shape))
+    return hook
 
 
 def _router_hook(layer, runner, selector, shared_expert):
@@ -678,11 +750,19 @@ def _block_hook(layer, runner):
 
 def _recomputed_weights(router, logits, ids, hidden_dtype=None):
     """The weights `router` gives experts `ids` from its own logits: what
-    Megatron-style router replay trains through. hidden_dtype: its input's
-    dtype, where the router rounds its weights through it."""
+    Megatron-style router replay trains through. router: the module that
+    weighs them (a _PICKED_BY_BLOCK block, for its bare-logits router).
+    hidden_dtype: its input's dtype, where the router rounds its weights through it."""
     import torch
     kind = type(router).__name__
     logits = logits.reshape(-1, logits.shape[-1])
+    if kind.startswith("DbrxFFN"):  # softmax in the logits' dtype, divided by the picked weights' p-norm
+        w = torch.softmax(logits, dim=-1, dtype=logits.dtype).gather(1, ids)
+        p = router.moe_normalize_expert_weights
+        return w if p is None else w / torch.norm(w, p=p, dim=-1, keepdim=True)
+    if kind.startswith(("JambaSparseMoeBlock", "JambaTopKRouter")):  # float32 softmax, rounded to the input's dtype
+        w = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
+        return w if hidden_dtype is None else w.to(hidden_dtype)
     if kind.startswith(("Mixtral", "MiniMaxTopK")):
         w = torch.softmax(logits.float(), dim=-1).gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
@@ -817,12 +897,7 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
             order = _router_output_order(module, output)
             own_gammas = _shared_gammas(module, output)
             logits, own_weights, own_ids = (output[i] for i in order)
-            given = torch.as_tensor(ids[layer.index], device=own_ids.device)
-            _check_replayed_ids(layer.index, given, logits.shape[-1], checked)  # before a cast could wrap them
-            forced = given.to(own_ids.dtype)
-            if forced.shape != own_ids.reshape(-1, own_ids.shape[-1]).shape:
-                raise ValueError(f"layer {layer.index}: recorded ids {tuple(forced.shape)}, the forward routes "
-                                 f"{tuple(own_ids.shape)}")
+            forced = _forced_ids(layer.index, ids[layer.index], own_ids, logits.shape[-1], checked)
             replaced = list(output)  # a fourth output (Inkling's gammas) stays in its place
             if weights is not None:
                 w = torch.as_tensor(weights[layer.index], device=own_weights.device)
@@ -836,12 +911,53 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
             return tuple(replaced)
         return hook
 
-    hooks = [layer.router.register_forward_hook(make(layer)) for layer in layers]
+    def make_picked(layer):
+        # The block picks from its router's logits: kept here, forced where its experts receive the picks.
+        logits_of: dict[str, Any] = {}
+
+        def keep(module, inputs, output):
+            logits_of["logits"] = output
+
+        def force(module, args, kwargs):
+            ids_key, weights_key = _experts_call(layer.block, args, kwargs)
+            own_ids, own_weights = _call_value(args, kwargs, ids_key), _call_value(args, kwargs, weights_key)
+            logits = logits_of.pop("logits")
+            forced = _forced_ids(layer.index, ids[layer.index], own_ids, logits.shape[-1], checked)
+            if weights is not None:
+                w = torch.as_tensor(weights[layer.index], device=own_weights.device)
+            else:
+                w = _recomputed_weights(layer.block, logits, forced.long(), args[0].dtype if args else None)
+            return _with_values(args, kwargs, {ids_key: forced.reshape(own_ids.shape),
+                                               weights_key: w.to(own_weights.dtype).reshape(own_weights.shape)})
+        return keep, force
+
+    hooks = []
+    for layer in layers:
+        if _picked_by_block(layer):
+            keep, force = make_picked(layer)
+            hooks.append(layer.router.register_forward_hook(keep))
+            hooks.append(layer.block.experts.register_forward_pre_hook(force, with_kwargs=True))
+        else:
+            hooks.append(layer.router.register_forward_hook(make(layer)))
     try:
         yield layers
     finally:
         for h in hooks:
             h.remove()
+
+
+def _forced_ids(index, recorded, own_ids, num_experts, checked):
+    """Layer `index`'s recorded ids as the forward's own: checked against its
+    experts, at the own ids' dtype and device, [tokens, top_k] as many
+    tokens as the forward routes."""
+    import torch
+    given = torch.as_tensor(recorded, device=own_ids.device)
+    _check_replayed_ids(index, given, num_experts, checked)  # before a cast could wrap them
+    forced = given.to(own_ids.dtype)
+    if forced.shape != own_ids.reshape(-1, own_ids.shape[-1]).shape:
+        raise ValueError(f"layer {index}: recorded ids {tuple(forced.shape)}, the forward routes "
+                         f"{tuple(own_ids.shape)}")
+    return forced
 
 
 def _check_replayed_ids(index, forced, num_experts, checked):

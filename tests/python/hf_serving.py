@@ -394,12 +394,24 @@ def tiny_config(model_type):
         "inkling_mm_model": ("InklingConfig", dict(text_config="inkling_text", vision_config=dict(
             hidden_size=32, num_hidden_layers=1, num_attention_heads=2, text_hidden_size=32),
             audio_config=dict(text_hidden_size=32))),
+        # Mamba layers around an attention layer; MoE in every layer (a router of its own only from 5.25)
+        "jamba": ("JambaConfig", dict(num_experts=8, expert_layer_period=1, expert_layer_offset=0,
+                                      attn_layer_period=3, attn_layer_offset=1, mamba_d_state=4, mamba_expand=1,
+                                      use_mamba_kernels=False)),
+        # its own names (d_model, n_layers, ffn_config: a num_experts_per_tok beside them would mislead the engine
+        # adapters); the picked weights divided by their 1-norm
+        "dbrx": ("DbrxConfig", dict(own_names=True, vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=3,
+                                    max_seq_len=128, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                                    tie_word_embeddings=False, attn_config=dict(kv_n_heads=1, rope_theta=10000.0, clip_qkv=8.0),
+                                    ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2))),
     }
     class_name, extra = specs[model_type]
     cls = getattr(transformers, class_name, None)
     if cls is None:
         return class_name, None
-    if isinstance(extra.get("text_config"), str):  # a multimodal wrapper: another entry's config as its text model
+    if extra.pop("own_names", False):
+        config = cls(**extra)
+    elif isinstance(extra.get("text_config"), str):  # a multimodal wrapper: another entry's config as its text model
         text = tiny_config(extra["text_config"])[1]
         config = cls(**{**extra, "text_config": text.to_dict()}, tie_word_embeddings=False)
     else:
@@ -435,9 +447,9 @@ def build(config, seed=0, dtype=torch.float32):
 
 def decoder_and_head(model):
     """The decoder and the LM head: the model's, or its language model's
-    (Llama 4's wrapper keeps them there)."""
-    lm = model if hasattr(model, "model") else model.language_model
-    return lm.model, lm.lm_head
+    (Llama 4's wrapper keeps them there). DBRX calls its decoder transformer."""
+    lm = model if hasattr(model, "model") or hasattr(model, "transformer") else model.language_model
+    return (lm.model if hasattr(lm, "model") else lm.transformer), lm.lm_head
 
 
 def new_cache(model):
@@ -515,6 +527,13 @@ def reference(layer, logits, inputs=None):
         w = scores.gather(1, ids)
         return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     logits = logits.reshape(-1, logits.shape[-1])
+    if kind.startswith("DbrxRouter"):  # its block's rule: softmax in the logits' dtype, top-k, over their p-norm
+        w, ids = torch.topk(torch.softmax(logits, dim=1, dtype=logits.dtype), layer.block.top_k, dim=-1)
+        p = layer.block.moe_normalize_expert_weights
+        return ids, w if p is None else w / torch.norm(w, p=p, dim=-1, keepdim=True)
+    if type(layer.block).__name__.startswith("JambaSparseMoeBlock"):  # its block's rule, or its router's (5.25)
+        w, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), layer.block.top_k, dim=-1)
+        return ids, w.to(logits.dtype)
     if kind.startswith("InklingTopkRouter"):  # its shared experts' logits come from its inputs
         return inkling(router, logits, inputs)[:2]
     if kind.startswith("DeepseekV4TopK"):  # sqrt-softplus scores, biased for the choice

@@ -103,9 +103,10 @@ def test_dp2_with_idle_steps(model_type):
     assert check(ranks) == sum(r.forwarded for rank_waves in waves for w in rank_waves for r in w)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "granitemoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "granitemoe", "jamba", "dbrx"])
 def test_bfloat16_model_keeps_bf16_weights(model_type):
-    """A bf16 model whose routers return bf16 weights, kept as bf16."""
+    """A bf16 model whose routers (or blocks: DBRX, Jamba before 5.25) give
+    bf16 weights, kept as bf16."""
     config = config_or_skip(model_type)
     waves = requests(np.random.default_rng(4), 0, count=2, waves=1)
     ranks = hf_serving.serve(config, 1, [waves], [lambda step: True], chunk=4, dtype=torch.bfloat16)
@@ -255,14 +256,17 @@ def test_a_selectors_model_whose_router_and_config_name_no_top_k_takes_it_from_t
     assert np.array_equal(cap.read(np.arange(4), strict=True)[:, :, 0], want)
 
 
-def test_a_deepcopy_of_an_attached_model_writes_nothing_into_its_capturer():
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "dbrx"])
+def test_a_deepcopy_of_an_attached_model_writes_nothing_into_its_capturer(model_type):
     """copy.deepcopy copies an attached model's hooks (an RL reference model
     made from the policy): the copy's forward must not write its routing into
-    the policy's rows, while attached or after detach."""
+    the policy's rows, while attached or after detach. Qwen2-MoE's gated shared
+    expert has router, gate and block hooks; DBRX's experts a pre-hook."""
     import copy
-    model = hf_serving.build(config_or_skip("qwen2_moe"))  # a gated shared expert: router, gate and block hooks
-    cap = moecap.Capturer(num_layers=2, top_k=2, num_experts=8, host_slots=8, max_running_requests=1,
-                          chunked_prefill_size=4, weight_dtype="f32", extra_columns=1)
+    model = hf_serving.build(config_or_skip(model_type))
+    layers = len(hf.find_moe_layers(model))
+    cap = moecap.Capturer(num_layers=layers, top_k=2, num_experts=8, host_slots=8, max_running_requests=1,
+                          chunked_prefill_size=4, weight_dtype="f32", extra_columns=int(model_type == "qwen2_moe"))
     tokens = torch.randint(3, hf_serving.VOCAB, (1, 4))
     handle = hf.attach(model, cap)
     reference = copy.deepcopy(model)
@@ -395,15 +399,18 @@ def replay_own_routing(model, tokens, context=contextlib.nullcontext):
     layers = hf.find_moe_layers(model)
     seen = {}
 
+    def keep(layer, ids, weights):
+        seen[layer.index] = (ids.reshape(-1, ids.shape[-1]).clone(), weights.reshape(-1, ids.shape[-1]).clone())
+
     def remember(layer):
-        def hook(module, inputs, output):
-            ids, weights = hf.default_selector(module, inputs, output)
-            seen[layer.index] = (ids.reshape(-1, ids.shape[-1]).clone(), weights.reshape(-1, ids.shape[-1]).clone())
-        return hook
+        if hf._picked_by_block(layer):  # the experts the block picked, as its experts module receives them
+            return layer.block.experts.register_forward_pre_hook(lambda module, args: keep(layer, *args[1:3]))
+        return layer.router.register_forward_hook(
+            lambda module, inputs, output: keep(layer, *hf.default_selector(module, inputs, output)))
 
     def forward(replay):
         with torch.no_grad(), context(), replay:
-            hooks = [layer.router.register_forward_hook(remember(layer)) for layer in layers]
+            hooks = [remember(layer) for layer in layers]
             model(tokens, use_cache=False)
             for h in hooks:
                 h.remove()
@@ -430,12 +437,14 @@ def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type)
         torch.testing.assert_close(own[index][1].float(), weights.float(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("model_type, precision", [("ergo", "bf16"), ("qwen3_moe", "bf16"),
-                                                   ("inkling_text", "autocast"), ("qwen3_moe", "autocast")])
+@pytest.mark.parametrize("model_type, precision", [("ergo", "bf16"), ("qwen3_moe", "bf16"), ("jamba", "bf16"),
+                                                   ("dbrx", "bf16"), ("inkling_text", "autocast"),
+                                                   ("qwen3_moe", "autocast")])
 def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precision):
-    """Ergo's router rounds its float32 weights through its bf16 input; Inkling's
-    (transformers 5.25) turns autocast off for its logits: replayed, the
-    recomputed weights are rounded as the router rounds them."""
+    """Ergo's router rounds its float32 weights through its bf16 input, as
+    Jamba's does (its block's, before 5.25), DBRX's block weighs in the logits'
+    bf16; Inkling's (transformers 5.25) turns autocast off for its logits:
+    replayed, the recomputed weights are rounded as the router rounds them."""
     config = config_or_skip(model_type)
     tokens = torch.randint(3, hf_serving.VOCAB, (2, 5))
     if precision == "bf16":
@@ -452,7 +461,7 @@ def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precisi
         torch.testing.assert_close(own[index][1].float(), weights.float(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "llama4_text"])
+@pytest.mark.parametrize("model_type", ["mixtral", "llama4_text", "dbrx"])
 def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
     """An id past the experts would index them out of bounds (or silently
     mix memory in a grouped kernel); -1 is a token without routing."""
@@ -478,6 +487,49 @@ def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
             pass
 
 
+@pytest.mark.parametrize("model_type", ["dbrx", "jamba"])
+def test_replay_forces_the_experts_a_block_picks_and_weighs_them_by_its_rule(model_type):
+    """DBRX's block (and Jamba's before transformers 5.25) picks from its
+    router's bare logits: replay hands its experts the recorded ids, and with
+    weights=None the weights the block's rule gives those ids from this
+    forward's logits; given weights go to the experts as they are."""
+    model = hf_serving.build(config_or_skip(model_type))
+    layers = hf.find_moe_layers(model)
+    top_k, num_experts = hf._routing_dims(model, layers[0].router)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 4))
+    forced = [torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(4)]) for _ in layers]
+    given = [torch.rand(4, top_k) for _ in layers]
+    seen, logits = {}, {}
+
+    def watch():  # after replay's hooks, so that the experts' inputs are seen as replay leaves them
+        return [hook for layer in layers for hook in (
+            layer.block.experts.register_forward_pre_hook(
+                lambda module, args, index=layer.index: seen.__setitem__(index, (args[1].clone(), args[2].clone()))),
+            layer.router.register_forward_hook(
+                lambda module, inputs, output, index=layer.index: logits.__setitem__(
+                    index, output if torch.is_tensor(output) else output[0])))]
+
+    with torch.no_grad():
+        free = model(tokens, use_cache=False).logits
+        for weights in (None, given):
+            with hf.replay(model, forced, weights):
+                hooks = watch()
+                replayed = model(tokens, use_cache=False).logits
+                for hook in hooks:
+                    hook.remove()
+            assert not torch.allclose(replayed, free)
+            for layer in layers:
+                ids, w = seen[layer.index]
+                assert torch.equal(ids, forced[layer.index])
+                if weights is None:  # the block's rule for the forced ids
+                    own = torch.softmax(logits[layer.index], dim=-1, dtype=torch.float).gather(1, ids)
+                    if model_type == "dbrx":
+                        own = own / own.sum(dim=-1, keepdim=True)  # its 1-norm (moe_normalize_expert_weights=1)
+                    torch.testing.assert_close(w.float(), own, rtol=1e-5, atol=1e-6)
+                else:
+                    torch.testing.assert_close(w.float(), given[layer.index])
+
+
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
 def test_the_engine_adapters_read_the_models_layers_and_experts_from_its_config(model_type):
     """The SGLang and vLLM adapters see a config, not the model: its rules
@@ -493,15 +545,16 @@ def test_the_engine_adapters_read_the_models_layers_and_experts_from_its_config(
     assert _model.config_int(text, _model.TOP_K_KEYS, "experts per token") == top_k
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4_text"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4_text", "jamba"])
 def test_an_attached_model_compiles_without_graph_breaks_and_captures_what_eager_does(model_type):
     """Under torch.compile(fullgraph=True) the hooks capture through the
     capturer's custom ops (Dynamo cannot trace the extension's call), the
-    shared column and its gate included."""
+    shared column and its gate included, and the pre-hooks on Jamba's experts
+    (its block picks, before transformers 5.25)."""
     model = hf_serving.build(config_or_skip(model_type))
     layers = hf.find_moe_layers(model)
-    router = layers[0].router
-    cap = moecap.Capturer(num_layers=len(layers), top_k=router.top_k, num_experts=router.num_experts, host_slots=16,
+    top_k, num_experts = hf._routing_dims(model, layers[0].router)
+    cap = moecap.Capturer(num_layers=len(layers), top_k=top_k, num_experts=num_experts, host_slots=16,
                           max_running_requests=1, chunked_prefill_size=16, weight_dtype="f32", extra_columns=1)
     tokens = torch.randint(3, hf_serving.VOCAB, (1, 6))
     eager, compiled = np.arange(6), np.arange(6, 12)
@@ -510,7 +563,7 @@ def test_an_attached_model_compiles_without_graph_breaks_and_captures_what_eager
         cap.commit(eager)
         torch.compile(model, fullgraph=True, backend="eager")(tokens)
         cap.commit(compiled)
-    shape = (6, len(layers), router.top_k)
+    shape = (6, len(layers), top_k)
     want = cap.read(eager, weights_out=np.zeros(shape, np.float32), strict=True)
     got = cap.read(compiled, weights_out=np.zeros(shape, np.float32), strict=True)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
@@ -545,24 +598,31 @@ def test_a_recorder_that_names_its_layer_finds_only_those_modules():
     """Jamba records router_logits from any nn.Linear named "router": the
     layers are those, not every linear layer of the model, and the engine
     adapters read the same layers from its config (expert_layer_period and
-    _offset). attach refuses Jamba, not in KNOWN (in transformers 5.19 its
-    router returns bare logits)."""
+    _offset). attach captures those layers only, at their model layers."""
     jamba = getattr(transformers, "JambaConfig", None)
     if jamba is None:
         pytest.skip("no Jamba in this transformers")
     config = jamba(vocab_size=hf_serving.VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
                    num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
                    expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0,
-                   mamba_d_state=4, mamba_expand=1)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+                   mamba_d_state=4, mamba_expand=1, use_mamba_kernels=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     layers = hf.find_moe_layers(model)
     assert [(layer.name, layer.model_layer) for layer in layers] == [
         ("model.layers.1.feed_forward.router", 1), ("model.layers.3.feed_forward.router", 3)]
     assert _model.moe_layers_from_config(config) == (1, 3)
     cap = moecap.Capturer(num_layers=2, top_k=2, num_experts=4, host_slots=16, max_running_requests=1,
                           chunked_prefill_size=16)
-    with pytest.raises(hf.UnknownArchitecture, match="'jamba'"):
-        hf.attach(model, cap)
+    picked = {}
+    for layer in layers:
+        layer.block.experts.register_forward_pre_hook(
+            lambda module, args, index=layer.index: picked.__setitem__(index, args[1].clone()))
+    with hf.attach(model, cap) as handle, torch.no_grad():
+        model(torch.randint(3, hf_serving.VOCAB, (1, 4)), use_cache=False)
+    assert handle.layer_map.layers == (1, 3)
+    cap.commit(np.arange(4))
+    assert np.array_equal(cap.read(np.arange(4), strict=True), torch.stack([picked[0], picked[1]], 1).numpy())
 
 
 def test_only_inklings_four_tuple_is_read_as_routing():

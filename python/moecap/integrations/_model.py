@@ -6,17 +6,18 @@ the device id dtype that count calls for."""
 # What configs call the routed expert count (DeepSeek's n_routed_experts,
 # Qwen's num_experts, Mixtral's num_local_experts, Ernie's moe_num_experts,
 # ...) and the experts per token (Ernie's moe_k, HunYuan's moe_topk, Gemma's
-# top_k_experts).
+# top_k_experts, DBRX's moe_top_k).
 EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts", "moe_top_k")
 
 
 def config_int(config, keys, what):
     """The first positive int under one of `keys` in the config or, for a
-    multimodal wrapper, its text_config; ValueError naming `what` if none."""
-    for c in (config, getattr(config, "text_config", None)):
+    multimodal wrapper, its text_config, or in DBRX's ffn_config (a config
+    or, as a config.json holds it, a dict); ValueError naming `what` if none."""
+    for c in (config, getattr(config, "text_config", None), getattr(config, "ffn_config", None)):
         for key in keys:
-            value = getattr(c, key, None)
+            value = c.get(key) if isinstance(c, dict) else getattr(c, key, None)
             if isinstance(value, int) and value > 0:
                 return value
     raise ValueError(f"the model config names no {what} (looked for {', '.join(keys)}); pass it")
