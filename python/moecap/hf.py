@@ -14,7 +14,7 @@ scales, PhiMoE's sparsemixer; `KNOWN` lists the model types checked, each
 with its rule). attach hooks those modules' outputs, so nothing is
 re-derived (Inkling's router returns a fourth output, its shared experts'
 per-token weights, read by its class; where a block picks the experts from
-its router's bare logits, DBRX's and Jamba's before 5.25, they are read where
+its router's bare logits, DBRX's and Jamba's in transformers 5.19, they are read where
 its experts module receives them), numbers the MoE layers in order (dense
 layers in between are skipped, and each MoE layer's decoder layer is kept in
 the handle's and the capturer's ``layer_map``, so a request read back knows
@@ -175,7 +175,7 @@ KNOWN = {
     "inkling_mm_model": "InklingTopkRouter: inkling_text's, in its multimodal wrapper",
     "dbrx": ("DbrxRouter: bare logits; its block (DbrxFFN) takes softmax, top-k, divided by their p-norm "
              "(moe_normalize_expert_weights), read where its experts receive them"),
-    "jamba": ("JambaTopKRouter: softmax, top-k (transformers 5.25); before it, a bare nn.Linear router whose block "
+    "jamba": ("JambaTopKRouter: softmax, top-k (transformers 5.25); in 5.19 a bare nn.Linear router whose block "
               "(JambaSparseMoeBlock) picks the same way, read where its experts receive them; Mamba layers"),
 }
 
@@ -189,7 +189,7 @@ class UnknownArchitecture(TypeError):
 
 def _routing_dims(model, router, given: Any = None) -> tuple[int, int]:
     """(top_k, num_experts): the router's, or the config's where the router
-    keeps neither (Gemma 4, DBRX, Jamba before 5.25), or else `given`'s (the
+    keeps neither (Gemma 4, DBRX, Jamba in transformers 5.19), or else `given`'s (the
     capturer's config: a selector's model whose config names neither, Switch
     Transformers')."""
     def dim(attribute, keys, what):
@@ -329,8 +329,8 @@ def _scores_and_logits(router: Any, output: Any) -> bool:
 # Blocks whose router returns bare logits [n, num_experts] and which pick the
 # experts themselves (route_tokens_to_experts), then hand them to their experts
 # module through transformers' experts interface, experts(hidden_states,
-# top_k_index, top_k_weights): DBRX's, and Jamba's before transformers 5.25
-# (its router an nn.Linear, quantized or not). attach reads the experts and
+# top_k_index, top_k_weights): DBRX's, and Jamba's in transformers 5.19
+# (its router an nn.Linear, or a subclass). attach reads the experts and
 # weights where the experts module receives them: what the model computes
 # with, not re-derived.
 _PICKED_BY_BLOCK = ("DbrxFFN", "JambaSparseMoeBlock")
@@ -343,10 +343,11 @@ def _picked_by_block(layer: MoELayer) -> bool:
             and getattr(layer.block, "experts", None) is not None)
 
 
-def _experts_call(block: Any, args: tuple, kwargs: dict) -> tuple[Union[int, str], Union[int, str]]:
+def _experts_call(block: Any, args: tuple, kwargs: dict, remedy: str) -> tuple[Union[int, str], Union[int, str]]:
     """Where top_k_index and top_k_weights sit in a call of `block`'s experts
     module (an argument position, or a keyword): (ids key, weights key),
-    checked to be an integer tensor and a floating one of its shape."""
+    checked to be an integer tensor and a floating one of its shape; else
+    UnknownArchitecture, ending with `remedy`."""
     keys = tuple(position if len(args) > position else name
                  for position, name in ((1, "top_k_index"), (2, "top_k_weights")))
     ids, weights = (_call_value(args, kwargs, key) for key in keys)
@@ -354,7 +355,7 @@ def _experts_call(block: Any, args: tuple, kwargs: dict) -> tuple[Union[int, str
             and weights.dtype.is_floating_point and tuple(ids.shape) == tuple(weights.shape)):
         raise UnknownArchitecture(
             f"{type(block).__name__}.experts was not called as experts(hidden_states, top_k_index [n, k] int, "
-            "top_k_weights [n, k] float); pass selector=fn(router, inputs, output) -> (ids, weights)")
+            f"top_k_weights [n, k] float); {remedy}")
     return keys
 
 
@@ -693,7 +694,8 @@ def _pre_hook_own(module, hook):
 
 def _experts_hook(layer, runner):
     def hook(module, args, kwargs):
-        ids, weights = (_call_value(args, kwargs, key) for key in _experts_call(layer.block, args, kwargs))
+        keys = _experts_call(layer.block, args, kwargs, "pass selector=fn(router, inputs, output) -> (ids, weights)")
+        ids, weights = (_call_value(args, kwargs, key) for key in keys)
         ids = ids.reshape(-1, ids.shape[-1])
         runner.deliver(layer, ids, weights.reshape(ids.shape))
     return hook
@@ -868,7 +870,10 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
     trains), or per layer [tokens, top_k] to force those too. Inkling's router
     returns its shared experts' gammas as a fourth output, normalized together
     with the picked experts' weights: recomputed for the forced experts with
-    weights=None, left as the router gave them with weights given. A router
+    weights=None, left as the router gave them with weights given. Where a
+    block picks from its router's bare logits (DBRX's, Jamba's in
+    transformers 5.19) the ids and weights are forced where its experts module
+    receives them, the weights by the block's rule. A router
     that weighs in autocast's dtype (Inkling's before transformers 5.25)
     gets its weights back at float32's precision. The ids are
     checked when the block is entered (for a selector's model, whose expert
@@ -913,15 +918,24 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
 
     def make_picked(layer):
         # The block picks from its router's logits: kept here, forced where its experts receive the picks.
-        logits_of: dict[str, Any] = {}
+        router_logits = None
 
         def keep(module, inputs, output):
-            logits_of["logits"] = output
+            nonlocal router_logits
+            router_logits = output
 
         def force(module, args, kwargs):
-            ids_key, weights_key = _experts_call(layer.block, args, kwargs)
+            nonlocal router_logits
+            ids_key, weights_key = _experts_call(layer.block, args, kwargs,
+                                                 "replay cannot force the experts this block picks")
             own_ids, own_weights = _call_value(args, kwargs, ids_key), _call_value(args, kwargs, weights_key)
-            logits = logits_of.pop("logits")
+            logits, router_logits = router_logits, None  # one router call weighs one experts call
+            rows = own_ids.reshape(-1, own_ids.shape[-1]).shape[0]
+            if logits is None or logits.reshape(-1, logits.shape[-1]).shape[0] != rows:
+                raise UnknownArchitecture(
+                    f"layer {layer.index}: {type(layer.block).__name__}'s experts route {rows} tokens, but its "
+                    f"router gave {'no logits' if logits is None else 'logits of ' + str(tuple(logits.shape))} "
+                    "just before: replay cannot weigh the forced experts")
             forced = _forced_ids(layer.index, ids[layer.index], own_ids, logits.shape[-1], checked)
             if weights is not None:
                 w = torch.as_tensor(weights[layer.index], device=own_weights.device)

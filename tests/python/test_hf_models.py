@@ -105,7 +105,7 @@ def test_dp2_with_idle_steps(model_type):
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "granitemoe", "jamba", "dbrx"])
 def test_bfloat16_model_keeps_bf16_weights(model_type):
-    """A bf16 model whose routers (or blocks: DBRX, Jamba before 5.25) give
+    """A bf16 model whose routers (or blocks: DBRX, Jamba in transformers 5.19) give
     bf16 weights, kept as bf16."""
     config = config_or_skip(model_type)
     waves = requests(np.random.default_rng(4), 0, count=2, waves=1)
@@ -442,7 +442,7 @@ def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type)
                                                    ("qwen3_moe", "autocast")])
 def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precision):
     """Ergo's router rounds its float32 weights through its bf16 input, as
-    Jamba's does (its block's, before 5.25), DBRX's block weighs in the logits'
+    Jamba's does (its block's, in 5.19), DBRX's block weighs in the logits'
     bf16; Inkling's (transformers 5.25) turns autocast off for its logits:
     replayed, the recomputed weights are rounded as the router rounds them."""
     config = config_or_skip(model_type)
@@ -487,14 +487,19 @@ def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
             pass
 
 
-@pytest.mark.parametrize("model_type", ["dbrx", "jamba"])
-def test_replay_forces_the_experts_a_block_picks_and_weighs_them_by_its_rule(model_type):
-    """DBRX's block (and Jamba's before transformers 5.25) picks from its
+@pytest.mark.parametrize("model_type, norm", [("dbrx", 1.0), ("dbrx", 2.0), ("dbrx", None), ("jamba", None)])
+def test_replay_forces_the_experts_a_block_picks_and_weighs_them_by_its_rule(model_type, norm):
+    """DBRX's block (and Jamba's in transformers 5.19) picks from its
     router's bare logits: replay hands its experts the recorded ids, and with
     weights=None the weights the block's rule gives those ids from this
-    forward's logits; given weights go to the experts as they are."""
+    forward's logits (DBRX's divided by their p-norm, or not); given weights
+    go to the experts as they are. Experts called without their router are
+    refused, naming the layer."""
     model = hf_serving.build(config_or_skip(model_type))
     layers = hf.find_moe_layers(model)
+    for layer in layers:
+        if model_type == "dbrx":
+            layer.block.moe_normalize_expert_weights = norm
     top_k, num_experts = hf._routing_dims(model, layers[0].router)
     tokens = torch.randint(3, hf_serving.VOCAB, (1, 4))
     forced = [torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(4)]) for _ in layers]
@@ -523,11 +528,14 @@ def test_replay_forces_the_experts_a_block_picks_and_weighs_them_by_its_rule(mod
                 assert torch.equal(ids, forced[layer.index])
                 if weights is None:  # the block's rule for the forced ids
                     own = torch.softmax(logits[layer.index], dim=-1, dtype=torch.float).gather(1, ids)
-                    if model_type == "dbrx":
-                        own = own / own.sum(dim=-1, keepdim=True)  # its 1-norm (moe_normalize_expert_weights=1)
+                    if norm is not None:
+                        own = own / torch.norm(own, p=norm, dim=-1, keepdim=True)
                     torch.testing.assert_close(w.float(), own, rtol=1e-5, atol=1e-6)
                 else:
                     torch.testing.assert_close(w.float(), given[layer.index])
+        if hf._picked_by_block(layers[0]):  # Jamba 5.25's router picks: nothing is forced at its experts
+            with hf.replay(model, forced), pytest.raises(hf.UnknownArchitecture, match="layer 0: .*no logits"):
+                layers[0].block.experts(torch.zeros(4, 32), forced[0], given[0])
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
@@ -550,7 +558,7 @@ def test_an_attached_model_compiles_without_graph_breaks_and_captures_what_eager
     """Under torch.compile(fullgraph=True) the hooks capture through the
     capturer's custom ops (Dynamo cannot trace the extension's call), the
     shared column and its gate included, and the pre-hooks on Jamba's experts
-    (its block picks, before transformers 5.25)."""
+    (its block picks in transformers 5.19)."""
     model = hf_serving.build(config_or_skip(model_type))
     layers = hf.find_moe_layers(model)
     top_k, num_experts = hf._routing_dims(model, layers[0].router)
