@@ -461,6 +461,30 @@ def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precisi
         torch.testing.assert_close(own[index][1].float(), weights.float(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "dbrx"])
+def test_replay_under_gradient_checkpointing_trains_as_without_it(model_type):
+    """A model trained with gradient checkpointing recomputes each layer in
+    the backward: with the backward inside replay's block, the recomputation
+    routes to the recorded experts too, and the gradients equal those of the
+    same replayed step without checkpointing."""
+    model = hf_serving.build(config_or_skip(model_type)).train()
+    layers = hf.find_moe_layers(model)
+    top_k, num_experts = hf._routing_dims(model, layers[0].router)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 5))
+    forced = [torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(5)]) for _ in layers]
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        model.zero_grad()
+        with hf.replay(model, forced):
+            model(tokens, use_cache=False).logits.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("experts" in n for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "llama4_text", "dbrx"])
 def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
     """An id past the experts would index them out of bounds (or silently
