@@ -393,6 +393,14 @@ def test_moe_layers_are_found_in_a_model_whose_shared_expert_has_no_gate_and_in_
     assert [layer.model_layer for layer in hf.find_moe_layers(model)] == [1, 2]
 
 
+def random_routing(model, tokens):
+    """The model's MoE layers, and for each `tokens` rows of top_k distinct
+    random experts: routing for replay to force."""
+    layers = hf.find_moe_layers(model)
+    top_k, num_experts = hf._routing_dims(model, layers[0].router)
+    return layers, [torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)]) for _ in layers]
+
+
 def replay_own_routing(model, tokens, context=contextlib.nullcontext):
     """Each router's (ids, weights) in a free forward, and in one replaying
     those ids with weights=None; forwards inside context()."""
@@ -468,10 +476,8 @@ def test_replay_under_gradient_checkpointing_trains_as_without_it(model_type):
     routes to the recorded experts too, and the gradients equal those of the
     same replayed step without checkpointing."""
     model = hf_serving.build(config_or_skip(model_type)).train()
-    layers = hf.find_moe_layers(model)
-    top_k, num_experts = hf._routing_dims(model, layers[0].router)
+    layers, forced = random_routing(model, 5)
     tokens = torch.randint(3, hf_serving.VOCAB, (1, 5))
-    forced = [torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(5)]) for _ in layers]
     grads = []
     for checkpointing in (False, True):
         if checkpointing:
@@ -520,14 +526,12 @@ def test_replay_forces_the_experts_a_block_picks_and_weighs_them_by_its_rule(mod
     go to the experts as they are. Experts called without their router are
     refused, naming the layer."""
     model = hf_serving.build(config_or_skip(model_type))
-    layers = hf.find_moe_layers(model)
+    layers, forced = random_routing(model, 4)
     for layer in layers:
         if model_type == "dbrx":
             layer.block.moe_normalize_expert_weights = norm
-    top_k, num_experts = hf._routing_dims(model, layers[0].router)
     tokens = torch.randint(3, hf_serving.VOCAB, (1, 4))
-    forced = [torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(4)]) for _ in layers]
-    given = [torch.rand(4, top_k) for _ in layers]
+    given = [torch.rand(f.shape) for f in forced]
     seen, logits = {}, {}
 
     def watch():  # after replay's hooks, so that the experts' inputs are seen as replay leaves them
