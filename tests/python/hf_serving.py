@@ -399,10 +399,12 @@ def tiny_config(model_type):
                                       attn_layer_period=3, attn_layer_offset=1, mamba_d_state=4, mamba_expand=1,
                                       use_mamba_kernels=False)),
         # its own names (d_model, n_layers, ffn_config: a num_experts_per_tok beside them would mislead the engine
-        # adapters); the picked weights divided by their 1-norm
+        # adapters); the picked weights divided by their 1-norm. Its attention reads rope_theta and clip_qkv
+        # from attn_config, where transformers 5.19 sets neither by default
         "dbrx": ("DbrxConfig", dict(own_names=True, vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=3,
                                     max_seq_len=128, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-                                    tie_word_embeddings=False, attn_config=dict(kv_n_heads=1, rope_theta=10000.0, clip_qkv=8.0),
+                                    tie_word_embeddings=False,
+                                    attn_config=dict(kv_n_heads=1, rope_theta=10000.0, clip_qkv=8.0),
                                     ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2))),
     }
     class_name, extra = specs[model_type]
