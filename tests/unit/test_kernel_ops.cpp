@@ -411,8 +411,10 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
 // one in a row that goes to a slot is counted and marks it INVALID_IDS, in
 // a block (in a pass of layers and in the layers after the last pass) and
 // in the rows after the last block, at top-8, 6, 4, 2 and 1 (blocks of 4,
-// 4, 8, 16 and 32 rows), with AVX2 and without, from int16 device ids at 200 and 256
-// experts and from u8 ones at 200, against the per-element operations.
+// 4, 8, 16 and 32 rows) and at widths fixed only at run time (3 and 12,
+// through the staging tile), with AVX2 and without, from int16 device ids
+// at 200 and 256 experts and from u8 ones at 200, against the per-element
+// operations.
 TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a slot, in blocks and in the tail") {
   struct Source {
     int32_t elem, experts, host = kU8;
@@ -420,7 +422,7 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
     for (const Source source : {Source{kI16, 200}, Source{kI16, 256}, Source{kU8, 200}, Source{kI16, 384, kU16}}) {
-      for (const int32_t top_k : {8, 6, 4, 2, 1}) {
+      for (const int32_t top_k : {8, 6, 4, 2, 1, 3, 12}) {
         CAPTURE(avx2);
         CAPTURE(source.elem);
         CAPTURE(source.experts);
@@ -428,7 +430,9 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
         CAPTURE(top_k);
         // Nine layers: two passes of four at top-8 and 6 or one of eight, then one more.
         const int32_t layers = 9, experts = source.experts;
-        const int64_t block = block_rows(top_k), count = block + 3, device_rows = 48, host_slots = 64;
+        // Rows 1-3 and the two after the first block hold the bad ids: at least 4 rows a block.
+        const int64_t block = std::max<int64_t>(4, block_rows(top_k)), count = block + 3, device_rows = 48,
+                      host_slots = 64;
         const int64_t elems = layers * device_rows * top_k;
         std::vector<uint8_t> src(static_cast<size_t>(elems * elem_bytes(source.elem)));
         for (int64_t e = 0; e < elems; ++e) store_int(src.data(), source.elem, e, e % 97 % experts);
@@ -475,7 +479,9 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
 // at top-4, 16 at top-2, 32 at top-1; 2 into u16 host ids) and the rows after them,
 // through the passes of layers and the single layers after them, from int16
 // and u8 device ids (whose rows lie in a vector register in different
-// orders) into u8, and from int16 into u16.
+// orders) into u8, and from int16 into u16; at top-3 and 12, widths fixed
+// only at run time, whose moves into the staging tile spill into the next
+// layers' places.
 TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds the later row") {
   struct Pair {
     int32_t device, host, experts;
@@ -485,7 +491,7 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
     const bool before = allow_host_avx2(avx2);
     for (const Pair pair : {Pair{kI16, kU8, 200}, Pair{kU8, kU8, 200}, Pair{kI16, kU16, 384}}) {
       const int32_t elem = pair.device;
-      for (const int32_t top_k : {8, 6, 4, 2, 1}) {
+      for (const int32_t top_k : {8, 6, 4, 2, 1, 3, 12}) {
         const int32_t layers = 9, experts = pair.experts;
         const int64_t count = 2 * block_rows(top_k) + 1, device_rows = count + 7, host_slots = count + 7;
         for (int64_t first = 0; first < count; ++first) {
@@ -512,7 +518,8 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
     }
     allow_host_avx2(before);
   }
-  CHECK(cases == 2 * 3 * (9 * 8 + 9 * 8 + 17 * 16 + 33 * 32 + 65 * 64) / 2);
+  // block_rows is 10 at top-3 and 2 at top-12: 21 and 5 rows.
+  CHECK(cases == 2 * 3 * (9 * 8 + 9 * 8 + 17 * 16 + 33 * 32 + 65 * 64 + 21 * 20 + 5 * 4) / 2);
   CHECK(wrong == 0);
 }
 
