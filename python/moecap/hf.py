@@ -177,6 +177,9 @@ KNOWN = {
              "(moe_normalize_expert_weights), read where its experts receive them"),
     "jamba": ("JambaTopKRouter: softmax, top-k (transformers 5.25); in 5.19 a bare nn.Linear router whose block "
               "(JambaSparseMoeBlock) picks the same way, read where its experts receive them; Mamba layers"),
+    "longcat_flash": ("LongcatFlashTopkRouter: softmax, top-k of it + correction bias, scaled, over the routed "
+                      "experts and after them the zero (identity) experts, ids n_routed_experts and up (counted "
+                      "in num_experts); one MoE a decoder layer of two attention sublayers"),
 }
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
@@ -193,6 +196,8 @@ def _routing_dims(model, router, given: Any = None) -> tuple[int, int]:
     capturer's config: a selector's model whose config names neither, Switch
     Transformers')."""
     def dim(attribute, keys, what):
+        if attribute == "num_experts" and type(router).__name__.startswith(_WITH_ZERO_EXPERTS):
+            attribute = "n_routed_experts"  # the routed and the zero experts: every id it picks
         value = getattr(router, attribute, 0)
         if value:
             return int(value)
@@ -206,6 +211,12 @@ def _routing_dims(model, router, given: Any = None) -> tuple[int, int]:
                 f"({', '.join(keys)}) names its {what}") from None
     return dim("top_k", _model.TOP_K_KEYS, "experts per token"), dim("num_experts", _model.EXPERT_KEYS,
                                                                         "routed expert count")
+
+
+# Routers whose ids run past the routed experts: LongCat-Flash's zero
+# (identity) experts follow them, ids n_routed_experts and up, counted in its
+# router's n_routed_experts (its num_experts counts the routed ones only).
+_WITH_ZERO_EXPERTS = ("LongcatFlashTopkRouter",)
 
 
 def _router_recorder(model):
@@ -457,12 +468,12 @@ def find_moe_layers(model: torch.nn.Module, routers: Optional[Routers] = None) -
 
 def num_hidden_layers(model: torch.nn.Module) -> Optional[int]:
     """The model's decoder layer count (its config's num_hidden_layers, or the
-    text config's for a multimodal wrapper); None if it declares none."""
+    text config's for a multimodal wrapper; LongCat-Flash's num_layers, as
+    _model.decoder_layers reads it); None if it declares none."""
     config = getattr(model, "config", None)
     for c in (config, getattr(config, "text_config", None)):
-        n = getattr(c, "num_hidden_layers", None)
-        if isinstance(n, int):
-            return n
+        if isinstance(getattr(c, "num_hidden_layers", None), int):
+            return _model.decoder_layers(c)
     return None
 
 
@@ -785,7 +796,7 @@ def _recomputed_weights(router, logits, ids, hidden_dtype=None):
     if kind.startswith("Gemma4Text"):  # its "logits" are already the softmax
         w = logits.float().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True) * router.per_expert_scale[ids]
-    if kind.startswith(("DeepseekV2", "DeepseekOcr2Text", "UnlimitedOcrText")):
+    if kind.startswith(("DeepseekV2", "DeepseekOcr2Text", "UnlimitedOcrText", "LongcatFlash")):
         return logits.float().softmax(dim=-1).gather(1, ids) * router.routed_scaling_factor
     if kind.startswith("Ernie4_5_Moe"):
         w = torch.softmax(logits.float(), dim=1).gather(1, ids)

@@ -406,6 +406,16 @@ def tiny_config(model_type):
                                     tie_word_embeddings=False,
                                     attn_config=dict(kv_n_heads=1, rope_theta=10000.0, clip_qkv=8.0),
                                     ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2))),
+        # 8 routed experts and 4 zero (identity) ones, ids 8-11, picked as often as the routed ones at random
+        # weights; three decoder layers of two attention sublayers each (num_hidden_layers is 6)
+        "longcat_flash": ("LongcatFlashConfig", dict(own_names=True, vocab_size=VOCAB, hidden_size=32, num_layers=3,
+                                                     num_attention_heads=2, ffn_hidden_size=32,
+                                                     expert_ffn_hidden_size=16, moe_topk=2, n_routed_experts=8,
+                                                     zero_expert_num=4, routed_scaling_factor=2.5, q_lora_rank=16,
+                                                     kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                                     v_head_dim=8, head_dim=8, max_position_embeddings=128,
+                                                     pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                                                     tie_word_embeddings=False)),
     }
     class_name, extra = specs[model_type]
     cls = getattr(transformers, class_name, None)
@@ -568,6 +578,10 @@ def reference(layer, logits, inputs=None):
         from transformers.models.phimoe.modeling_phimoe import sparsemixer
         w, ids = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=False, top_k=router.top_k)
         return ids, w
+    if kind.startswith("LongcatFlash"):  # top-k of the softmax + correction bias, over routed and zero experts
+        scores = logits.float().softmax(dim=-1)
+        ids = torch.topk(scores + router.e_score_correction_bias, router.top_k, dim=-1, sorted=False)[1]
+        return ids, (scores.gather(1, ids) * router.routed_scaling_factor).to(logits.dtype)
     if kind.startswith(("DeepseekV2", "DeepseekOcr2Text", "UnlimitedOcrText")):
         scores = logits.float().softmax(dim=-1)
         if router.topk_method == "group_limited_greedy":  # else greedy: the top-k of all experts

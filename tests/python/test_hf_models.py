@@ -491,7 +491,7 @@ def test_replay_under_gradient_checkpointing_trains_as_without_it(model_type):
         torch.testing.assert_close(grads[1][name], grad, msg=name)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "llama4_text", "dbrx"])
+@pytest.mark.parametrize("model_type", ["mixtral", "llama4_text", "dbrx", "longcat_flash"])
 def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
     """An id past the experts would index them out of bounds (or silently
     mix memory in a grouped kernel); -1 is a token without routing."""
@@ -515,6 +515,35 @@ def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
     with pytest.raises(ValueError, match=rf"layer 0: recorded ids\[0, 0\] is {2**32 + 1}"):
         with hf.replay(model, ids):
             pass
+
+
+def test_longcat_zero_experts_are_captured_and_replayed_as_the_ids_its_router_picks():
+    """LongCat-Flash's router picks among its routed experts and, after them,
+    its zero (identity) experts, ids n_routed_experts and up, as SGLang's own
+    capturer records them: served, those ids come back as picked, not as "no
+    expert"; replay forces them, each adding its token's input times its weight."""
+    config = config_or_skip("longcat_flash")
+    assert (_model.num_experts(config), _model.decoder_layers(config), config.num_hidden_layers) == (12, 3, 6)
+    ranks = hf_serving.serve(config, 1, [requests(np.random.default_rng(5), 0, count=3, waves=1)],
+                             [lambda step: True], chunk=3)
+    assert check(ranks) > 0
+    ids = np.concatenate([req.routed.ids for req in ranks[0].finished])
+    assert (ids >= 8).any() and (ids < 8).any() and ids.max() < 12
+    model = hf_serving.build(config)
+    layers = hf.find_moe_layers(model)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 4))
+    forced = [torch.tensor([[8, 11], [9, 10], [11, 8], [10, 10]]) for _ in layers]
+    weights = [torch.rand(4, 2) for _ in layers]
+    seen = []
+    hooks = [layer.block.register_forward_hook(lambda module, inputs, output: seen.append((inputs[0], output)))
+             for layer in layers]
+    with torch.no_grad(), hf.replay(model, forced, weights):
+        model(tokens, use_cache=False)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == len(layers)
+    for (x, out), w in zip(seen, weights):
+        torch.testing.assert_close(out.reshape(4, -1), x.reshape(4, -1) * w.sum(dim=-1, keepdim=True))
 
 
 @pytest.mark.parametrize("model_type, norm", [("dbrx", 1.0), ("dbrx", 2.0), ("dbrx", None), ("jamba", None)])

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from moecap.formats import sglang as sglang_format
+from moecap.integrations import _model
 from moecap.record import RoutedExperts
 
 NUM_LAYERS, TOP_K, NUM_EXPERTS = 5, 2, 8
@@ -77,16 +78,18 @@ def server(sgl, chunked_prefill_size=64, dp_size=1, dp_rank=0, attention=True):
         ctx.restore()
 
 
-def make_model(sgl, shared=0):
+def make_model(sgl, shared=0, zero_experts=0):
     hf = types.SimpleNamespace(num_hidden_layers=NUM_LAYERS, num_experts_per_tok=TOP_K, num_experts=NUM_EXPERTS,
                                mlp_only_layers=[0, 3])
+    if zero_experts:  # LongCat-Flash's zero (identity) experts, ids NUM_EXPERTS and up
+        hf.zero_expert_num = zero_experts
     model = types.SimpleNamespace(shared_experts_config=sgl.SharedExpertsConfig(num_fused_shared_experts=shared))
     return model, types.SimpleNamespace(hf_text_config=hf)
 
 
-def create_pair(sgl, num_tokens, max_running, shared=0, **options):
+def create_pair(sgl, num_tokens, max_running, shared=0, zero_experts=0, **options):
     """SGLang's capturer and moecap's, both made by SGLang's factory (the second after install())."""
-    model, config = make_model(sgl, shared)
+    model, config = make_model(sgl, shared, zero_experts)
     sgl.adapter.uninstall()
     theirs = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=config, num_tokens=num_tokens,
                                                  max_running_requests=max_running, device="cpu")
@@ -165,9 +168,10 @@ def payloads(sgl, cap, sched, rid, seqlen, start_len):
     return sgl.b64([tensor])[0], tensor
 
 
-def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4, overlap=False):
+def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4, overlap=False, experts=NUM_EXPERTS):
     """Prefill (two chunks), decode steps (or verify steps with `verify` draft
-    tokens each), then every request's payload from both capturers."""
+    tokens each), then every request's payload from both capturers; ids
+    drawn from [0, experts)."""
     sched = Scheduler(sgl, 400, requests + 1, rng)
     rids = list(range(requests))
     for rid in rids:
@@ -182,7 +186,7 @@ def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4, ov
             sched.keep(rid, slots)
             loc += slots
             lens[rid] += n
-        rows = rng.integers(0, NUM_EXPERTS, size=(len(loc), len(MOE_LAYERS), TOP_K))
+        rows = rng.integers(0, experts, size=(len(loc), len(MOE_LAYERS), TOP_K))
         run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc, overlap=overlap)
     for _ in range(steps):
         per = verify or 1
@@ -192,7 +196,7 @@ def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4, ov
             loc += slots
             accepted = int(rng.integers(0, per)) + 1 if verify else 1
             keep[rid] = slots[:accepted]
-        rows = rng.integers(0, NUM_EXPERTS, size=(len(loc), len(MOE_LAYERS), TOP_K))
+        rows = rng.integers(0, experts, size=(len(loc), len(MOE_LAYERS), TOP_K))
         run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc, overlap=overlap)
         for rid in rids:  # accepted tokens (and the bonus token) reach req_to_token; rejected slots are freed
             sched.keep(rid, keep[rid])
@@ -208,7 +212,7 @@ def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4, ov
             rows = max(0, seqlen - 1 - min(start_len, seqlen - 1))
             assert len(base64.b64decode(a)) == rows * NUM_LAYERS * TOP_K * 4
             checked += 1
-    decoded = RoutedExperts.from_sglang(a, NUM_EXPERTS, NUM_LAYERS, TOP_K, start=min(start_len, seqlen - 1),
+    decoded = RoutedExperts.from_sglang(a, experts, NUM_LAYERS, TOP_K, start=min(start_len, seqlen - 1),
                                         layers=MOE_LAYERS)
     assert decoded.layers == MOE_LAYERS
     return sched, checked
@@ -467,6 +471,21 @@ def test_device_buffer_is_u8_up_to_255_experts_and_payloads_equal_either_way(sgl
         assert ours.plan.device_id_dtype == "i16"
         _, checked = scenario(sgl, theirs, ours, np.random.default_rng(0))
     assert checked == 12
+
+
+def test_zero_experts_are_counted_and_their_ids_recorded_as_sglangs_own_capturer_records_them(sgl):
+    """LongCat-Flash's router picks its zero (identity) experts as ids
+    n_routed_experts and up, and SGLang captures them so, before the model
+    turns them into identity terms: the adapter counts them among the
+    experts, so those ids are routing, not ids outside."""
+    with server(sgl):
+        theirs, ours = create_pair(sgl, num_tokens=400, max_running=4, zero_experts=4)
+        assert ours.num_experts == NUM_EXPERTS + 4
+        _, checked = scenario(sgl, theirs, ours, np.random.default_rng(0), experts=NUM_EXPERTS + 4)
+    assert checked == 12
+    longcat = pytest.importorskip("sglang.srt.configs.longcat_flash")
+    hf = longcat.LongcatFlashConfig(num_layers=3, n_routed_experts=NUM_EXPERTS, zero_expert_num=4, moe_topk=TOP_K)
+    assert (_model.num_experts(hf), _model.decoder_layers(hf), _model.moe_layers_from_config(hf)) == (12, 3, (0, 1, 2))
 
 
 def test_a_split_prefill_commits_once_its_last_layer_range_ran_and_equals_sglangs(sgl):

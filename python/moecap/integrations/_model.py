@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What an adapter reads from a model's Hugging Face config: the routed
-expert count, and which model layers are MoE layers (the layer map); and
-the device id dtype that count calls for."""
+"""What an adapter reads from a model's Hugging Face config: the expert
+count, and which model layers are MoE layers (the layer map); and the device
+id dtype that count calls for."""
 
 # What configs call the routed expert count (DeepSeek's n_routed_experts,
 # Qwen's num_experts, Mixtral's num_local_experts, Ernie's moe_num_experts,
@@ -24,8 +24,26 @@ def config_int(config, keys, what):
 
 
 def num_experts(config):
-    """Routed experts of the model."""
-    return config_int(config, EXPERT_KEYS, "routed expert count")
+    """The expert ids a router of the model picks from: its routed experts,
+    and after them LongCat-Flash's zero (identity) experts (zero_expert_num),
+    which its router picks as ids n_routed_experts and up and SGLang's own
+    capturer records as picked."""
+    zero = 0
+    for c in (config, getattr(config, "text_config", None)):
+        value = getattr(c, "zero_expert_num", None)
+        if isinstance(value, int) and value > 0:
+            zero = value
+            break
+    return config_int(config, EXPERT_KEYS, "routed expert count") + zero
+
+
+def decoder_layers(config):
+    """The model's decoder layers: num_hidden_layers, but LongCat-Flash's
+    num_layers, where transformers' config counts two attention sublayers a
+    decoder layer in num_hidden_layers (SGLang's config sets both alike)."""
+    if getattr(config, "model_type", None) == "longcat_flash" and isinstance(getattr(config, "num_layers", None), int):
+        return int(config.num_layers)
+    return int(config.num_hidden_layers)
 
 
 def device_id_dtype(num_experts):
@@ -47,7 +65,7 @@ def moe_layers_from_config(config):
     dense_mlp_idx) and
     moe_layer_freq, Qwen-MoE's mlp_only_layers and decoder_sparse_step; every
     layer otherwise."""
-    n = int(config.num_hidden_layers)
+    n = decoder_layers(config)
     per_layer = getattr(config, "mlp_layer_types", None)
     if isinstance(per_layer, (list, tuple)):
         return check_layers([i for i, t in enumerate(per_layer[:n]) if t in ("sparse", "moe", "hash_moe")], n)
