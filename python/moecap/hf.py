@@ -180,6 +180,9 @@ KNOWN = {
     "longcat_flash": ("LongcatFlashTopkRouter: softmax, top-k of it + correction bias, scaled, over the routed "
                       "experts and after them the zero (identity) experts, ids n_routed_experts and up (counted "
                       "in num_experts); one MoE a decoder layer of two attention sublayers"),
+    "zaya": ("ZayaRouter: softmax over the experts and a skip expert, top-k of it + balancing biases; the skip "
+             "expert, id num_experts (counted in num_experts), weighs 0; router states carried from layer to "
+             "layer; top-1"),
 }
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
@@ -196,8 +199,9 @@ def _routing_dims(model, router, given: Any = None) -> tuple[int, int]:
     capturer's config: a selector's model whose config names neither, Switch
     Transformers')."""
     def dim(attribute, keys, what):
-        if attribute == "num_experts" and type(router).__name__.startswith(_WITH_ZERO_EXPERTS):
-            attribute = "n_routed_experts"  # the routed and the zero experts: every id it picks
+        if attribute == "num_experts":  # every id it picks: the routed experts and any zero or skip ones
+            attribute = next((a for kind, a in _EXPERTS_PAST_ROUTED if type(router).__name__.startswith(kind)),
+                             attribute)
         value = getattr(router, attribute, 0)
         if value:
             return int(value)
@@ -213,10 +217,11 @@ def _routing_dims(model, router, given: Any = None) -> tuple[int, int]:
                                                                         "routed expert count")
 
 
-# Routers whose ids run past the routed experts: LongCat-Flash's zero
-# (identity) experts follow them, ids n_routed_experts and up, counted in its
-# router's n_routed_experts (its num_experts counts the routed ones only).
-_WITH_ZERO_EXPERTS = ("LongcatFlashTopkRouter",)
+# Routers whose ids run past the routed experts, and the attribute that
+# counts them all (their num_experts counts the routed ones only):
+# LongCat-Flash's zero (identity) experts follow the routed ones, ids
+# n_routed_experts and up; Zaya's skip expert (no compute) is id num_experts.
+_EXPERTS_PAST_ROUTED = (("LongcatFlashTopkRouter", "n_routed_experts"), ("ZayaRouter", "num_router_classes"))
 
 
 def _router_recorder(model):
@@ -260,9 +265,9 @@ def _router_output_order(router: Any, output: Any) -> tuple[int, int, int]:
     floating one of the indices' shape. Most routers return (logits, weights,
     indices); GraniteMoE's and Aria's, in transformers 5.19, (indices,
     weights, logits). Inkling's returns a fourth, its shared experts' weights
-    (_shared_gammas): its first three are read so. No other 4-tuple is
-    (Zaya's (logits, probabilities, indices, router states) is refused)."""
-    if _shared_gammas(router, output) is not None:
+    (_shared_gammas), and Zaya's its router states (_router_states): their
+    first three are read so. No other 4-tuple is."""
+    if _shared_gammas(router, output) is not None or _router_states(router, output):
         output = output[:3]
     if isinstance(output, tuple) and len(output) == 3 and all(hasattr(o, "dtype") for o in output):
         integer = [i for i, o in enumerate(output) if not o.dtype.is_floating_point]
@@ -307,6 +312,15 @@ def _shared_gammas(router: Any, output: Any) -> Any:
     return None
 
 
+def _router_states(router: Any, output: Any) -> bool:
+    """Whether `output` is a _WITH_SKIP_EXPERT router's 4-tuple, its logits
+    one column per expert and one for the skip expert, its last output the
+    router states the next layer's router reads."""
+    return (type(router).__name__.startswith(_WITH_SKIP_EXPERT) and isinstance(output, tuple) and len(output) == 4
+            and all(hasattr(o, "dtype") and hasattr(o, "shape") for o in output)
+            and output[0].shape[-1] == getattr(router, "num_experts", -1) + 1)
+
+
 def _scores_every_expert(logits: Any, ids: Any) -> bool:
     if logits.dim() == 0 or ids.dim() == 0:
         return False
@@ -321,8 +335,34 @@ def default_selector(router: Any, inputs: Any, output: Any) -> tuple[torch.Tenso
         scores, logits = output
         ids = logits.topk(router.top_k, dim=1).indices
         return ids, scores.gather(1, ids)
-    _, weights, ids = _router_output_order(router, output)
+    logits, weights, ids = _router_output_order(router, output)
+    if type(router).__name__.startswith(_WITH_SKIP_EXPERT):
+        return _skip_picks_restored(router, output[logits], output[ids]), output[weights]
     return output[ids], output[weights]
+
+
+# Routers that pick a skip expert (id num_experts: no compute) and hand the
+# pick on as expert 0 with weight 0, with their router states as a fourth
+# output (logits [n, num_experts + 1], weights, indices, states): Zaya's.
+# The skip picks are read back from its logits as the router picked (the same
+# softmax, biases and top-k), so that a token that skipped is not recorded as
+# routed to expert 0.
+_WITH_SKIP_EXPERT = ("ZayaRouter",)
+
+
+def _skip_picks_restored(router: Any, logits: Any, ids: Any) -> Any:
+    import torch
+    logits = logits.reshape(-1, logits.shape[-1])
+    biased = torch.softmax(logits, dim=-1).detach().to(torch.float32) + router.balancing_biases
+    skip = torch.topk(biased, router.top_k, dim=-1).indices == router.num_experts
+    return ids.reshape(skip.shape).masked_fill(skip, router.num_experts)
+
+
+def _skip_picks_masked(router: Any, ids: Any, weights: Any) -> tuple[Any, Any]:
+    """Forced ids and weights as a _WITH_SKIP_EXPERT router hands them on: a
+    skip pick as expert 0 with weight 0."""
+    skip = ids == router.num_experts
+    return ids.masked_fill(skip, 0), weights.masked_fill(skip, 0)
 
 
 # Routers that return (scores [n, num_experts], logits [n, num_experts]), the
@@ -801,6 +841,8 @@ def _recomputed_weights(router, logits, ids, hidden_dtype=None):
     if kind.startswith("Ernie4_5_Moe"):
         w = torch.softmax(logits.float(), dim=1).gather(1, ids)
         return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min)
+    if kind.startswith("ZayaRouter"):  # the softmax over the experts and the skip expert, in the logits' dtype
+        return torch.softmax(logits, dim=-1).gather(1, ids)
     if kind.startswith(("MiniMaxM2", "Step3p7", "MiniMaxM3VL", "Laguna")):
         w = logits.float().sigmoid().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
@@ -922,6 +964,8 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
                 replaced[-1] = gammas.to(own_gammas.dtype).reshape(own_gammas.shape)
             else:
                 w = _recomputed_weights(module, logits, forced, inputs[0].dtype if inputs else None)
+            if type(module).__name__.startswith(_WITH_SKIP_EXPERT):
+                forced, w = _skip_picks_masked(module, forced, w.reshape(forced.shape))
             replaced[order[0]], replaced[order[1]], replaced[order[2]] = (
                 logits, w.to(own_weights.dtype).reshape(own_weights.shape), forced.reshape(own_ids.shape))
             return tuple(replaced)

@@ -416,6 +416,9 @@ def tiny_config(model_type):
                                                      v_head_dim=8, head_dim=8, max_position_embeddings=128,
                                                      pad_token_id=0, eos_token_id=1, bos_token_id=2,
                                                      tie_word_embeddings=False)),
+        # top-1 (all Zaya takes) of 8 experts and its skip expert, id 8, picked often at the random biases build sets
+        "zaya": ("ZayaConfig", dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=1, head_dim=16,
+                                    router_hidden_size=16)),
     }
     class_name, extra = specs[model_type]
     cls = getattr(transformers, class_name, None)
@@ -447,7 +450,7 @@ def build(config, seed=0, dtype=torch.float32):
     with torch.no_grad():  # a non-zero correction bias, a per-expert scale other than 1, so they matter
         for layer in hf.find_moe_layers(model):
             for name, bias in list(layer.block.named_buffers()) + list(layer.block.named_parameters()):
-                if name.endswith(("e_score_correction_bias", "expert_bias")):
+                if name.endswith(("e_score_correction_bias", "expert_bias", "balancing_biases")):
                     bias.copy_(torch.randn(bias.shape) * 0.5)
                 elif name.endswith("router.per_expert_scale"):
                     bias.copy_(torch.rand(bias.shape) + 0.5)
@@ -578,6 +581,10 @@ def reference(layer, logits, inputs=None):
         from transformers.models.phimoe.modeling_phimoe import sparsemixer
         w, ids = sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=False, top_k=router.top_k)
         return ids, w
+    if kind.startswith("ZayaRouter"):  # top-k of the softmax + balancing biases; the skip expert (id 8) weighs 0
+        scores = torch.softmax(logits, dim=-1)
+        ids = torch.topk(scores.float() + router.balancing_biases, router.top_k, dim=-1).indices
+        return ids, scores.gather(1, ids).masked_fill(ids == router.num_experts, 0)
     if kind.startswith("LongcatFlash"):  # top-k of the softmax + correction bias, over routed and zero experts
         scores = logits.float().softmax(dim=-1)
         ids = torch.topk(scores + router.e_score_correction_bias, router.top_k, dim=-1, sorted=False)[1]

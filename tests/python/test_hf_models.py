@@ -546,6 +546,39 @@ def test_longcat_zero_experts_are_captured_and_replayed_as_the_ids_its_router_pi
         torch.testing.assert_close(out.reshape(4, -1), x.reshape(4, -1) * w.sum(dim=-1, keepdim=True))
 
 
+def test_zaya_skip_expert_is_captured_as_its_own_id_and_replayed_as_its_router_hands_it_on():
+    """Zaya's router hands a pick of its skip expert (id num_experts, no
+    compute) on as expert 0 with weight 0: served, the skip is recorded as id
+    8 with weight 0, never as expert 0; replayed, a forced skip reaches the
+    experts as expert 0 with weight 0, so the token's MoE output is zero."""
+    config = config_or_skip("zaya")
+    assert _model.num_experts(config) == 9
+    ranks = hf_serving.serve(config, 1, [requests(np.random.default_rng(5), 0, count=3, waves=1)],
+                             [lambda step: True], chunk=3)
+    assert check(ranks) > 0
+    routed = [req.routed for req in ranks[0].finished]
+    ids = np.concatenate([r.ids for r in routed])
+    weights = np.concatenate([r.weights for r in routed])
+    assert (ids == 8).any() and (ids < 8).any() and ids.max() == 8
+    assert (weights[ids == 8] == 0).all() and (weights[ids < 8] > 0).all()
+    model = hf_serving.build(config)
+    layers = hf.find_moe_layers(model)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 4))
+    forced = [torch.tensor([[8], [3], [8], [0]]) for _ in layers]
+    seen = []
+    hooks = [layer.block.experts.register_forward_hook(lambda module, inputs, output: seen.append((inputs, output)))
+             for layer in layers]
+    with torch.no_grad(), hf.replay(model, forced):
+        model(tokens, use_cache=False)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == len(layers)
+    for (_, experts_ids, experts_weights), out in seen:
+        assert experts_ids.reshape(-1).tolist() == [0, 3, 0, 0]
+        assert (experts_weights.reshape(-1)[[0, 2]] == 0).all() and (experts_weights.reshape(-1)[[1, 3]] > 0).all()
+        assert (out.reshape(4, -1)[[0, 2]] == 0).all() and (out.reshape(4, -1)[[1, 3]] != 0).any()
+
+
 @pytest.mark.parametrize("model_type, norm", [("dbrx", 1.0), ("dbrx", 2.0), ("dbrx", None), ("jamba", None)])
 def test_replay_forces_the_experts_a_block_picks_and_weighs_them_by_its_rule(model_type, norm):
     """DBRX's block (and Jamba's in transformers 5.19) picks from its
@@ -610,12 +643,13 @@ def test_the_engine_adapters_read_the_models_layers_and_experts_from_its_config(
     assert _model.config_int(text, _model.TOP_K_KEYS, "experts per token") == top_k
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4_text", "jamba"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4_text", "jamba", "zaya"])
 def test_an_attached_model_compiles_without_graph_breaks_and_captures_what_eager_does(model_type):
     """Under torch.compile(fullgraph=True) the hooks capture through the
     capturer's custom ops (Dynamo cannot trace the extension's call), the
-    shared column and its gate included, and the pre-hooks on Jamba's experts
-    (its block picks in transformers 5.19)."""
+    shared column and its gate included, the pre-hooks on Jamba's experts
+    (its block picks in transformers 5.19), and Zaya's skip picks read back
+    from its logits."""
     model = hf_serving.build(config_or_skip(model_type))
     layers = hf.find_moe_layers(model)
     top_k, num_experts = hf._routing_dims(model, layers[0].router)
@@ -632,7 +666,8 @@ def test_an_attached_model_compiles_without_graph_breaks_and_captures_what_eager
     want = cap.read(eager, weights_out=np.zeros(shape, np.float32), strict=True)
     got = cap.read(compiled, weights_out=np.zeros(shape, np.float32), strict=True)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-    assert (want[1] > 0).all()
+    skip = num_experts - 1 if model_type == "zaya" else -1  # Zaya's skip expert weighs 0
+    assert (want[1][want[0] != skip] > 0).all()
 
 
 def test_a_detached_capturer_is_freed_without_the_garbage_collector():
@@ -690,24 +725,31 @@ def test_a_recorder_that_names_its_layer_finds_only_those_modules():
     assert np.array_equal(cap.read(np.arange(4), strict=True), torch.stack([picked[0], picked[1]], 1).numpy())
 
 
-def test_only_inklings_four_tuple_is_read_as_routing():
+def test_only_inklings_and_zayas_four_tuples_are_read_as_routing():
     """Inkling's router returns (routed logits [n, E], weights [n, k], ids
-    [n, k], shared gammas [n, n_shared]): read by its class and that form.
-    Any other 4-tuple is refused, not read as routing: Zaya's (logits
-    [n, E + 1] with its skip expert, probabilities, ids, router states
-    [b, s, h]), from a Zaya router or from one named as Inkling's, and
-    Inkling's own form from a router not known to return it."""
+    [n, k], shared gammas [n, n_shared]), Zaya's (logits [n, E + 1] with its
+    skip expert, weights, ids with a skip handed on as expert 0, router
+    states [b, s, h]): each read by its class and its form, Zaya's skips
+    read back from its logits as id E. Any other 4-tuple is refused, not
+    read as routing: either form from the other's router or from an unknown
+    one, Inkling's with a wrong logits width, gammas or order."""
     class InklingTopkRouter:
         num_experts, n_shared_experts, top_k = 8, 1, 2
 
     class ZayaRouter:
-        num_experts, top_k = 8, 2
+        num_experts, num_router_classes, top_k = 8, 9, 2
+        balancing_biases = torch.zeros(9)
 
     ids, weights, gammas = torch.tensor([[3, 1], [0, 7]]), torch.rand(2, 2), torch.rand(2, 1)
     got_ids, got_weights = hf.default_selector(InklingTopkRouter(), None, (torch.randn(2, 8), weights, ids, gammas))
     assert got_ids is ids and got_weights is weights
-    zaya = (torch.randn(2, 9), weights, ids, torch.randn(1, 2, 4))
-    for router, output in ((ZayaRouter(), zaya), (InklingTopkRouter(), zaya), (None, zaya),
+    # Row 0 picks the skip expert and expert 1, handed on as 0 and 1; row 1 picks experts 0 and 7.
+    logits = torch.full((2, 9), -10.0)
+    logits[0, 8], logits[0, 1], logits[1, 0], logits[1, 7] = 10.0, 5.0, 10.0, 5.0
+    zaya = (logits, weights, torch.tensor([[0, 1], [0, 7]]), torch.randn(1, 2, 4))
+    got_ids, got_weights = hf.default_selector(ZayaRouter(), None, zaya)
+    assert got_ids.tolist() == [[8, 1], [0, 7]] and got_weights is weights
+    for router, output in ((InklingTopkRouter(), zaya), (None, zaya),
                            (ZayaRouter(), (torch.randn(2, 8), weights, ids, gammas)),
                            (None, (torch.randn(2, 8), weights, ids, gammas)),
                            # Inkling's form but for its logits [n, E + 1], or gammas for 2 shared experts, or ids last

@@ -27,14 +27,17 @@ def num_experts(config):
     """The expert ids a router of the model picks from: its routed experts,
     and after them LongCat-Flash's zero (identity) experts (zero_expert_num),
     which its router picks as ids n_routed_experts and up and SGLang's own
-    capturer records as picked."""
-    zero = 0
+    capturer records as picked, or Zaya's skip expert."""
+    past_routed = 0
     for c in (config, getattr(config, "text_config", None)):
         value = getattr(c, "zero_expert_num", None)
         if isinstance(value, int) and value > 0:
-            zero = value
+            past_routed = value
             break
-    return config_int(config, EXPERT_KEYS, "routed expert count") + zero
+        if getattr(c, "model_type", None) == "zaya":
+            past_routed = 1
+            break
+    return config_int(config, EXPERT_KEYS, "routed expert count") + past_routed
 
 
 def decoder_layers(config):
