@@ -103,7 +103,7 @@ def test_dp2_with_idle_steps(model_type):
     assert check(ranks) == sum(r.forwarded for rank_waves in waves for w in rank_waves for r in w)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "granitemoe", "jamba", "dbrx"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "granitemoe", "jamba", "dbrx", "zaya"])
 def test_bfloat16_model_keeps_bf16_weights(model_type):
     """A bf16 model whose routers (or blocks: DBRX, Jamba in transformers 5.19) give
     bf16 weights, kept as bf16."""
@@ -446,12 +446,12 @@ def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type)
 
 
 @pytest.mark.parametrize("model_type, precision", [("ergo", "bf16"), ("qwen3_moe", "bf16"), ("jamba", "bf16"),
-                                                   ("dbrx", "bf16"), ("inkling_text", "autocast"),
+                                                   ("dbrx", "bf16"), ("zaya", "bf16"), ("inkling_text", "autocast"),
                                                    ("qwen3_moe", "autocast")])
 def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precision):
     """Ergo's router rounds its float32 weights through its bf16 input, as
-    Jamba's does (its block's, in 5.19), DBRX's block weighs in the logits'
-    bf16; Inkling's (transformers 5.25) turns autocast off for its logits:
+    Jamba's does (its block's, in 5.19), DBRX's block and Zaya's router weigh
+    in the logits' bf16; Inkling's (transformers 5.25) turns autocast off for its logits:
     replayed, the recomputed weights are rounded as the router rounds them."""
     config = config_or_skip(model_type)
     tokens = torch.randint(3, hf_serving.VOCAB, (2, 5))
