@@ -178,11 +178,11 @@ KNOWN = {
     "jamba": ("JambaTopKRouter: softmax, top-k (transformers 5.25); in 5.19 a bare nn.Linear router whose block "
               "(JambaSparseMoeBlock) picks the same way, read where its experts receive them; Mamba layers"),
     "longcat_flash": ("LongcatFlashTopkRouter: softmax, top-k of it + correction bias, scaled, over the routed "
-                      "experts and after them the zero (identity) experts, ids n_routed_experts and up (counted "
-                      "in num_experts); one MoE a decoder layer of two attention sublayers"),
+                      "experts and after them the zero (identity) experts, ids config.n_routed_experts and up "
+                      "(counted in the capturer's num_experts); one MoE a decoder layer of two attention sublayers"),
     "zaya": ("ZayaRouter: softmax over the experts and a skip expert, top-k of it + balancing biases; the skip "
-             "expert, id num_experts (counted in num_experts), weighs 0; router states carried from layer to "
-             "layer; top-1"),
+             "expert, id config.num_experts (the last of num_experts + 1), weighs 0; router states carried from "
+             "layer to layer; top-1"),
 }
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
@@ -222,6 +222,15 @@ def _routing_dims(model, router, given: Any = None) -> tuple[int, int]:
 # LongCat-Flash's zero (identity) experts follow the routed ones, ids
 # n_routed_experts and up; Zaya's skip expert (no compute) is id num_experts.
 _EXPERTS_PAST_ROUTED = (("LongcatFlashTopkRouter", "n_routed_experts"), ("ZayaRouter", "num_router_classes"))
+
+
+def _past_routed(router: Any, num_experts: int) -> str:
+    """How many of a router's `num_experts` ids are zero or skip experts,
+    for an error message: ": 8 routed, 4 past them (zero or skip experts)"."""
+    routed = getattr(router, "num_experts", None)
+    if not (isinstance(routed, int) and 0 < routed < num_experts):
+        return ""
+    return f": {routed} routed, {num_experts - routed} past them (zero or skip experts)"
 
 
 def _router_recorder(model):
@@ -335,27 +344,25 @@ def default_selector(router: Any, inputs: Any, output: Any) -> tuple[torch.Tenso
         scores, logits = output
         ids = logits.topk(router.top_k, dim=1).indices
         return ids, scores.gather(1, ids)
-    logits, weights, ids = _router_output_order(router, output)
+    _, weights, ids = _router_output_order(router, output)
     if type(router).__name__.startswith(_WITH_SKIP_EXPERT):
-        return _skip_picks_restored(router, output[logits], output[ids]), output[weights]
+        return _skip_picks_restored(router, output[ids], output[weights]), output[weights]
     return output[ids], output[weights]
 
 
-# Routers that pick a skip expert (id num_experts: no compute) and hand the
-# pick on as expert 0 with weight 0, with their router states as a fourth
-# output (logits [n, num_experts + 1], weights, indices, states): Zaya's.
-# The skip picks are read back from its logits as the router picked (the same
-# softmax, biases and top-k), so that a token that skipped is not recorded as
-# routed to expert 0.
+# Routers that pick a skip expert (the router's id num_experts: no compute)
+# and hand the pick on as expert 0 with weight 0, with their router states as
+# a fourth output (logits [n, num_experts + 1], weights, indices, states):
+# Zaya's. A pick handed on as expert 0 with weight 0 is recorded as the skip,
+# so that a token that skipped is not recorded as routed to expert 0. A real
+# pick of expert 0 has the softmax's weight, above 0; were it to underflow to
+# 0, expert 0 would add nothing, exactly as the skip does. Read from the ids
+# and weights, not the logits: inside replay, whose forced ids these are.
 _WITH_SKIP_EXPERT = ("ZayaRouter",)
 
 
-def _skip_picks_restored(router: Any, logits: Any, ids: Any) -> Any:
-    import torch
-    logits = logits.reshape(-1, logits.shape[-1])
-    biased = torch.softmax(logits, dim=-1).detach().to(torch.float32) + router.balancing_biases
-    skip = torch.topk(biased, router.top_k, dim=-1).indices == router.num_experts
-    return ids.reshape(skip.shape).masked_fill(skip, router.num_experts)
+def _skip_picks_restored(router: Any, ids: Any, weights: Any) -> Any:
+    return ids.masked_fill((ids == 0) & (weights == 0), router.num_experts)
 
 
 def _skip_picks_masked(router: Any, ids: Any, weights: Any) -> tuple[Any, Any]:
@@ -695,7 +702,8 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     for name, want in (("num_layers", len(layers)), ("top_k", top_k), ("num_experts", num_experts)):
         if name in config and int(config[name]) != want:
             raise ValueError(f"capturer has {name}={config[name]}; the model has {want} "
-                             f"({len(layers)} MoE layers, top-{top_k} of {num_experts} experts)")
+                             f"({len(layers)} MoE layers, top-{top_k} of {num_experts} experts"
+                             f"{_past_routed(layers[0].router, num_experts)})")
     if shared_expert and extra < 1:
         raise ValueError("shared_expert=True needs a capturer with extra_columns >= 1")
     router = layers[0].router
@@ -836,8 +844,10 @@ def _recomputed_weights(router, logits, ids, hidden_dtype=None):
     if kind.startswith("Gemma4Text"):  # its "logits" are already the softmax
         w = logits.float().gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True) * router.per_expert_scale[ids]
-    if kind.startswith(("DeepseekV2", "DeepseekOcr2Text", "UnlimitedOcrText", "LongcatFlash")):
+    if kind.startswith(("DeepseekV2", "DeepseekOcr2Text", "UnlimitedOcrText")):
         return logits.float().softmax(dim=-1).gather(1, ids) * router.routed_scaling_factor
+    if kind.startswith("LongcatFlash"):  # the softmax in the logits' dtype (bf16 under CPU autocast)
+        return logits.softmax(dim=-1).gather(1, ids) * router.routed_scaling_factor
     if kind.startswith("Ernie4_5_Moe"):
         w = torch.softmax(logits.float(), dim=1).gather(1, ids)
         return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min)

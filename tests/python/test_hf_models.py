@@ -447,11 +447,12 @@ def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type)
 
 @pytest.mark.parametrize("model_type, precision", [("ergo", "bf16"), ("qwen3_moe", "bf16"), ("jamba", "bf16"),
                                                    ("dbrx", "bf16"), ("zaya", "bf16"), ("inkling_text", "autocast"),
-                                                   ("qwen3_moe", "autocast")])
+                                                   ("qwen3_moe", "autocast"), ("longcat_flash", "autocast")])
 def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precision):
     """Ergo's router rounds its float32 weights through its bf16 input, as
     Jamba's does (its block's, in 5.19), DBRX's block and Zaya's router weigh
-    in the logits' bf16; Inkling's (transformers 5.25) turns autocast off for its logits:
+    in the logits' bf16, as LongCat's does under CPU autocast, which keeps its
+    softmax in bf16; Inkling's (transformers 5.25) turns autocast off for its logits:
     replayed, the recomputed weights are rounded as the router rounds them."""
     config = config_or_skip(model_type)
     tokens = torch.randint(3, hf_serving.VOCAB, (2, 5))
@@ -469,7 +470,7 @@ def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precisi
         torch.testing.assert_close(own[index][1].float(), weights.float(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "dbrx"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "dbrx", "longcat_flash", "zaya"])
 def test_replay_under_gradient_checkpointing_trains_as_without_it(model_type):
     """A model trained with gradient checkpointing recomputes each layer in
     the backward: with the backward inside replay's block, the recomputation
@@ -491,7 +492,7 @@ def test_replay_under_gradient_checkpointing_trains_as_without_it(model_type):
         torch.testing.assert_close(grads[1][name], grad, msg=name)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "llama4_text", "dbrx", "longcat_flash"])
+@pytest.mark.parametrize("model_type", ["mixtral", "llama4_text", "dbrx", "longcat_flash", "zaya"])
 def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
     """An id past the experts would index them out of bounds (or silently
     mix memory in a grouped kernel); -1 is a token without routing."""
@@ -544,6 +545,29 @@ def test_longcat_zero_experts_are_captured_and_replayed_as_the_ids_its_router_pi
     assert len(seen) == len(layers)
     for (x, out), w in zip(seen, weights):
         torch.testing.assert_close(out.reshape(4, -1), x.reshape(4, -1) * w.sum(dim=-1, keepdim=True))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "zaya", "longcat_flash"])
+def test_a_capture_inside_replay_records_the_forced_experts(model_type):
+    """A replayed forward, captured, records the forced ids whatever the
+    router itself would pick: Zaya's forced skip (id 8) as the skip and its
+    forced expert 0 as expert 0, LongCat's zero experts as themselves."""
+    model = hf_serving.build(config_or_skip(model_type))
+    layers = hf.find_moe_layers(model)
+    top_k, num_experts = hf._routing_dims(model, layers[0].router)
+    rows = 6
+    generator = torch.Generator().manual_seed(3)
+    forced = [torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(rows)])
+              for _ in layers]
+    for ids in forced:  # the last expert (Zaya's skip) and expert 0 in every layer
+        ids[0, 0], ids[1, 0] = num_experts - 1, 0
+        ids[0, 1:], ids[1, 1:] = torch.arange(1, top_k), torch.arange(1, top_k)
+    cap = moecap.Capturer(num_layers=len(layers), top_k=top_k, num_experts=num_experts, host_slots=16,
+                          max_running_requests=1, chunked_prefill_size=16)
+    with torch.no_grad(), hf.replay(model, forced), hf.attach(model, cap):
+        model(torch.randint(3, hf_serving.VOCAB, (1, rows)), use_cache=False)
+    cap.commit(np.arange(rows))
+    assert np.array_equal(cap.read(np.arange(rows), strict=True), torch.stack(forced, 1).numpy())
 
 
 def test_zaya_skip_expert_is_captured_as_its_own_id_and_replayed_as_its_router_hands_it_on():
@@ -643,14 +667,17 @@ def test_the_engine_adapters_read_the_models_layers_and_experts_from_its_config(
     assert _model.config_int(text, _model.TOP_K_KEYS, "experts per token") == top_k
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4_text", "jamba", "zaya"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "llama4_text", "jamba", "zaya",
+                                        "longcat_flash"])
 def test_an_attached_model_compiles_without_graph_breaks_and_captures_what_eager_does(model_type):
     """Under torch.compile(fullgraph=True) the hooks capture through the
     capturer's custom ops (Dynamo cannot trace the extension's call), the
     shared column and its gate included, the pre-hooks on Jamba's experts
-    (its block picks in transformers 5.19), and Zaya's skip picks read back
-    from its logits."""
+    (its block picks in transformers 5.19), Zaya's skip picks and LongCat's
+    zero experts."""
     model = hf_serving.build(config_or_skip(model_type))
+    if model_type == "longcat_flash" and hasattr(model.model.layers[0].mlp.experts, "total_experts"):
+        pytest.skip("transformers 5.19's LongCat experts loop calls .item(): the model cannot compile fullgraph")
     layers = hf.find_moe_layers(model)
     top_k, num_experts = hf._routing_dims(model, layers[0].router)
     cap = moecap.Capturer(num_layers=len(layers), top_k=top_k, num_experts=num_experts, host_slots=16,
@@ -666,7 +693,7 @@ def test_an_attached_model_compiles_without_graph_breaks_and_captures_what_eager
     want = cap.read(eager, weights_out=np.zeros(shape, np.float32), strict=True)
     got = cap.read(compiled, weights_out=np.zeros(shape, np.float32), strict=True)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-    skip = num_experts - 1 if model_type == "zaya" else -1  # Zaya's skip expert weighs 0
+    skip = num_experts - 1 if model_type == "zaya" else -1  # Zaya's skip expert weighs 0 (LongCat's zero ones do not)
     assert (want[1][want[0] != skip] > 0).all()
 
 
@@ -728,9 +755,9 @@ def test_a_recorder_that_names_its_layer_finds_only_those_modules():
 def test_only_inklings_and_zayas_four_tuples_are_read_as_routing():
     """Inkling's router returns (routed logits [n, E], weights [n, k], ids
     [n, k], shared gammas [n, n_shared]), Zaya's (logits [n, E + 1] with its
-    skip expert, weights, ids with a skip handed on as expert 0, router
-    states [b, s, h]): each read by its class and its form, Zaya's skips
-    read back from its logits as id E. Any other 4-tuple is refused, not
+    skip expert, weights, ids with a skip handed on as expert 0 with weight
+    0, router states [b, s, h]): each read by its class and its form, Zaya's
+    skips as id E. Any other 4-tuple is refused, not
     read as routing: either form from the other's router or from an unknown
     one, Inkling's with a wrong logits width, gammas or order."""
     class InklingTopkRouter:
@@ -738,17 +765,16 @@ def test_only_inklings_and_zayas_four_tuples_are_read_as_routing():
 
     class ZayaRouter:
         num_experts, num_router_classes, top_k = 8, 9, 2
-        balancing_biases = torch.zeros(9)
 
     ids, weights, gammas = torch.tensor([[3, 1], [0, 7]]), torch.rand(2, 2), torch.rand(2, 1)
     got_ids, got_weights = hf.default_selector(InklingTopkRouter(), None, (torch.randn(2, 8), weights, ids, gammas))
     assert got_ids is ids and got_weights is weights
-    # Row 0 picks the skip expert and expert 1, handed on as 0 and 1; row 1 picks experts 0 and 7.
-    logits = torch.full((2, 9), -10.0)
-    logits[0, 8], logits[0, 1], logits[1, 0], logits[1, 7] = 10.0, 5.0, 10.0, 5.0
-    zaya = (logits, weights, torch.tensor([[0, 1], [0, 7]]), torch.randn(1, 2, 4))
+    # Row 0 picks the skip expert and expert 1, handed on as expert 0 with weight 0 and expert 1; row 1 picks
+    # experts 0 and 7, expert 0 with its weight.
+    zaya_weights = torch.tensor([[0.0, 0.3], [0.5, 0.2]])
+    zaya = (torch.randn(2, 9), zaya_weights, torch.tensor([[0, 1], [0, 7]]), torch.randn(1, 2, 4))
     got_ids, got_weights = hf.default_selector(ZayaRouter(), None, zaya)
-    assert got_ids.tolist() == [[8, 1], [0, 7]] and got_weights is weights
+    assert got_ids.tolist() == [[8, 1], [0, 7]] and got_weights is zaya_weights
     for router, output in ((InklingTopkRouter(), zaya), (None, zaya),
                            (ZayaRouter(), (torch.randn(2, 8), weights, ids, gammas)),
                            (None, (torch.randn(2, 8), weights, ids, gammas)),

@@ -475,17 +475,29 @@ def test_device_buffer_is_u8_up_to_255_experts_and_payloads_equal_either_way(sgl
 
 def test_zero_experts_are_counted_and_their_ids_recorded_as_sglangs_own_capturer_records_them(sgl):
     """LongCat-Flash's router picks its zero (identity) experts as ids
-    n_routed_experts and up, and SGLang captures them so, before the model
-    turns them into identity terms: the adapter counts them among the
-    experts, so those ids are routing, not ids outside."""
+    n_routed_experts and up, and SGLang's capture site passes them on so,
+    before the model turns them into identity terms: the adapter counts them
+    among the experts, so those ids are routing, not ids outside."""
     with server(sgl):
         theirs, ours = create_pair(sgl, num_tokens=400, max_running=4, zero_experts=4)
         assert ours.num_experts == NUM_EXPERTS + 4
         _, checked = scenario(sgl, theirs, ours, np.random.default_rng(0), experts=NUM_EXPERTS + 4)
     assert checked == 12
+    # SGLang's own LongCat config names its top-k moe_topk, which SGLang's own capturer does not read (its
+    # create raises AttributeError there); the adapter reads it, and counts the zero experts.
     longcat = pytest.importorskip("sglang.srt.configs.longcat_flash")
     hf = longcat.LongcatFlashConfig(num_layers=3, n_routed_experts=NUM_EXPERTS, zero_expert_num=4, moe_topk=TOP_K)
     assert (_model.num_experts(hf), _model.decoder_layers(hf), _model.moe_layers_from_config(hf)) == (12, 3, (0, 1, 2))
+    model = types.SimpleNamespace(shared_experts_config=sgl.SharedExpertsConfig(num_fused_shared_experts=0))
+    with server(sgl):
+        sgl.adapter.install()
+        try:
+            ours = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=types.SimpleNamespace(hf_text_config=hf),
+                                                       num_tokens=50, max_running_requests=2, device="cpu")
+        finally:
+            sgl.adapter.uninstall()
+        assert (ours.num_experts, ours.moe_layers, ours.topk_size) == (NUM_EXPERTS + 4, (0, 1, 2), TOP_K)
+        ours.destroy()
 
 
 def test_a_split_prefill_commits_once_its_last_layer_range_ran_and_equals_sglangs(sgl):

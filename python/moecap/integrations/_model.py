@@ -26,15 +26,16 @@ def config_int(config, keys, what):
 def num_experts(config):
     """The expert ids a router of the model picks from: its routed experts,
     and after them LongCat-Flash's zero (identity) experts (zero_expert_num),
-    which its router picks as ids n_routed_experts and up and SGLang's own
-    capturer records as picked, or Zaya's skip expert."""
+    which its router picks as ids n_routed_experts and up and SGLang's
+    capture site passes on as picked, or Zaya's skip expert (transformers'
+    config always has one; SGLang's where zaya_use_mod, its default)."""
     past_routed = 0
     for c in (config, getattr(config, "text_config", None)):
         value = getattr(c, "zero_expert_num", None)
         if isinstance(value, int) and value > 0:
             past_routed = value
             break
-        if getattr(c, "model_type", None) == "zaya":
+        if getattr(c, "model_type", None) == "zaya" and getattr(c, "zaya_use_mod", True):
             past_routed = 1
             break
     return config_int(config, EXPERT_KEYS, "routed expert count") + past_routed
