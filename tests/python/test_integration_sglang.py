@@ -104,6 +104,17 @@ def create_pair(sgl, num_tokens, max_running, shared=0, zero_experts=0, **option
     return theirs, ours
 
 
+def create_ours_on(sgl, hf):
+    """moecap's capturer made by SGLang's factory (after install()) on a model config of SGLang's own."""
+    model = types.SimpleNamespace(shared_experts_config=sgl.SharedExpertsConfig(num_fused_shared_experts=0))
+    sgl.adapter.install()
+    try:
+        return sgl.re.RoutedExpertsCapturer.create(model=model, model_config=types.SimpleNamespace(hf_text_config=hf),
+                                                   num_tokens=50, max_running_requests=2, device="cpu")
+    finally:
+        sgl.adapter.uninstall()
+
+
 class Scheduler:
     """The scheduler's part: KV slots, req_to_token, output-token counts."""
 
@@ -473,7 +484,7 @@ def test_device_buffer_is_u8_up_to_255_experts_and_payloads_equal_either_way(sgl
     assert checked == 12
 
 
-def test_zero_experts_are_counted_and_their_ids_recorded_as_sglangs_own_capturer_records_them(sgl):
+def test_zero_experts_are_counted_and_their_ids_recorded_as_sglangs_capture_site_passes_them(sgl):
     """LongCat-Flash's router picks its zero (identity) experts as ids
     n_routed_experts and up, and SGLang's capture site passes them on so,
     before the model turns them into identity terms: the adapter counts them
@@ -488,14 +499,8 @@ def test_zero_experts_are_counted_and_their_ids_recorded_as_sglangs_own_capturer
     longcat = pytest.importorskip("sglang.srt.configs.longcat_flash")
     hf = longcat.LongcatFlashConfig(num_layers=3, n_routed_experts=NUM_EXPERTS, zero_expert_num=4, moe_topk=TOP_K)
     assert (_model.num_experts(hf), _model.decoder_layers(hf), _model.moe_layers_from_config(hf)) == (12, 3, (0, 1, 2))
-    model = types.SimpleNamespace(shared_experts_config=sgl.SharedExpertsConfig(num_fused_shared_experts=0))
     with server(sgl):
-        sgl.adapter.install()
-        try:
-            ours = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=types.SimpleNamespace(hf_text_config=hf),
-                                                       num_tokens=50, max_running_requests=2, device="cpu")
-        finally:
-            sgl.adapter.uninstall()
+        ours = create_ours_on(sgl, hf)
         assert (ours.num_experts, ours.moe_layers, ours.topk_size) == (NUM_EXPERTS + 4, (0, 1, 2), TOP_K)
         ours.destroy()
 
@@ -545,14 +550,8 @@ def test_inklings_dense_leading_layers_are_read_from_its_config(sgl):
     inkling = pytest.importorskip("sglang.srt.configs.inkling")
     hf = inkling.InklingModelConfig(num_hidden_layers=4, n_routed_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K,
                                     dense_mlp_idx=1)
-    model = types.SimpleNamespace(shared_experts_config=sgl.SharedExpertsConfig(num_fused_shared_experts=0))
     with server(sgl):
-        sgl.adapter.install()
-        try:
-            ours = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=types.SimpleNamespace(hf_text_config=hf),
-                                                       num_tokens=50, max_running_requests=2, device="cpu")
-        finally:
-            sgl.adapter.uninstall()
+        ours = create_ours_on(sgl, hf)
         assert ours.moe_layers == (1, 2, 3)
         ours.destroy()
 
