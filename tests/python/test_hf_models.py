@@ -518,6 +518,20 @@ def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
             pass
 
 
+def calls_under_replay(model, modules, forced, weights=None):
+    """Each of `modules`' (inputs, output), in call order, in one forward of
+    four tokens replaying `forced` (and `weights`)."""
+    seen = []
+    hooks = [m.register_forward_hook(lambda module, inputs, output: seen.append((inputs, output))) for m in modules]
+    try:
+        with torch.no_grad(), hf.replay(model, forced, weights):
+            model(torch.randint(3, hf_serving.VOCAB, (1, 4)), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
 def test_longcat_zero_experts_are_captured_and_replayed_as_the_ids_its_router_picks():
     """LongCat-Flash's router picks among its routed experts and, after them,
     its zero (identity) experts, ids n_routed_experts and up, as SGLang's own
@@ -532,18 +546,11 @@ def test_longcat_zero_experts_are_captured_and_replayed_as_the_ids_its_router_pi
     assert (ids >= 8).any() and (ids < 8).any() and ids.max() < 12
     model = hf_serving.build(config)
     layers = hf.find_moe_layers(model)
-    tokens = torch.randint(3, hf_serving.VOCAB, (1, 4))
     forced = [torch.tensor([[8, 11], [9, 10], [11, 8], [10, 10]]) for _ in layers]
     weights = [torch.rand(4, 2) for _ in layers]
-    seen = []
-    hooks = [layer.block.register_forward_hook(lambda module, inputs, output: seen.append((inputs[0], output)))
-             for layer in layers]
-    with torch.no_grad(), hf.replay(model, forced, weights):
-        model(tokens, use_cache=False)
-    for h in hooks:
-        h.remove()
+    seen = calls_under_replay(model, [layer.block for layer in layers], forced, weights)
     assert len(seen) == len(layers)
-    for (x, out), w in zip(seen, weights):
+    for ((x,), out), w in zip(seen, weights):
         torch.testing.assert_close(out.reshape(4, -1), x.reshape(4, -1) * w.sum(dim=-1, keepdim=True))
 
 
@@ -587,15 +594,8 @@ def test_zaya_skip_expert_is_captured_as_its_own_id_and_replayed_as_its_router_h
     assert (weights[ids == 8] == 0).all() and (weights[ids < 8] > 0).all()
     model = hf_serving.build(config)
     layers = hf.find_moe_layers(model)
-    tokens = torch.randint(3, hf_serving.VOCAB, (1, 4))
     forced = [torch.tensor([[8], [3], [8], [0]]) for _ in layers]
-    seen = []
-    hooks = [layer.block.experts.register_forward_hook(lambda module, inputs, output: seen.append((inputs, output)))
-             for layer in layers]
-    with torch.no_grad(), hf.replay(model, forced):
-        model(tokens, use_cache=False)
-    for h in hooks:
-        h.remove()
+    seen = calls_under_replay(model, [layer.block.experts for layer in layers], forced)
     assert len(seen) == len(layers)
     for (_, experts_ids, experts_weights), out in seen:
         assert experts_ids.reshape(-1).tolist() == [0, 3, 0, 0]
