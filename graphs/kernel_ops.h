@@ -272,8 +272,17 @@ MOECAP_HD void gather_element(const GatherParams& p, int64_t i) {
   const int64_t stored = readable ? load_int(p.src_ids, p.stored_id_elem, at) : -1;
   const int64_t id = stored == p.invalid_code ? -1 : stored;
   store_int(p.dst_ids, p.dst_id_elem, i, id);
-  if (p.dst_weights != nullptr) {  // an id read as -1 carries no weight
-    store_float(p.dst_weights, p.dst_weight_elem, i, id != -1 ? load_float(p.src_weights, p.stored_weight_elem, at) : 0.0f);
+  if (p.dst_weights == nullptr) return;
+  if (id == -1) {  // an id read as -1 carries no weight
+    store_float(p.dst_weights, p.dst_weight_elem, i, 0.0f);
+  } else if (p.dst_weight_elem == p.stored_weight_elem) {  // bit for bit, NaN payloads too, as the host reads
+    if (elem_bytes(p.dst_weight_elem) == 2) {
+      static_cast<uint16_t*>(p.dst_weights)[i] = reinterpret_cast<const uint16_t*>(p.src_weights)[at];
+    } else {
+      static_cast<uint32_t*>(p.dst_weights)[i] = reinterpret_cast<const uint32_t*>(p.src_weights)[at];
+    }
+  } else {
+    store_float(p.dst_weights, p.dst_weight_elem, i, load_float(p.src_weights, p.stored_weight_elem, at));
   }
 }
 

@@ -86,7 +86,8 @@ struct CommitParams {
   const void* src_rows;     // [count] row list, or nullptr for the range below
   const void* dst_slots;    // [count]
   ErrorWord* errors;
-  StepWord* step;           // the capturer's step word, or nullptr (every row counts as written)
+  StepWord* step;           // the capturer's step word, or nullptr (every row counts as written; no claims then:
+                            // the release bumps the claims' serial in it)
   const LayerStamp* stamps; // [num_layers], beside it
   // Duplicate slots: the last entry wins. On CUDA, where rows run in any
   // order, the claim kernel raises claims[slot] to claim_serial *

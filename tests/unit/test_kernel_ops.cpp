@@ -639,6 +639,13 @@ TEST_CASE("gather_on_host reads what the per-element gather operation reads, wit
                 const uint32_t w = rng();
                 store_float(cache_w.data(), stored_w, at,
                             w % 16 == 0 ? specials[(w >> 4) % 8] : 0.25f + static_cast<float>(w % 1000) / 64.0f);
+                if (w % 16 == 1) {  // a NaN with a payload, signalling: read bit for bit into its own dtype
+                  if (elem_bytes(stored_w) == 2) {
+                    reinterpret_cast<uint16_t*>(cache_w.data())[at] = stored_w == kF16 ? 0x7d01 : 0x7f81;
+                  } else {
+                    reinterpret_cast<uint32_t*>(cache_w.data())[at] = 0x7f800001u;
+                  }
+                }
               }
             }
             std::vector<int64_t> slots64(static_cast<size_t>(count));
