@@ -204,7 +204,15 @@ class Capturer {
     Borrowed s;
     borrow(slots, "slots", false, s);
     void* st = resolve_stream(stream, device_type_, device_id_, &s);
-    check(moecap_invalidate(live(), s.get(), st));
+    moecap_capturer* h = live();
+    moecap_status status;
+    {
+      // With host slots, it may wait for a snapshot-ring entry in use.
+      InFlight busy(*this);
+      nb::gil_scoped_release unlocked;
+      status = moecap_invalidate(h, s.get(), st);
+    }
+    check(status);
     keep_alive(held(), s, Borrowed{});
   }
 
@@ -228,7 +236,15 @@ class Capturer {
 
   nb::dict errors(bool clear) {
     moecap_error_counts e{sizeof(moecap_error_counts), 0, 0};
-    check(moecap_get_errors(live(), &e, clear ? MOECAP_ERRORS_CLEAR : 0u));
+    moecap_capturer* h = live();
+    moecap_status status;
+    {
+      // It waits for every commit: a monitoring thread must not stall the engine's.
+      InFlight busy(*this);
+      nb::gil_scoped_release unlocked;
+      status = moecap_get_errors(h, &e, clear ? MOECAP_ERRORS_CLEAR : 0u);
+    }
+    check(status);
     nb::dict d;
     d["skipped_rows"] = e.skipped_rows;
     d["invalid_ids"] = e.invalid_ids;
