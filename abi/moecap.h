@@ -300,7 +300,9 @@ MOECAP_API moecap_status moecap_create(const moecap_config* config, moecap_captu
  * each holds a CUDA user object, and the memory is freed, on a thread of
  * moecap's, once the driver releases the last of them; reads into GPU
  * tensors still queued on their streams finish before the memory they
- * gather from is freed (the freeing waits for them). Before it returns,
+ * gather from is freed (the freeing waits for them), as do captures and
+ * histogram resets still queued on the engine's streams, which write the
+ * memory freed. Before it returns,
  * the commits and side-stream calls still pending have run (host) or
  * finished (CUDA), so the caller may free the tensors they read, even while
  * views or graphs keep the memory. Illegal while the capturer records a graph. Legal while another
@@ -550,7 +552,8 @@ MOECAP_API moecap_status moecap_invalidate(moecap_capturer* capturer, const DLTe
  * since its last join. (1.1) */
 MOECAP_API moecap_status moecap_join(moecap_capturer* capturer, void* stream);
 
-/* Waits until every enqueued commit has landed in the host cache. */
+/* Waits until every enqueued commit has landed in the host cache (on CUDA,
+ * and every capture and histogram reset enqueued outside a graph has run). */
 MOECAP_API moecap_status moecap_synchronize(moecap_capturer* capturer);
 
 /* Counters of problems found where no status could be returned (inside
@@ -635,8 +638,9 @@ MOECAP_API moecap_status moecap_graph_begin(moecap_capturer* capturer, void* str
  * during recording records nothing. The graph keeps the capturer alive. */
 MOECAP_API moecap_status moecap_graph_end(moecap_capturer* capturer, moecap_graph** out);
 
-/* Replays the graph on `stream`: every recorded operation runs against what
- * memory holds now, with the arguments baked at record time. With
+/* Replays the graph on `stream` (any stream of the capturer's GPU, NULL,
+ * the legacy default stream, too): every recorded operation runs against
+ * what memory holds now, with the arguments baked at record time. With
  * MOECAP_FLAG_SIDE_STREAM, `stream` first joins the eager forked work. */
 MOECAP_API moecap_status moecap_graph_launch(moecap_graph* graph, void* stream);
 

@@ -13,10 +13,9 @@ class CudaGraph final : public BackendGraph {
  public:
   CudaGraph(const Driver& d, CUcontext ctx, UniqueGraph graph, UniqueGraphExec exec)
       : d_(d), ctx_(ctx), graph_(std::move(graph)), exec_(std::move(exec)) {}
+  // Any stream, the legacy default stream too (torch's default stream):
+  // only capturing one is refused, and a replay is no capture.
   void launch(EngineStream stream) override {
-    if (stream.is_legacy_default()) {
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "stream is NULL (the legacy default stream)");
-    }
     ContextScope scope(d_, ctx_);
     check(d_, d_.cuGraphLaunch(exec_.get(), cu_stream(stream)), "cuGraphLaunch");
   }

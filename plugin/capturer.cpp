@@ -344,8 +344,6 @@ void Capturer::join(EngineStream stream) {
 }
 
 void Capturer::join_before_replay(EngineStream stream) {
-  // A replay on CUDA's legacy default stream is refused by the launch; nothing is enqueued before.
-  if (!on_host() && stream.is_legacy_default()) return;
   backend_->join(stream);
   backend_->order_after_reads(stream);
 }

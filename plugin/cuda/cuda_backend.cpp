@@ -60,6 +60,29 @@ struct InFlight {
   bool every_slot;
 };
 
+// An event taken from the spare pool for one call goes back to the pool if
+// the call fails before handing it on: another thread's host wait may still
+// hold its handle from before it was retired, so it is never destroyed
+// before the backend.
+class ReturnedIfUnused {
+ public:
+  ReturnedIfUnused(std::vector<UniqueEvent>& pool, UniqueEvent& event) : pool_(pool), event_(event) {}
+  ~ReturnedIfUnused() {
+    if (!event_) return;
+    try {
+      pool_.push_back(std::move(event_));
+    } catch (...) {
+      static_cast<void>(event_.release());  // no room to keep it: leaked, never destroyed under a waiter
+    }
+  }
+  ReturnedIfUnused(const ReturnedIfUnused&) = delete;
+  ReturnedIfUnused& operator=(const ReturnedIfUnused&) = delete;
+
+ private:
+  std::vector<UniqueEvent>& pool_;
+  UniqueEvent& event_;
+};
+
 std::vector<int64_t> sorted_slots(const Backend::SlotList& list) {
   std::vector<int64_t> v(static_cast<size_t>(list.count));
   for (int64_t i = 0; i < list.count; ++i) v[static_cast<size_t>(i)] = load_int(list.data, list.elem, i);
@@ -250,9 +273,12 @@ class CudaBackend final : public Backend {
 
   void capture(const CaptureParams& p, EngineStream stream) override {
     ContextScope scope(d_, ctx());
-    keep_owner_in_capture(cu_stream(stream));
+    const CUstream engine = cu_stream(stream);
+    const bool in_capture = keep_owner_in_capture(engine) != nullptr;
+    const CUstream s = fork(engine);
     // At least one block: a zero-row capture still stamps its layer.
-    launch(capture_, p, std::max<int64_t>(1, p.n * p.top_k), fork(cu_stream(stream)));
+    launch(capture_, p, std::max<int64_t>(1, p.n * p.top_k), s);
+    if (!in_capture && s == engine) fence_eager(engine);
   }
 
   void commit(const CommitParams& p, CommitPlacement where, EngineStream stream) override {
@@ -275,6 +301,7 @@ class CudaBackend final : public Backend {
     retire(commits_);
     CommitParams params = p;
     InFlight done{take_event(), {}, !where.slots_on_host};
+    const ReturnedIfUnused loan(spare_, done.event);
     // The slots it writes, for the reads into device tensors it must follow.
     if (where.slots_on_host) done.slots = sorted_slots(SlotList{p.dst_slots, p.dst_slots_elem, p.count});
     Snapshot* snap = where.rows_on_host || where.slots_on_host ? &next_snapshot() : nullptr;
@@ -327,6 +354,7 @@ class CudaBackend final : public Backend {
     }
     retire(reads_);
     InFlight read{take_event(), wanted, false};
+    const ReturnedIfUnused loan(spare_, read.event);
     check(d_, d_.cuEventRecord(read.event.get(), s), "cuEventRecord (read)");
     reads_.push_back(std::move(read));
   }
@@ -340,9 +368,11 @@ class CudaBackend final : public Backend {
 
   void zero_device(void* ptr, size_t bytes, EngineStream stream) override {
     ContextScope scope(d_, ctx());
-    keep_owner_in_capture(cu_stream(stream));
-    check(d_, d_.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(ptr), 0, bytes, fork(cu_stream(stream))),
-          "cuMemsetD8Async");
+    const CUstream engine = cu_stream(stream);
+    const bool in_capture = keep_owner_in_capture(engine) != nullptr;
+    const CUstream s = fork(engine);
+    check(d_, d_.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(ptr), 0, bytes, s), "cuMemsetD8Async");
+    if (!in_capture && s == engine) fence_eager(engine);
   }
 
   bool commits_done(bool block, const SlotList* slots, std::unique_lock<std::mutex>* unlock_while_waiting) override {
@@ -360,6 +390,8 @@ class CudaBackend final : public Backend {
     for (const InFlight& f : commits_) {
       if (touches(f, filter)) waits.push_back(f.event.get());
     }
+    std::vector<CUevent> eager_fences;
+    for (const EagerFence& f : eager_fences_) eager_fences.push_back(f.event.get());
     if (!block) {
       for (CUevent e : waits) {
         if (!finished(e, false)) return false;
@@ -370,8 +402,12 @@ class CudaBackend final : public Backend {
       // shorter one); they are destroyed only with the backend.
       Unlocked unlocked(unlock_while_waiting != nullptr ? unlock_while_waiting : LockHold::current());
       for (CUevent e : waits) finished(e, true);
-      // Everything (synchronize, destroy): forked captures too, not only commits.
-      if (side_ && slots == nullptr) check(d_, d_.cuStreamSynchronize(side_eager_.get()), "cuStreamSynchronize");
+      // Everything (synchronize, destroy): captures too, not only commits:
+      // forked ones on the side stream, the others on the engines' streams.
+      if (slots == nullptr) {
+        if (side_) check(d_, d_.cuStreamSynchronize(side_eager_.get()), "cuStreamSynchronize");
+        for (CUevent e : eager_fences) finished(e, true);
+      }
     }
     retire(commits_);
     return true;
@@ -588,6 +624,31 @@ class CudaBackend final : public Backend {
     return e;
   }
 
+  // The event after the latest eager launch on an engine's stream (capture,
+  // histogram reset) that wrote moecap's memory without a commit behind it:
+  // destroy waits for it before that memory is freed. One per stream; an
+  // entry whose record completed serves the next new stream, so the list
+  // stays as long as the streams in use at once. Never destroyed before the
+  // backend: a host wait may hold its handle.
+  void fence_eager(CUstream s) {
+    EagerFence* fence = nullptr;
+    for (EagerFence& f : eager_fences_) {
+      if (f.stream == s) fence = &f;
+    }
+    if (fence == nullptr) {
+      // A stream seen for the first time: an event query is a potentially
+      // unsafe call, relaxed so that it never breaks another thread's capture.
+      RelaxedCaptureScope relaxed(d_);
+      for (EagerFence& f : eager_fences_) {
+        if (fence != nullptr) break;
+        if (finished(f.event.get(), false)) fence = &f;
+      }
+      if (fence == nullptr) fence = &eager_fences_.emplace_back(EagerFence{nullptr, create_event()});
+      fence->stream = s;
+    }
+    check(d_, d_.cuEventRecord(fence->event.get(), s), "cuEventRecord (eager launch)");
+  }
+
   // Whether `e`'s latest record has completed; with block, waits until it has.
   bool finished(CUevent e, bool block) {
     if (block) {
@@ -730,6 +791,11 @@ class CudaBackend final : public Backend {
   // Per capture, the events of its commits; the last is the capture kept_in_capture_ names.
   std::vector<std::shared_ptr<GraphCommits>> graph_commits_;
   std::vector<UniqueEvent> spare_;
+  struct EagerFence {
+    CUstream stream;
+    UniqueEvent event;
+  };
+  std::vector<EagerFence> eager_fences_;
   CUstream recording_ = nullptr;
   UniqueStream side_eager_;  // forks from streams not being captured
   std::array<CaptureSide, kCaptureSides> capture_sides_;

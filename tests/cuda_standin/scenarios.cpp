@@ -228,6 +228,42 @@ TEST_CASE("a read into GPU tensors is ordered before a later invalidate, commit 
   CHECK(moecap_destroy(h) == MOECAP_OK);
 }
 
+TEST_CASE("a moecap graph replays on the legacy default stream, after a read of its slots into a GPU tensor") {
+  // torch's default stream is CUDA's legacy one: Graph.launch() passes it.
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Stream reader = new_stream();
+  Tensor ids = routing_buffer();
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  slot.set(0, 3);
+  Tensor device_slot = index_tensor({3}, kDLCUDA);
+  REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, device_slot.get(), s);
+  moecap_graph* g = nullptr;
+  REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+  forward(ids, 50, 1);
+  REQUIRE_MESSAGE(moecap_graph_launch(g, nullptr) == MOECAP_OK, std::string(moecap_last_error()));
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  CHECK(read_rows(h, {3}) == expected_row(50, 0));
+
+  Tensor out = request_rows(1, kDLCUDA);
+  {
+    Hold reader_busy(reader);  // the gather has not run when the replay is launched
+    REQUIRE(moecap_read(h, slot.get(), out.get(), nullptr, 0, reader) == MOECAP_OK);
+    forward(ids, 51, 1);
+    REQUIRE(moecap_graph_launch(g, nullptr) == MOECAP_OK);
+    std::thread opener = reader_busy.open_after(100);  // the replay waits for the gather
+    sync(nullptr);
+    opener.join();
+  }
+  sync(reader);
+  CHECK(out.download<int64_t>() == expected_row(50, 0));
+  CHECK(read_rows(h, {3}) == expected_row(51, 0));
+  REQUIRE(moecap_graph_destroy(g) == MOECAP_OK);
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
 TEST_CASE("moecap_graph_end on another thread than moecap_graph_begin") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();

@@ -99,6 +99,10 @@ int64_t standin_live_user_objects(void);
 // Live events (created, not yet destroyed) and live device and pinned allocations.
 int64_t standin_live_events(void);
 int64_t standin_live_allocations(void);
+// The next cuLaunchKernel of `kernel` (its name in the fatbin) returns
+// `result` (a CUresult) and launches nothing, as a launch the driver refuses;
+// NULL cancels.
+void standin_fail_next_launch(const char* kernel, int result);
 // Whether [p, p + bytes) lies in live pinned memory from cuMemHostAlloc.
 int standin_is_pinned(const void* p, uint64_t bytes);
 

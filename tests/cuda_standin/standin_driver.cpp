@@ -131,6 +131,8 @@ std::atomic<void (*)(void*)> g_wait_hook{nullptr};
 std::atomic<void*> g_wait_hook_arg{nullptr};
 int64_t g_live_user_objects = 0;
 int64_t g_live_events = 0;
+std::string& g_failing_kernel = *new std::string;  // standin_fail_next_launch
+CUresult g_failing_result = 0;
 // User-object destructors running on their own (detached) threads.
 int64_t g_running_callbacks = 0;
 std::condition_variable_any& g_callbacks_done = *new std::condition_variable_any;
@@ -514,6 +516,10 @@ CUresult cuLaunchKernel(const void* fn, unsigned gx, unsigned gy, unsigned gz, u
   // CUDA refuses an empty grid or block (a launch sized by a count of 0).
   if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0) return kInvalidValue;
   const Kernel* k = static_cast<const Kernel*>(fn);
+  if (!g_failing_kernel.empty() && g_failing_kernel == k->name) {
+    g_failing_kernel.clear();
+    return g_failing_result;
+  }
   // Kernel parameters are copied at the launch, as CUDA does.
   auto bytes = std::make_shared<std::vector<uint8_t>>(static_cast<const uint8_t*>(params[0]),
                                                       static_cast<const uint8_t*>(params[0]) + k->param_bytes);
@@ -942,6 +948,11 @@ __attribute__((visibility("default"))) int64_t standin_live_user_objects(void) {
 __attribute__((visibility("default"))) int64_t standin_live_events(void) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   return g_live_events;
+}
+__attribute__((visibility("default"))) void standin_fail_next_launch(const char* kernel, int result) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  g_failing_kernel = kernel != nullptr ? kernel : "";
+  g_failing_result = static_cast<CUresult>(result);
 }
 __attribute__((visibility("default"))) int64_t standin_live_allocations(void) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);

@@ -248,3 +248,54 @@ TEST_CASE("moecap_destroy lets a read into a GPU tensor still queued on the engi
   CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
   CHECK(device_row(out) == expected_row(45, 0));
 }
+
+TEST_CASE("moecap_destroy lets captures and a histogram reset still queued on the engine's streams run first") {
+  // A request dropped after its forward: captures with no commit behind
+  // them, on two streams, then the capturer is destroyed. The kernels write
+  // the device memory destroy frees.
+  moecap_config c = cuda_config();
+  c.flags |= MOECAP_FLAG_HISTOGRAM;
+  moecap_capturer* h = nullptr;
+  REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
+  Stream s = new_stream();
+  Stream other = new_stream();
+  Tensor ids = routing_buffer();
+  const int64_t violations = standin_violations();
+  forward(ids, 46, 1);
+  capture_layers(h, ids.get(), 1, s);
+  REQUIRE(moecap_histogram_reset(h, other) == MOECAP_OK);
+  capture_layers(h, ids.get(), 1, other);
+  REQUIRE(standin_pending(s) > 0);
+  REQUIRE(standin_pending(other) > 0);
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+  CHECK(standin_pending(s) == 0);
+  CHECK(standin_pending(other) == 0);
+  standin_run_stream(s);
+  standin_run_stream(other);
+  CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
+}
+
+TEST_CASE("a commit the driver refuses returns its pooled event: another thread's host wait may still hold it") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  slot.set(0, 4);
+  forward(ids, 47, 1);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slot.get(), s);
+  // That commit's event has completed: the next commit takes it from the pool.
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  const int64_t events = standin_live_events();
+  forward(ids, 48, 1);
+  capture_layers(h, ids.get(), 1, s);
+  standin_fail_next_launch("moecap_commit_kernel", 999);  // CUDA_ERROR_UNKNOWN
+  commit(h, slot.get(), s, 0, MOECAP_ERROR_DRIVER);
+  CHECK(standin_live_events() == events);  // back in the pool, not destroyed
+  // The capturer goes on: the same rows commit, and the pooled event serves.
+  commit(h, slot.get(), s);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  CHECK(read_rows(h, {4}) == expected_row(48, 0));
+  CHECK(standin_live_events() == events);
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
