@@ -601,11 +601,12 @@ CUresult cuStreamWaitEvent(void* stream, Event* e, unsigned) {
     return kOk;
   }
   if (c != nullptr) {
-    if (into != nullptr || (waited != nullptr && waited->done < seq)) {
-      c->invalidated = true;
-      return kCaptureIsolation;
-    }
-    return kOk;
+    // An event of another capture, or one recorded outside any (even one
+    // that has completed, or never recorded): CUDA refuses a wait on a
+    // non-captured event from a capturing stream without
+    // CU_EVENT_WAIT_EXTERNAL, which moecap never asks for.
+    c->invalidated = true;
+    return kCaptureIsolation;
   }
   if (waited == nullptr) return kOk;
   return submit(stream, [waited, seq](Stream& on) { on.push([waited, seq] { run_until(*waited, seq); }); });

@@ -17,7 +17,7 @@ extern "C" int cuGetProcAddress_v2(const char* name, void** pfn, int version, ui
 namespace {
 
 constexpr CUresult kOk = 0, kInvalidValue = 1, kNotFound = 500, kCaptureUnsupported = 900,
-                   kCaptureInvalidated = 901;
+                   kCaptureInvalidated = 901, kCaptureIsolation = 905;
 
 struct Calls {
   CUresult (*mem_free)(unsigned long long) = entry<decltype(mem_free)>("cuMemFree");
@@ -33,6 +33,7 @@ struct Calls {
       entry<decltype(event_record_flags)>("cuEventRecordWithFlags");
   CUresult (*event_query)(void*) = entry<decltype(event_query)>("cuEventQuery");
   CUresult (*event_sync)(void*) = entry<decltype(event_sync)>("cuEventSynchronize");
+  CUresult (*stream_wait_event)(Stream, void*, unsigned) = entry<decltype(stream_wait_event)>("cuStreamWaitEvent");
 };
 
 const Calls& calls() {
@@ -121,6 +122,26 @@ TEST_CASE("stand-in: querying or synchronizing an event recorded in a capture in
           kCaptureUnsupported);
     CHECK(end(s) == kCaptureInvalidated);
   }
+  calls().event_destroy(e);
+}
+
+TEST_CASE("stand-in: a capturing stream waiting on an event recorded outside the capture invalidates it") {
+  // Completed, pending or never recorded alike: the Programming Guide makes
+  // a wait on a non-captured event from a capturing stream invalid (without
+  // CU_EVENT_WAIT_EXTERNAL).
+  Stream s = new_stream();
+  Stream other = new_stream();
+  void* e = nullptr;
+  REQUIRE(calls().event_create(&e, 0x1) == kOk);
+  for (const int recorded : {0, 1, 2}) {  // never, completed, still pending
+    CAPTURE(recorded);
+    if (recorded > 0) REQUIRE(calls().event_record(e, other) == kOk);
+    if (recorded == 1) REQUIRE(driver().stream_sync(other) == kOk);
+    REQUIRE(driver().begin_capture(s, kModeRelaxed) == kOk);
+    CHECK(calls().stream_wait_event(s, e, 0) == kCaptureIsolation);
+    CHECK(end(s) == kCaptureInvalidated);
+  }
+  standin_run_all();
   calls().event_destroy(e);
 }
 
