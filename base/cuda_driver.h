@@ -45,6 +45,8 @@ constexpr CUresult kErrorCaptureFirst = 900;
 constexpr CUresult kErrorCaptureLast = 908;
 
 constexpr unsigned kStreamNonBlocking = 0x1;
+// CU_STREAM_PER_THREAD: one handle that means each calling thread's own stream.
+constexpr uintptr_t kStreamPerThreadHandle = 0x2;
 constexpr unsigned kEventBlockingSync = 0x1;
 constexpr unsigned kEventDisableTiming = 0x2;
 constexpr unsigned kMemHostAllocPortable = 0x1;

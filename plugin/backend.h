@@ -112,6 +112,11 @@ class Backend {
   // read gathers from it on the engine's stream). Blocking waits here and
   // below release LockHold::current() while they sleep.
   virtual void reads_done(const SlotList* slots) = 0;
+  // Waits until the captures and histogram resets enqueued outside graphs
+  // on the engines' streams have run (CUDA: their kernels write device
+  // memory, and no commit need follow them); where they ran at the call, a
+  // no-op.
+  virtual void launches_done() {}
   // The error counters; with clear, zeroed in the same atomic step, so
   // that increments by replays running meanwhile are read or kept.
   virtual ErrorWord take_errors(ErrorWord* counters, bool clear) = 0;

@@ -78,6 +78,7 @@ Capturer::~Capturer() {
   try {
     backend_->commits_done(true);
     backend_->reads_done(nullptr);  // reads into GPU tensors still gather from the cache freed below
+    backend_->launches_done();      // captures still queued write the device memory freed below
   } catch (...) {
     // Destroy at process exit may find the driver gone; the memory goes with it.
   }
@@ -612,6 +613,7 @@ void Capturer::synchronize(std::unique_lock<std::mutex>* lock) {
   const LockHold hold(lock);
   require_not_recording();
   settle(true, nullptr, lock);
+  backend_->launches_done();
 }
 
 moecap_error_counts Capturer::errors(bool clear, std::unique_lock<std::mutex>* lock) {

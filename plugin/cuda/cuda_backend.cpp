@@ -276,9 +276,10 @@ class CudaBackend final : public Backend {
     const CUstream engine = cu_stream(stream);
     const bool in_capture = keep_owner_in_capture(engine) != nullptr;
     const CUstream s = fork(engine);
+    EagerFence* fence = !in_capture && s == engine ? &eager_fence(engine) : nullptr;
     // At least one block: a zero-row capture still stamps its layer.
     launch(capture_, p, std::max<int64_t>(1, p.n * p.top_k), s);
-    if (!in_capture && s == engine) fence_eager(engine);
+    if (fence != nullptr) check(d_, d_.cuEventRecord(fence->event.get(), engine), "cuEventRecord (capture)");
   }
 
   void commit(const CommitParams& p, CommitPlacement where, EngineStream stream) override {
@@ -317,7 +318,15 @@ class CudaBackend final : public Backend {
     // A read into device tensors enqueued before this call gathers these
     // slots' rows on its stream: the new rows land after it.
     wait_for_reads(s, done.every_slot ? nullptr : &done.slots);
-    launch_commit(params, s);
+    try {
+      launch_commit(params, s);
+    } catch (...) {
+      // Part of it may be queued (the claim pass, the commit kernel): the
+      // snapshot entry stays in use and host waits cover it, as for a commit.
+      if (snap != nullptr) d_.cuEventRecord(snap->done.get(), s);
+      if (d_.cuEventRecord(done.event.get(), s) == kSuccess) commits_.push_back(std::move(done));
+      throw;
+    }
     if (snap != nullptr) check(d_, d_.cuEventRecord(snap->done.get(), s), "cuEventRecord (snapshot)");
     check(d_, d_.cuEventRecord(done.event.get(), s), "cuEventRecord (commit)");
     commits_.push_back(std::move(done));
@@ -326,7 +335,7 @@ class CudaBackend final : public Backend {
   void gather(const GatherParams& p, EngineStream stream) override {
     HostCallScope scope(d_, ctx());
     const CUstream s = cu_stream(stream);
-    const std::vector<int64_t> wanted = sorted_slots(SlotList{p.slots, p.slots_elem, p.count});
+    std::vector<int64_t> wanted = sorted_slots(SlotList{p.slots, p.slots_elem, p.count});
     // Ordered after the commits that may write these rows, on the stream: the host does not wait.
     for (const InFlight& f : commits_) {
       if (touches(f, &wanted)) check(d_, d_.cuStreamWaitEvent(s, f.event.get(), 0), "cuStreamWaitEvent");
@@ -353,8 +362,9 @@ class CudaBackend final : public Backend {
       check(d_, d_.cuEventRecord(snap.done.get(), s), "cuEventRecord (snapshot)");
     }
     retire(reads_);
-    InFlight read{take_event(), wanted, false};
+    InFlight read{take_event(), {}, false};
     const ReturnedIfUnused loan(spare_, read.event);
+    read.slots = std::move(wanted);
     check(d_, d_.cuEventRecord(read.event.get(), s), "cuEventRecord (read)");
     reads_.push_back(std::move(read));
   }
@@ -371,8 +381,9 @@ class CudaBackend final : public Backend {
     const CUstream engine = cu_stream(stream);
     const bool in_capture = keep_owner_in_capture(engine) != nullptr;
     const CUstream s = fork(engine);
+    EagerFence* fence = !in_capture && s == engine ? &eager_fence(engine) : nullptr;
     check(d_, d_.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(ptr), 0, bytes, s), "cuMemsetD8Async");
-    if (!in_capture && s == engine) fence_eager(engine);
+    if (fence != nullptr) check(d_, d_.cuEventRecord(fence->event.get(), engine), "cuEventRecord (histogram reset)");
   }
 
   bool commits_done(bool block, const SlotList* slots, std::unique_lock<std::mutex>* unlock_while_waiting) override {
@@ -390,8 +401,6 @@ class CudaBackend final : public Backend {
     for (const InFlight& f : commits_) {
       if (touches(f, filter)) waits.push_back(f.event.get());
     }
-    std::vector<CUevent> eager_fences;
-    for (const EagerFence& f : eager_fences_) eager_fences.push_back(f.event.get());
     if (!block) {
       for (CUevent e : waits) {
         if (!finished(e, false)) return false;
@@ -402,15 +411,19 @@ class CudaBackend final : public Backend {
       // shorter one); they are destroyed only with the backend.
       Unlocked unlocked(unlock_while_waiting != nullptr ? unlock_while_waiting : LockHold::current());
       for (CUevent e : waits) finished(e, true);
-      // Everything (synchronize, destroy): captures too, not only commits:
-      // forked ones on the side stream, the others on the engines' streams.
-      if (slots == nullptr) {
-        if (side_) check(d_, d_.cuStreamSynchronize(side_eager_.get()), "cuStreamSynchronize");
-        for (CUevent e : eager_fences) finished(e, true);
-      }
+      // Everything (synchronize, destroy): forked captures too, not only commits.
+      if (side_ && slots == nullptr) check(d_, d_.cuStreamSynchronize(side_eager_.get()), "cuStreamSynchronize");
     }
     retire(commits_);
     return true;
+  }
+
+  void launches_done() override {
+    HostCallScope scope(d_, ctx());
+    std::vector<CUevent> waits;
+    for (const EagerFence& f : eager_fences_) waits.push_back(f.event.get());
+    Unlocked unlocked(LockHold::current());  // fence events are destroyed only with the backend
+    for (CUevent e : waits) finished(e, true);
   }
 
   void reads_done(const SlotList* slots) override {
@@ -494,6 +507,13 @@ class CudaBackend final : public Backend {
     UniqueStream stream;
     uint64_t capture_id = 0;
     bool forked = false;  // forked since its last join
+  };
+
+  // An engine stream's fence (eager_fence).
+  struct EagerFence {
+    CUstream stream;
+    std::thread::id thread;  // CU_STREAM_PER_THREAD's: the thread whose stream it is
+    UniqueEvent event;
   };
 
   // A pinned entry for the index lists of one call, reused once the event
@@ -583,15 +603,31 @@ class CudaBackend final : public Backend {
   // The release kernel consumes a commit's rows, one thread per element.
   // An empty commit of rows runs the release kernel alone, one block: it
   // only ends the step (finish_commit).
+  // A launch the driver refuses after the claim pass withdraws the claims
+  // (a one-block release that consumes nothing and ends no step, only bumps
+  // the serial), so that they never outrank a later commit's.
   void launch_commit(const CommitParams& given, CUstream s) {
     CommitParams p = given;
     if (p.mode == kInvalidate) p.claims = nullptr;
-    if (p.count > 0) {
-      if (p.claims != nullptr) launch(claim_, p, p.count, s);
-      launch(commit_, p, p.count, s);
-    }
-    if (p.mode == kCommitRows) {
-      launch(release_, p, std::max<int64_t>(1, static_cast<int64_t>(p.num_layers) * p.count * p.top_k), s);
+    const bool claimed = p.count > 0 && p.claims != nullptr;
+    if (claimed) launch(claim_, p, p.count, s);
+    try {
+      if (p.count > 0) launch(commit_, p, p.count, s);
+      if (p.mode == kCommitRows) {
+        launch(release_, p, std::max<int64_t>(1, static_cast<int64_t>(p.num_layers) * p.count * p.top_k), s);
+      }
+    } catch (...) {
+      if (claimed) {
+        CommitParams withdraw = p;
+        withdraw.mode = kInvalidate;
+        withdraw.count = 0;
+        try {
+          launch(release_, withdraw, 1, s);
+        } catch (...) {
+          // A driver refusing this too refuses every later commit's launch.
+        }
+      }
+      throw;
     }
   }
 
@@ -624,29 +660,34 @@ class CudaBackend final : public Backend {
     return e;
   }
 
-  // The event after the latest eager launch on an engine's stream (capture,
-  // histogram reset) that wrote moecap's memory without a commit behind it:
-  // destroy waits for it before that memory is freed. One per stream; an
-  // entry whose record completed serves the next new stream, so the list
-  // stays as long as the streams in use at once. Never destroyed before the
-  // backend: a host wait may hold its handle.
-  void fence_eager(CUstream s) {
+  // The fence of engine stream `s`: an event the caller records behind each
+  // eager launch there (capture, histogram reset) that writes moecap's
+  // memory with no commit need follow, so that destroy waits for it before
+  // that memory is freed. Taken before the launch: a failure here launches
+  // nothing. One per stream (per thread for CU_STREAM_PER_THREAD, one handle
+  // for each thread's own stream); an entry whose record completed serves
+  // the next new stream, so the list stays as long as the streams in use at
+  // once. Never destroyed before the backend: a host wait may hold its handle.
+  EagerFence& eager_fence(CUstream s) {
+    const bool per_thread = reinterpret_cast<uintptr_t>(s) == kStreamPerThreadHandle;
+    const std::thread::id thread = per_thread ? std::this_thread::get_id() : std::thread::id();
+    for (EagerFence& f : eager_fences_) {
+      if (f.stream == s && f.thread == thread) return f;
+    }
+    // A stream seen for the first time: an event query is a potentially
+    // unsafe call, relaxed so that it never breaks another thread's capture.
+    RelaxedCaptureScope relaxed(d_);
     EagerFence* fence = nullptr;
     for (EagerFence& f : eager_fences_) {
-      if (f.stream == s) fence = &f;
-    }
-    if (fence == nullptr) {
-      // A stream seen for the first time: an event query is a potentially
-      // unsafe call, relaxed so that it never breaks another thread's capture.
-      RelaxedCaptureScope relaxed(d_);
-      for (EagerFence& f : eager_fences_) {
-        if (fence != nullptr) break;
-        if (finished(f.event.get(), false)) fence = &f;
+      if (finished(f.event.get(), false)) {
+        fence = &f;
+        break;
       }
-      if (fence == nullptr) fence = &eager_fences_.emplace_back(EagerFence{nullptr, create_event()});
-      fence->stream = s;
     }
-    check(d_, d_.cuEventRecord(fence->event.get(), s), "cuEventRecord (eager launch)");
+    if (fence == nullptr) fence = &eager_fences_.emplace_back(EagerFence{nullptr, {}, create_event()});
+    fence->stream = s;
+    fence->thread = thread;
+    return *fence;
   }
 
   // Whether `e`'s latest record has completed; with block, waits until it has.
@@ -791,10 +832,6 @@ class CudaBackend final : public Backend {
   // Per capture, the events of its commits; the last is the capture kept_in_capture_ names.
   std::vector<std::shared_ptr<GraphCommits>> graph_commits_;
   std::vector<UniqueEvent> spare_;
-  struct EagerFence {
-    CUstream stream;
-    UniqueEvent event;
-  };
   std::vector<EagerFence> eager_fences_;
   CUstream recording_ = nullptr;
   UniqueStream side_eager_;  // forks from streams not being captured

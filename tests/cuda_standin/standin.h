@@ -49,7 +49,9 @@
 //   rows whose slot a later entry claimed), one legal GPU schedule, so a
 //   result that depends on the order of duplicate slots shows.
 // - Freed device and pinned memory is never reused: a kernel whose parameters
-//   point into it is skipped and recorded as a violation.
+//   point into it is skipped and recorded as a violation. An event used after
+//   cuEventDestroy is a violation too, and the call returns
+//   CUDA_ERROR_INVALID_HANDLE.
 //
 // What it cannot model: real concurrency between streams and the host (a
 // stream runs only inside a host wait or standin_run, so a race shows only

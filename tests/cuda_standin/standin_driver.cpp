@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -130,7 +131,7 @@ int64_t g_spin_waits = 0;
 std::atomic<void (*)(void*)> g_wait_hook{nullptr};
 std::atomic<void*> g_wait_hook_arg{nullptr};
 int64_t g_live_user_objects = 0;
-int64_t g_live_events = 0;
+std::set<const void*>& g_events = *new std::set<const void*>;  // live: created, not yet destroyed
 std::string& g_failing_kernel = *new std::string;  // standin_fail_next_launch
 CUresult g_failing_result = 0;
 // User-object destructors running on their own (detached) threads.
@@ -143,6 +144,14 @@ thread_local std::vector<void*> t_contexts;
 void violation(const std::string& what) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   if (g_violations++ == 0) g_first_violation = what;
+}
+// An event handle the driver does not know (destroyed, or never created):
+// CUDA's behaviour is undefined; here a violation and an invalid handle.
+CUresult unknown_event(const Event* e) {
+  if (e == nullptr) return kInvalidHandle;
+  if (g_events.count(e) != 0) return kOk;
+  violation("an event used after cuEventDestroy");
+  return kInvalidHandle;
 }
 
 #define ENTER()                                                                  \
@@ -570,7 +579,7 @@ CUresult cuStreamQuery(void* stream) {
 }
 CUresult cuStreamWaitEvent(void* stream, Event* e, unsigned) {
   ENTER();
-  if (e == nullptr) return kInvalidHandle;
+  if (CUresult r = unknown_event(e)) return r;
   Stream* waited = e->stream;
   const uint64_t seq = e->seq;
   Stream& s = *stream_of(stream);
@@ -678,18 +687,19 @@ CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
 CUresult cuEventCreate(Event** out, unsigned flags) {
   ENTER();
   *out = new Event{flags};
-  ++g_live_events;
+  g_events.insert(*out);
   return kOk;
 }
 CUresult cuEventDestroy(Event* e) {
   ENTER();
-  if (e == nullptr) return kInvalidHandle;
-  --g_live_events;
+  if (CUresult r = unknown_event(e)) return r;
+  g_events.erase(e);
   delete e;
   return kOk;
 }
 CUresult cuEventRecordWithFlags(Event* e, void* stream, unsigned flags) {
   ENTER();
+  if (CUresult r = unknown_event(e)) return r;
   Stream& s = *stream_of(stream);
   Capture* c = capture_of(s);
   // An external record is a graph node; outside a capture the flag is invalid.
@@ -717,6 +727,7 @@ CUresult cuEventRecordWithFlags(Event* e, void* stream, unsigned flags) {
 CUresult cuEventRecord(Event* e, void* stream) { return cuEventRecordWithFlags(e, stream, 0); }
 CUresult cuEventQuery(Event* e) {
   ENTER();
+  if (CUresult r = unknown_event(e)) return r;
   if (CUresult r = unsafe_call()) return r;
   if (CUresult r = refuse_if_captured(*e)) return r;
   return e->stream == nullptr || e->stream->done >= e->seq ? kOk : kNotReady;
@@ -724,6 +735,7 @@ CUresult cuEventQuery(Event* e) {
 CUresult cuEventSynchronize(Event* e) {
   host_wait_hook();
   ENTER();
+  if (CUresult r = unknown_event(e)) return r;
   if (CUresult r = unsafe_call()) return r;
   if (CUresult r = refuse_if_captured(*e)) return r;
   if (!(e->flags & kEventBlockingSync)) ++g_spin_waits;
@@ -948,7 +960,7 @@ __attribute__((visibility("default"))) int64_t standin_live_user_objects(void) {
 }
 __attribute__((visibility("default"))) int64_t standin_live_events(void) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
-  return g_live_events;
+  return static_cast<int64_t>(g_events.size());
 }
 __attribute__((visibility("default"))) void standin_fail_next_launch(const char* kernel, int result) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);

@@ -275,7 +275,36 @@ TEST_CASE("moecap_destroy lets captures and a histogram reset still queued on th
   CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
 }
 
-TEST_CASE("a commit the driver refuses returns its pooled event: another thread's host wait may still hold it") {
+// While moecap_synchronize waits (without the lock) on the first commit's
+// event, another engine thread's commit takes that event, now completed,
+// from the pool, and the driver refuses its launch.
+struct RefusedCommitMeanwhile {
+  moecap_capturer* h = nullptr;
+  Stream stream = nullptr;
+  Tensor* ids = nullptr;
+  moecap_test::HostTensor* slot = nullptr;
+  std::thread::id caller = std::this_thread::get_id();
+  bool started = false;
+  moecap_status status = MOECAP_OK;
+};
+
+void refuse_a_commit_while_waiting(void* arg) {
+  auto* m = static_cast<RefusedCommitMeanwhile*>(arg);
+  if (std::this_thread::get_id() != m->caller || m->started) return;
+  m->started = true;
+  std::thread([m] {
+    standin_run_stream(m->stream);  // the first commit's event completes: the next commit retires it to the pool
+    forward(*m->ids, 48, 1);
+    capture_layers(m->h, m->ids->get(), 1, m->stream);
+    standin_fail_next_launch("moecap_commit_kernel", 999);  // CUDA_ERROR_UNKNOWN
+    moecap_commit_args a{};
+    a.struct_size = sizeof a;
+    a.dst_slots = m->slot->get();
+    m->status = moecap_commit(m->h, &a, m->stream);
+  }).join();
+}
+
+TEST_CASE("a commit the driver refuses keeps its pooled event, which another thread's host wait holds") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
   Tensor ids = routing_buffer();
@@ -284,18 +313,58 @@ TEST_CASE("a commit the driver refuses returns its pooled event: another thread'
   forward(ids, 47, 1);
   capture_layers(h, ids.get(), 1, s);
   commit(h, slot.get(), s);
-  // That commit's event has completed: the next commit takes it from the pool.
-  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
-  const int64_t events = standin_live_events();
-  forward(ids, 48, 1);
-  capture_layers(h, ids.get(), 1, s);
-  standin_fail_next_launch("moecap_commit_kernel", 999);  // CUDA_ERROR_UNKNOWN
-  commit(h, slot.get(), s, 0, MOECAP_ERROR_DRIVER);
-  CHECK(standin_live_events() == events);  // back in the pool, not destroyed
-  // The capturer goes on: the same rows commit, and the pooled event serves.
+  const int64_t violations = standin_violations();
+  RefusedCommitMeanwhile m;
+  m.h = h;
+  m.stream = s;
+  m.ids = &ids;
+  m.slot = &slot;
+  standin_set_wait_hook(refuse_a_commit_while_waiting, &m);
+  const moecap_status waited = moecap_synchronize(h);  // then waits on the event it copied before
+  standin_set_wait_hook(nullptr, nullptr);
+  REQUIRE(m.started);
+  CHECK(m.status == MOECAP_ERROR_DRIVER);
+  CHECK_MESSAGE(waited == MOECAP_OK, std::string(moecap_last_error()));
+  CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
+  // The capturer goes on: the same rows commit.
   commit(h, slot.get(), s);
   REQUIRE(moecap_synchronize(h) == MOECAP_OK);
   CHECK(read_rows(h, {4}) == expected_row(48, 0));
-  CHECK(standin_live_events() == events);
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
+TEST_CASE("moecap_synchronize waits for captures queued on the engine's stream; get_errors only for commits") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  forward(ids, 49, 1);
+  capture_layers(h, ids.get(), 1, s);
+  REQUIRE(standin_pending(s) > 0);
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  REQUIRE(moecap_get_errors(h, &e, 0) == MOECAP_OK);  // a monitor does not wait out the forward
+  CHECK(standin_pending(s) > 0);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  CHECK(standin_pending(s) == 0);
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
+TEST_CASE("a commit with device slots refused after its claim pass withdraws the claims: later commits land") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  Tensor two_slots = index_tensor({5, 4}, kDLCUDA);
+  forward(ids, 60, 2);
+  capture_layers(h, ids.get(), 2, s);
+  standin_fail_next_launch("moecap_commit_kernel", 999);  // CUDA_ERROR_UNKNOWN, after the claim pass
+  commit(h, two_slots.get(), s, 0, MOECAP_ERROR_DRIVER);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);  // the claim pass queued is waited for, as a commit
+  // Slot 4 was claimed by entry 1; the next commit's entry 0 takes it.
+  Tensor one_slot = index_tensor({4}, kDLCUDA);
+  forward(ids, 61, 1);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, one_slot.get(), s);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  CHECK(read_rows(h, {4}) == expected_row(61, 0));
   CHECK(moecap_destroy(h) == MOECAP_OK);
 }
