@@ -113,11 +113,7 @@ TEST_CASE("a read waits for graph replays behind a long forward on one stream af
   std::vector<Tensor> slots;
   for (int i = 0; i < kGraphs; ++i) {
     slots.push_back(index_tensor({i}, kDLCUDA));
-    REQUIRE(moecap_graph_begin(h, a) == MOECAP_OK);
-    capture_layers(h, ids.get(), 1, a);
-    commit(h, slots.back().get(), a);
-    moecap_graph* g = nullptr;
-    REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+    moecap_graph* g = record_commit_graph(h, ids.get(), 1, slots.back().get(), a);
     graphs.push_back(g);
   }
   forward(ids, 3, 1);
@@ -207,11 +203,7 @@ TEST_CASE("a read into GPU tensors is ordered before a later invalidate, commit 
   CHECK(read_rows(h, {2}) == expected_row(41, 0));
 
   // A moecap graph replay that commits to the slot follows the read too.
-  REQUIRE(moecap_graph_begin(h, other) == MOECAP_OK);
-  capture_layers(h, ids.get(), 1, other);
-  commit(h, device_slot.get(), other);
-  moecap_graph* g = nullptr;
-  REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+  moecap_graph* g = record_commit_graph(h, ids.get(), 1, device_slot.get(), other);
   {
     Hold reader_busy(reader);
     REQUIRE(moecap_read(h, slot.get(), out.get(), nullptr, 0, reader) == MOECAP_OK);
@@ -237,11 +229,7 @@ TEST_CASE("a moecap graph replays on the legacy default stream, after a read of 
   moecap_test::HostTensor slot({1}, moecap_test::i64());
   slot.set(0, 3);
   Tensor device_slot = index_tensor({3}, kDLCUDA);
-  REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
-  capture_layers(h, ids.get(), 1, s);
-  commit(h, device_slot.get(), s);
-  moecap_graph* g = nullptr;
-  REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+  moecap_graph* g = record_commit_graph(h, ids.get(), 1, device_slot.get(), s);
   forward(ids, 50, 1);
   REQUIRE_MESSAGE(moecap_graph_launch(g, nullptr) == MOECAP_OK, std::string(moecap_last_error()));
   REQUIRE(moecap_synchronize(h) == MOECAP_OK);
@@ -302,11 +290,7 @@ TEST_CASE("engine graphs and child-graph clones holding moecap's nodes replay af
   Exec engine_exec = instantiate(engine_graph);
 
   // moecap's own graph, embedded as a child node of an engine graph.
-  REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
-  capture_layers(h, ids.get(), 1, s);
-  commit(h, slots.get(), s);
-  moecap_graph* own = nullptr;
-  REQUIRE(moecap_graph_end(h, &own) == MOECAP_OK);
+  moecap_graph* own = record_commit_graph(h, ids.get(), 1, slots.get(), s);
   void* native = nullptr;
   REQUIRE(moecap_graph_native(own, &native) == MOECAP_OK);
   Graph parent = new_graph();

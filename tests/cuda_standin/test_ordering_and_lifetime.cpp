@@ -130,11 +130,7 @@ TEST_CASE("moecap_destroy and moecap_graph_destroy on one thread during the engi
   Stream engine = new_stream();
   Tensor ids = routing_buffer();
   Tensor slots = index_tensor({5}, kDLCUDA);
-  REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
-  capture_layers(h, ids.get(), 1, s);
-  commit(h, slots.get(), s);
-  moecap_graph* g = nullptr;
-  REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+  moecap_graph* g = record_commit_graph(h, ids.get(), 1, slots.get(), s);
 
   standin_drain_callbacks();
   const int64_t held = standin_live_allocations();
@@ -185,11 +181,7 @@ TEST_CASE("the events of commits captured in graphs are freed with the graphs") 
   constexpr int kRecaptures = 30;
   for (int i = 0; i < kRecaptures; ++i) {
     // moecap's own graphs and the engine's (cudagraph trees recapture often).
-    REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
-    capture_layers(h, ids.get(), 1, s);
-    commit(h, slots.get(), s);
-    moecap_graph* g = nullptr;
-    REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+    moecap_graph* g = record_commit_graph(h, ids.get(), 1, slots.get(), s);
     forward(ids, 50 + i, 1);
     REQUIRE(moecap_graph_launch(g, s) == MOECAP_OK);
     CHECK(read_rows(h, {7}) == expected_row(50 + i, 0));
@@ -219,11 +211,7 @@ TEST_CASE("the events of commits captured in graphs are freed with the graphs") 
   CHECK(standin_live_events() <= events + 2);  // not one per captured commit
 
   // A graph still alive is still waited for.
-  REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
-  capture_layers(h, ids.get(), 1, s);
-  commit(h, slots.get(), s);
-  moecap_graph* g = nullptr;
-  REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+  moecap_graph* g = record_commit_graph(h, ids.get(), 1, slots.get(), s);
   forward(ids, 90, 1);
   REQUIRE(moecap_graph_launch(g, s) == MOECAP_OK);
   standin_drain_callbacks();

@@ -155,11 +155,7 @@ TEST_CASE("side stream: a moecap graph joins at moecap_graph_end; replays and ea
   Stream s = new_stream();
   Tensor ids = routing_buffer();
   Tensor slots = index_tensor({6}, kDLCUDA);
-  REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
-  capture_layers(h, ids.get(), 1, s);
-  commit(h, slots.get(), s);
-  moecap_graph* g = nullptr;
-  REQUIRE_MESSAGE(moecap_graph_end(h, &g) == MOECAP_OK, std::string(moecap_last_error()));
+  moecap_graph* g = record_commit_graph(h, ids.get(), 1, slots.get(), s);
   for (int64_t batch : {3, 4}) {
     forward(ids, batch, 1);
     REQUIRE(moecap_graph_launch(g, s) == MOECAP_OK);
@@ -204,11 +200,7 @@ TEST_CASE("side stream: an eager invalidate, then a replay committing the same s
   Stream s = new_stream();
   Tensor ids = routing_buffer();
   Tensor slots = index_tensor({12}, kDLCUDA);
-  REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
-  capture_layers(h, ids.get(), 1, s);
-  commit(h, slots.get(), s);
-  moecap_graph* g = nullptr;
-  REQUIRE(moecap_graph_end(h, &g) == MOECAP_OK);
+  moecap_graph* g = record_commit_graph(h, ids.get(), 1, slots.get(), s);
   Tensor freed = index_tensor({12}, kDLCPU);
   for (int64_t batch : {1, 2}) {
     forward(ids, batch, 1);

@@ -89,6 +89,18 @@ inline void commit(moecap_capturer* h, const DLTensor* slots, void* stream, int6
   REQUIRE_MESSAGE(moecap_commit(h, &a, stream) == expect, std::string(moecap_last_error()));
 }
 
+// A moecap graph recorded on `stream`: the capture of rows [0, n) of `ids`
+// (routing_buffer's layout) and their commit to `slots`.
+inline moecap_graph* record_commit_graph(moecap_capturer* h, const DLTensor* ids, int64_t n, const DLTensor* slots,
+                                         void* stream) {
+  REQUIRE(moecap_graph_begin(h, stream) == MOECAP_OK);
+  capture_layers(h, ids, n, stream);
+  commit(h, slots, stream);
+  moecap_graph* g = nullptr;
+  REQUIRE_MESSAGE(moecap_graph_end(h, &g) == MOECAP_OK, std::string(moecap_last_error()));
+  return g;
+}
+
 // Reads `slots` into host memory; returns the ids, [slots, layers, top_k].
 inline std::vector<int64_t> read_rows(moecap_capturer* h, const std::vector<int64_t>& slots,
                                       moecap_status expect = MOECAP_OK, uint32_t flags = 0) {
