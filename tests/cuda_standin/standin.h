@@ -5,7 +5,8 @@
 // (ordering, lifetime, capture mode, which event means what) fail in CI.
 //
 // What it models:
-// - Streams are queues; nothing runs until the host waits (cuStreamSynchronize,
+// - Streams are queues (0 and CU_STREAM_LEGACY the legacy stream,
+//   CU_STREAM_PER_THREAD each calling thread's own); nothing runs until the host waits (cuStreamSynchronize,
 //   cuEventSynchronize, a pageable device-to-host copy) or a test calls
 //   standin_run. A wait runs exactly what it must: the waited stream up to the
 //   point, and the streams it waits on (cuStreamWaitEvent) up to theirs.

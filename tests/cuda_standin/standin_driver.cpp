@@ -161,9 +161,21 @@ CUresult unknown_event(const Event* e) {
   }                                                                              \
   std::lock_guard<std::recursive_mutex> lock(g_mu)
 
+constexpr uintptr_t kPerThreadHandle = 2;  // CU_STREAM_PER_THREAD
+thread_local Stream* t_per_thread = nullptr;
+
+// 0 and CU_STREAM_LEGACY are the legacy stream; CU_STREAM_PER_THREAD is the
+// calling thread's own stream (made at its first use, never destroyed).
 Stream* stream_of(void* s) {
   const auto v = reinterpret_cast<uintptr_t>(s);
-  return v <= 2 ? &g_legacy : static_cast<Stream*>(s);  // 0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+  if (v == kPerThreadHandle) {
+    if (t_per_thread == nullptr) {
+      t_per_thread = new Stream;
+      g_streams.push_back(t_per_thread);
+    }
+    return t_per_thread;
+  }
+  return v < kPerThreadHandle ? &g_legacy : static_cast<Stream*>(s);
 }
 
 // The capture `s` takes part in (its own, or one it joined), or nullptr.
@@ -554,6 +566,7 @@ CUresult cuStreamCreate(void** out, unsigned) {
 }
 CUresult cuStreamDestroy(void* stream) {
   ENTER();
+  if (reinterpret_cast<uintptr_t>(stream) == kPerThreadHandle) return kInvalidHandle;
   Stream* s = stream_of(stream);
   if (s == &g_legacy) return kInvalidHandle;
   run_until(*s, s->enqueued);  // queued work still completes, as on a GPU

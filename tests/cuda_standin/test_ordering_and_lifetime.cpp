@@ -5,11 +5,14 @@
 // commit events freed with their graphs.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <future>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "tests/cuda_standin/engine.h"
 
@@ -355,4 +358,44 @@ TEST_CASE("a commit with device slots refused after its claim pass withdraws the
   REQUIRE(moecap_synchronize(h) == MOECAP_OK);
   CHECK(read_rows(h, {4}) == expected_row(61, 0));
   CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
+TEST_CASE("moecap_destroy waits for captures queued on each thread's own CU_STREAM_PER_THREAD") {
+  // One handle, a different stream on each thread: the captures one thread
+  // queued are not covered by a fence another thread's stream recorded.
+  moecap_capturer* h = make_capturer();
+  Tensor ids = routing_buffer();
+  forward(ids, 62, 1);
+  void* const per_thread = reinterpret_cast<void*>(uintptr_t{2});
+  const int64_t violations = standin_violations();
+  std::promise<void> destroyed;
+  const std::shared_future<void> after_destroy = destroyed.get_future().share();
+  std::atomic<int> queued{0};
+  std::array<moecap_status, 2> captured{};
+  std::array<int64_t, 2> pending_before{}, pending_after{};
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {  // no doctest assertion off the test's thread
+      int64_t shape[2] = {1, cuda_config().top_k};
+      DLTensor view = *ids.get();
+      view.ndim = 2;
+      view.shape = shape;
+      captured[t] = moecap_capture(h, 0, &view, nullptr, per_thread);
+      pending_before[t] = standin_pending(static_cast<StandinStream>(per_thread));
+      ++queued;
+      after_destroy.wait();
+      pending_after[t] = standin_pending(static_cast<StandinStream>(per_thread));
+    });
+    while (queued.load() < static_cast<int>(t) + 1) std::this_thread::yield();  // one after the other
+  }
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+  destroyed.set_value();
+  for (std::thread& t : threads) t.join();
+  for (size_t t = 0; t < 2; ++t) {
+    CAPTURE(t);
+    CHECK(captured[t] == MOECAP_OK);
+    CHECK(pending_before[t] > 0);
+    CHECK(pending_after[t] == 0);
+  }
+  CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
 }
