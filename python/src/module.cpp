@@ -141,13 +141,22 @@ class Capturer {
   // capturer is in progress.
   class InFlight {
    public:
-    explicit InFlight(Capturer& c) : c_(c) { ++c_.in_flight_; }
+    // recordable: a call a graph may record (commit, invalidate), which
+    // graph_begin and graph_end wait for too.
+    explicit InFlight(Capturer& c, bool recordable = false) : c_(c), recordable_(recordable) {
+      ++c_.in_flight_;
+      if (recordable_) ++c_.recordable_in_flight_;
+    }
     InFlight(const InFlight&) = delete;
     InFlight& operator=(const InFlight&) = delete;
-    ~InFlight() { --c_.in_flight_; }
+    ~InFlight() {
+      --c_.in_flight_;
+      if (recordable_) --c_.recordable_in_flight_;
+    }
 
    private:
     Capturer& c_;
+    bool recordable_;
   };
 
   void commit(Tensor dst_slots, int64_t src_start, Tensor src_rows, nb::handle stream) {
@@ -157,15 +166,14 @@ class Capturer {
                             borrow_optional(src_rows, "src_rows", false, rows), slots.get()};
     void* s = resolve_stream(stream, device_type_, device_id_, &slots);
     moecap_capturer* h = live();
-    const nb::object keep = holder();
     moecap_status status;
     {
-      InFlight busy(*this);
+      InFlight busy(*this, true);
       nb::gil_scoped_release unlocked;
       status = moecap_commit(h, &args, s);
     }
     check(status, {{"args->", ""}});
-    keep_alive(keep, slots, rows);
+    keep_alive(holder(), slots, rows);
   }
 
   void read_into(Tensor slots, Tensor out, Tensor weights_out, bool nonblocking, bool strict,
@@ -207,16 +215,15 @@ class Capturer {
     borrow(slots, "slots", false, s);
     void* st = resolve_stream(stream, device_type_, device_id_, &s);
     moecap_capturer* h = live();
-    const nb::object keep = holder();
     moecap_status status;
     {
       // With host slots, it may wait for a snapshot-ring entry in use.
-      InFlight busy(*this);
+      InFlight busy(*this, true);
       nb::gil_scoped_release unlocked;
       status = moecap_invalidate(h, s.get(), st);
     }
     check(status);
-    keep_alive(keep, s, Borrowed{});
+    keep_alive(holder(), s, Borrowed{});
   }
 
   // MOECAP_FLAG_SIDE_STREAM: `stream` waits for the work forked so far; the
@@ -288,13 +295,27 @@ class Capturer {
     return plan_dict(info);
   }
 
+  // A commit or invalidate on another thread that released the GIL may
+  // have been recorded (or not) without having handed its tensors to the
+  // recording's list yet: graph_begin and graph_end wait for it, holding the
+  // GIL from there on.
+  void wait_for_recordable_calls() {
+    while (recordable_in_flight_ > 0) {
+      nb::gil_scoped_release unlocked;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
   void graph_begin(nb::handle stream) {
-    check(moecap_graph_begin(live(), resolve_stream(stream, device_type_, device_id_)));
+    void* s = resolve_stream(stream, device_type_, device_id_);
+    wait_for_recordable_calls();
+    check(moecap_graph_begin(live(), s));
     recording_ = nb::list();
     recording_on_ = true;
   }
 
   Graph* graph_end() {
+    wait_for_recordable_calls();
     moecap_graph* graph = nullptr;
     check(moecap_graph_end(live(), &graph));
     nb::list keep = std::move(recording_);
@@ -346,10 +367,9 @@ class Capturer {
   // Where the tensors a call read are held: by the graph being recorded (for
   // its lifetime), or, with the side stream, until the next join (forked work
   // reads them after the call returns, and the caching allocator would hand
-  // a dropped tensor's memory to the next op); none otherwise. Taken before a
-  // call releases the GIL: a graph_end on another thread meanwhile hands this
-  // very list to its Graph, so the tensors the recorded call reads live as
-  // long as the graph.
+  // a dropped tensor's memory to the next op); none otherwise. Taken after
+  // the call: a join meanwhile replaced the forked list, and a graph never
+  // begins or ends while a call it may record is between its C call and here.
   nb::object holder() const {
     if (recording_on_) return recording_;
     if (side_stream_) return forked_;
@@ -358,6 +378,7 @@ class Capturer {
 
   moecap_capturer* handle_ = nullptr;
   int in_flight_ = 0;     // calls between InFlight's constructor and destructor (the GIL guards it)
+  int recordable_in_flight_ = 0;  // ... of them, commits and invalidations
   bool closing_ = false;  // close() waits for in_flight_: no new calls
   int32_t device_type_, device_id_;
   nb::list recording_;
