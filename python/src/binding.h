@@ -74,15 +74,28 @@ struct Borrowed {
   DLTensor* get_mut() { return &dl; }
 };
 
+// The stream a call enqueues on, as its arguments give it: what a CUDA
+// array's producer without torch's exchange API (CuPy, JAX) is asked to
+// order its pending work before (the array API's __dlpack__(stream=)).
+struct CallStream {
+  nb::handle stream;  // the call's stream= argument
+  int32_t device_type;
+  int32_t device_id;
+};
+
 // Fills `out` from a PyTorch tensor (attributes read directly: no DLPack
 // round trip, no stream synchronization) or from anything nanobind's ndarray
 // accepts (NumPy's buffer protocol, any __dlpack__ producer, a capsule).
 // `name` names the argument in the TypeError; `writable` refuses read-only
-// arrays (outputs).
-void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out);
+// arrays (outputs). With `call` on a CUDA capturer, an array a producer
+// reports on a CUDA device is exported for the call's stream; without it
+// (or on the host backend), as nanobind asks: stream=None, which on CUDA
+// means the legacy default stream.
+void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out, const CallStream* call = nullptr);
 
 // Borrows `obj` unless it is None; returns the DLTensor or nullptr.
-const DLTensor* borrow_optional(nb::handle obj, const char* name, bool writable, Borrowed& out);
+const DLTensor* borrow_optional(nb::handle obj, const char* name, bool writable, Borrowed& out,
+                                const CallStream* call = nullptr);
 
 // The CUstream for a call: an int, an object with .cuda_stream (torch, CuPy),
 // or None: NULL for the host backend; for the CUDA backend the current stream

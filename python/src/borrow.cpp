@@ -362,9 +362,52 @@ bool is_jax_array(PyTypeObject* type) {
   return name.substr(0, 4) == "jax." || name.substr(0, 7) == "jaxlib." || name == "jax" || name == "jaxlib";
 }
 
+// A CUDA array's capsule, asked for the call's stream: under the array API
+// the producer makes that stream wait for the array's pending work, where
+// nanobind's own request (no stream=) would mean the legacy default stream,
+// which moecap never enqueues on unless told to and which an engine's
+// capture may not touch. Invalid where there is no CUDA call, the producer
+// reports its array elsewhere, or it refuses (nanobind then asks as usual
+// and reports the refusal).
+nb::object capsule_for_call(nb::handle obj, const CallStream* call) {
+  if (call == nullptr || call->device_type != MOECAP_DEVICE_CUDA) return {};
+  nb::object dlpack_device = nb::getattr(obj, "__dlpack_device__", nb::none());
+  if (dlpack_device.is_none()) return {};
+  // Only Exception subclasses are a producer's refusal; KeyboardInterrupt and the like go on.
+  const auto refused = [](nb::python_error& e) {
+    if (!e.matches(PyExc_Exception)) throw;
+  };
+  int kind = -1;
+  try {
+    kind = nb::cast<int>(dlpack_device()[0]);
+  } catch (nb::python_error& e) {
+    refused(e);
+    return {};
+  } catch (nb::cast_error&) {
+    return {};
+  }
+  if (kind != kDLCUDA && kind != kDLCUDAManaged) return {};
+  // Without a stream (no stream=, no torch) this fails as the call would after the borrow.
+  void* stream = resolve_stream(call->stream, call->device_type, call->device_id);
+  // The array API's values: 1 is the legacy default stream (0 is not allowed).
+  const unsigned long long value = stream == nullptr ? 1ull : reinterpret_cast<uintptr_t>(stream);
+  try {
+    nb::object dlpack = obj.attr("__dlpack__");
+    try {
+      return dlpack(nb::arg("stream") = value, nb::arg("max_version") = nb::make_tuple(1, 0));
+    } catch (nb::python_error& e) {
+      if (!e.matches(PyExc_TypeError)) throw;  // TypeError: it predates max_version
+    }
+    return dlpack(nb::arg("stream") = value);
+  } catch (nb::python_error& e) {
+    refused(e);
+    return {};
+  }
+}
+
 }  // namespace
 
-void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out) {
+void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out, const CallStream* call) {
   out.keep = nb::borrow(obj);
   out.dl.byte_offset = 0;
   PyTypeObject* type = Py_TYPE(obj.ptr());
@@ -400,22 +443,25 @@ void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out) {
                             "then jax.numpy.asarray)");
     }
     nb::ndarray<> array;
-    if (!nb::try_cast(obj, array, false)) {
+    const nb::object capsule = capsule_for_call(obj, call);
+    if (!nb::try_cast(capsule.is_valid() ? nb::handle(capsule) : obj, array, false)) {
       not_a_tensor(name, obj, "must be a writable tensor (NumPy, PyTorch, CuPy or any DLPack producer)");
     }
     borrow_ndarray(array, out, name, obj);
     out.array = nb::ndarray<nb::ro>(array);
   } else {
-    if (!nb::try_cast(obj, out.array, false)) {
+    const nb::object capsule = capsule_for_call(obj, call);
+    if (!nb::try_cast(capsule.is_valid() ? nb::handle(capsule) : obj, out.array, false)) {
       not_a_tensor(name, obj, "must be a tensor (NumPy, PyTorch, JAX, CuPy or any DLPack producer)");
     }
     borrow_ndarray(out.array, out, name, obj);
   }
 }
 
-const DLTensor* borrow_optional(nb::handle obj, const char* name, bool writable, Borrowed& out) {
+const DLTensor* borrow_optional(nb::handle obj, const char* name, bool writable, Borrowed& out,
+                                const CallStream* call) {
   if (obj.is_none()) return nullptr;
-  borrow(obj, name, writable, out);
+  borrow(obj, name, writable, out, call);
   return out.get();
 }
 

@@ -116,8 +116,9 @@ class Capturer {
 
   void capture(int64_t layer, Tensor topk_ids, Tensor topk_weights, nb::handle stream) {
     Borrowed ids, weights;
-    borrow(topk_ids, "topk_ids", false, ids);
-    const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights);
+    const CallStream call{stream, device_type_, device_id_};
+    borrow(topk_ids, "topk_ids", false, ids, &call);
+    const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights, &call);
     void* s = resolve_stream(stream, device_type_, device_id_, &ids);
     check(moecap_capture(live(), as_int32(layer, "moecap_capture", "layer"), ids.get(), w, s));
     keep_alive(holder(), ids, weights);
@@ -161,9 +162,10 @@ class Capturer {
 
   void commit(Tensor dst_slots, int64_t src_start, Tensor src_rows, nb::handle stream) {
     Borrowed slots, rows;
-    borrow(dst_slots, "dst_slots", false, slots);
+    const CallStream call{stream, device_type_, device_id_};
+    borrow(dst_slots, "dst_slots", false, slots, &call);
     moecap_commit_args args{sizeof(moecap_commit_args), src_start,
-                            borrow_optional(src_rows, "src_rows", false, rows), slots.get()};
+                            borrow_optional(src_rows, "src_rows", false, rows, &call), slots.get()};
     void* s = resolve_stream(stream, device_type_, device_id_, &slots);
     moecap_capturer* h = live();
     moecap_status status;
@@ -179,9 +181,10 @@ class Capturer {
   void read_into(Tensor slots, Tensor out, Tensor weights_out, bool nonblocking, bool strict,
                  nb::handle stream) {
     Borrowed s, ids, weights;
-    borrow(slots, "slots", false, s);
-    borrow(out, "out", true, ids);
-    DLTensor* w = const_cast<DLTensor*>(borrow_optional(weights_out, "weights_out", true, weights));
+    const CallStream call{stream, device_type_, device_id_};
+    borrow(slots, "slots", false, s, &call);
+    borrow(out, "out", true, ids, &call);
+    DLTensor* w = const_cast<DLTensor*>(borrow_optional(weights_out, "weights_out", true, weights, &call));
     void* st = resolve_stream(stream, device_type_, device_id_, &ids);
     moecap_capturer* h = live();
     moecap_status status;
@@ -196,9 +199,10 @@ class Capturer {
 
   void write(Tensor slots, Tensor ids, Tensor weights, nb::handle stream) {
     Borrowed s, i, w;
-    borrow(slots, "slots", false, s);
-    borrow(ids, "ids", false, i);
-    const DLTensor* wp = borrow_optional(weights, "weights", false, w);
+    const CallStream call{stream, device_type_, device_id_};
+    borrow(slots, "slots", false, s, &call);
+    borrow(ids, "ids", false, i, &call);
+    const DLTensor* wp = borrow_optional(weights, "weights", false, w, &call);
     void* st = resolve_stream(stream, device_type_, device_id_, &i);
     moecap_capturer* h = live();
     moecap_status status;
@@ -212,7 +216,8 @@ class Capturer {
 
   void invalidate(Tensor slots, nb::handle stream) {
     Borrowed s;
-    borrow(slots, "slots", false, s);
+    const CallStream call{stream, device_type_, device_id_};
+    borrow(slots, "slots", false, s, &call);
     void* st = resolve_stream(stream, device_type_, device_id_, &s);
     moecap_capturer* h = live();
     moecap_status status;
