@@ -377,16 +377,19 @@ nb::object capsule_for_call(nb::handle obj, const CallStream* call) {
   const auto refused = [](nb::python_error& e) {
     if (!e.matches(PyExc_Exception)) throw;
   };
-  int kind = -1;
+  int kind = -1, id = -1;
   try {
-    kind = nb::cast<int>(dlpack_device()[0]);
+    nb::object device = dlpack_device();
+    kind = nb::cast<int>(device[0]);
+    id = nb::cast<int>(device[1]);
   } catch (nb::python_error& e) {
     refused(e);
     return {};
   } catch (nb::cast_error&) {
     return {};
   }
-  if (kind != kDLCUDA && kind != kDLCUDAManaged) return {};
+  // On another GPU the call refuses it after the borrow; its producer is not asked to order work for ours.
+  if ((kind != kDLCUDA && kind != kDLCUDAManaged) || id != call->device_id) return {};
   // Without a stream (no stream=, no torch) this fails as the call would after the borrow.
   void* stream = resolve_stream(call->stream, call->device_type, call->device_id);
   // The array API's values: 1 is the legacy default stream (0 is not allowed).

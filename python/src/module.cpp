@@ -167,6 +167,7 @@ class Capturer {
     moecap_commit_args args{sizeof(moecap_commit_args), src_start,
                             borrow_optional(src_rows, "src_rows", false, rows, &call), slots.get()};
     void* s = resolve_stream(stream, device_type_, device_id_, &slots);
+    pass_graph_gate();
     moecap_capturer* h = live();
     moecap_status status;
     {
@@ -219,6 +220,7 @@ class Capturer {
     const CallStream call{stream, device_type_, device_id_};
     borrow(slots, "slots", false, s, &call);
     void* st = resolve_stream(stream, device_type_, device_id_, &s);
+    pass_graph_gate();
     moecap_capturer* h = live();
     moecap_status status;
     {
@@ -302,30 +304,60 @@ class Capturer {
 
   // A commit or invalidate on another thread that released the GIL may
   // have been recorded (or not) without having handed its tensors to the
-  // recording's list yet: graph_begin and graph_end wait for it, holding the
-  // GIL from there on.
-  void wait_for_recordable_calls() {
-    while (recordable_in_flight_ > 0) {
-      nb::gil_scoped_release unlocked;
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  // recording's list yet. graph_begin and graph_end close the gate (new
+  // commits and invalidations wait before they start), wait for those in
+  // flight, and hold the GIL from their C call until the lists are swapped
+  // (moves only: no Python runs there).
+  class GraphGate {
+   public:
+    explicit GraphGate(Capturer& c) : c_(c) { ++c_.graph_waiting_; }
+    GraphGate(const GraphGate&) = delete;
+    GraphGate& operator=(const GraphGate&) = delete;
+    ~GraphGate() { --c_.graph_waiting_; }
+
+   private:
+    Capturer& c_;
+  };
+
+  // Sleeps with the GIL released until `done()`; a signal (Ctrl-C) raises.
+  template <class Done>
+  static void wait_until(Done done) {
+    while (!done()) {
+      {
+        nb::gil_scoped_release unlocked;
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+      if (PyErr_CheckSignals() != 0) throw nb::python_error();
     }
+  }
+
+  // Before a commit or invalidate counts itself in flight.
+  void pass_graph_gate() {
+    wait_until([this] { return graph_waiting_ == 0; });
   }
 
   void graph_begin(nb::handle stream) {
     void* s = resolve_stream(stream, device_type_, device_id_);
-    wait_for_recordable_calls();
+    nb::list fresh;
+    const GraphGate gate(*this);
+    wait_until([this] { return recordable_in_flight_ == 0; });
     check(moecap_graph_begin(live(), s));
-    recording_ = nb::list();
+    recording_ = std::move(fresh);
     recording_on_ = true;
   }
 
   Graph* graph_end() {
-    wait_for_recordable_calls();
+    nb::list fresh;
     moecap_graph* graph = nullptr;
-    check(moecap_graph_end(live(), &graph));
-    nb::list keep = std::move(recording_);
-    recording_ = nb::list();
-    recording_on_ = false;
+    nb::list keep;
+    {
+      const GraphGate gate(*this);
+      wait_until([this] { return recordable_in_flight_ == 0; });
+      check(moecap_graph_end(live(), &graph));
+      keep = std::move(recording_);
+      recording_ = std::move(fresh);
+      recording_on_ = false;
+    }
     return new Graph(graph, std::move(keep), device_type_, device_id_);
   }
 
@@ -384,6 +416,7 @@ class Capturer {
   moecap_capturer* handle_ = nullptr;
   int in_flight_ = 0;     // calls between InFlight's constructor and destructor (the GIL guards it)
   int recordable_in_flight_ = 0;  // ... of them, commits and invalidations
+  int graph_waiting_ = 0;         // graph_begin / graph_end waiting for those: new ones wait
   bool closing_ = false;  // close() waits for in_flight_: no new calls
   int32_t device_type_, device_id_;
   nb::list recording_;

@@ -41,3 +41,46 @@ def test_calls_that_cannot_be_recorded_are_refused_while_recording():
             cap.read(np.array([0]))
         assert e.value.status == moecap.Status.CAPTURE_ILLEGAL
         cap.graph_end().close()
+
+
+def test_graph_begin_and_end_go_on_while_other_threads_commit_and_invalidate_without_pause():
+    # They wait for commits and invalidations in flight (a recorded call must
+    # hand its tensors to the graph's list); calls starting meanwhile wait for
+    # them instead, so the wait ends however busy the other threads are.
+    import threading
+    import time
+
+    with moecap.Capturer(**CONFIG) as cap:
+        stop = threading.Event()
+        calls, errors = [0, 0], []
+
+        def busy(i, call):
+            try:
+                while not stop.is_set():
+                    call()
+                    calls[i] += 1
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+        workers = [threading.Thread(target=busy, args=(0, lambda: cap.invalidate(np.array([-1]))), daemon=True),
+                   threading.Thread(target=busy, args=(1, lambda: cap.commit(np.full(1, -1))), daemon=True)]
+        for w in workers:
+            w.start()
+        recorded = []
+
+        def record():
+            for _ in range(20):
+                cap.graph_begin()
+                cap.graph_end().close()
+                recorded.append(True)
+
+        recorder = threading.Thread(target=record, daemon=True)
+        started = time.monotonic()
+        recorder.start()
+        recorder.join(timeout=30)
+        done = len(recorded)  # before the other threads stop
+        stop.set()
+        for w in workers:
+            w.join(timeout=60)
+        assert done == 20, f"{done} of 20 graphs in {time.monotonic() - started:.0f} s while the others ran"
+        assert not errors and min(calls) > 0, (errors, calls)
