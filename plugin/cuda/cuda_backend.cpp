@@ -273,13 +273,11 @@ class CudaBackend final : public Backend {
 
   void capture(const CaptureParams& p, EngineStream stream) override {
     ContextScope scope(d_, ctx());
-    const CUstream engine = cu_stream(stream);
-    const bool in_capture = keep_owner_in_capture(engine) != nullptr;
-    const CUstream s = fork(engine);
-    EagerFence* fence = !in_capture && s == engine ? &eager_fence(engine) : nullptr;
+    EagerFence* fence = nullptr;
+    const CUstream s = enqueue_stream(stream, &fence);
     // At least one block: a zero-row capture still stamps its layer.
     launch(capture_, p, std::max<int64_t>(1, p.n * p.top_k), s);
-    if (fence != nullptr) check(d_, d_.cuEventRecord(fence->event.get(), engine), "cuEventRecord (capture)");
+    record_fence(fence, "cuEventRecord (capture)");
   }
 
   void commit(const CommitParams& p, CommitPlacement where, EngineStream stream) override {
@@ -378,12 +376,10 @@ class CudaBackend final : public Backend {
 
   void zero_device(void* ptr, size_t bytes, EngineStream stream) override {
     ContextScope scope(d_, ctx());
-    const CUstream engine = cu_stream(stream);
-    const bool in_capture = keep_owner_in_capture(engine) != nullptr;
-    const CUstream s = fork(engine);
-    EagerFence* fence = !in_capture && s == engine ? &eager_fence(engine) : nullptr;
+    EagerFence* fence = nullptr;
+    const CUstream s = enqueue_stream(stream, &fence);
     check(d_, d_.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(ptr), 0, bytes, s), "cuMemsetD8Async");
-    if (fence != nullptr) check(d_, d_.cuEventRecord(fence->event.get(), engine), "cuEventRecord (histogram reset)");
+    record_fence(fence, "cuEventRecord (histogram reset)");
   }
 
   bool commits_done(bool block, const SlotList* slots, std::unique_lock<std::mutex>* unlock_while_waiting) override {
@@ -658,6 +654,21 @@ class CudaBackend final : public Backend {
     UniqueEvent e = std::move(spare_.back());
     spare_.pop_back();
     return e;
+  }
+
+  // Where a capture or histogram reset enqueues: the engine's stream, or a
+  // side stream forked from it; in a capture the graph takes its reference.
+  // *fence is the engine stream's fence where the launch is eager and on
+  // that stream (record_fence after it), else nullptr.
+  CUstream enqueue_stream(EngineStream stream, EagerFence** fence) {
+    const CUstream engine = cu_stream(stream);
+    const bool in_capture = keep_owner_in_capture(engine) != nullptr;
+    const CUstream s = fork(engine);
+    *fence = !in_capture && s == engine ? &eager_fence(engine) : nullptr;
+    return s;
+  }
+  void record_fence(EagerFence* fence, const char* what) {
+    if (fence != nullptr) check(d_, d_.cuEventRecord(fence->event.get(), fence->stream), what);
   }
 
   // The fence of engine stream `s`: an event the caller records behind each

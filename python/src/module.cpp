@@ -42,16 +42,15 @@ nb::dict plan_dict(const moecap_plan_info& p) {
 // side stream's until-join list), when there is one: the Python object, and
 // nanobind's import of it where there is one, which owns the producer's
 // capsule (a __dlpack__ may hand out memory that nothing else holds).
-void keep_alive(nb::handle list, const Borrowed& a, const Borrowed& b) {
-  if (!list.is_valid()) return;
-  nb::list holder = nb::borrow<nb::list>(list);
+void keep_alive(nb::list* holder, const Borrowed& a, const Borrowed& b) {
+  if (holder == nullptr) return;
   for (const Borrowed* t : {&a, &b}) {
-    if (t->keep.is_valid()) holder.append(t->keep);
+    if (t->keep.is_valid()) holder->append(t->keep);
     if (t->array.is_valid()) {
       auto import = std::make_unique<nb::ndarray<nb::ro>>(t->array);
       nb::capsule owner(import.get(), [](void* held) noexcept { delete static_cast<nb::ndarray<nb::ro>*>(held); });
       import.release();  // the capsule owns it from here
-      holder.append(owner);
+      holder->append(owner);
     }
   }
 }
@@ -121,7 +120,7 @@ class Capturer {
     const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights, &call);
     void* s = resolve_stream(stream, device_type_, device_id_, &ids);
     check(moecap_capture(live(), as_int32(layer, "moecap_capture", "layer"), ids.get(), w, s));
-    keep_alive(holder(), ids, weights);
+    keep_alive(held(), ids, weights);
   }
 
   // The C call's own time, for bench/python_bench.py: borrow once, call
@@ -176,7 +175,7 @@ class Capturer {
       status = moecap_commit(h, &args, s);
     }
     check(status, {{"args->", ""}});
-    keep_alive(holder(), slots, rows);
+    keep_alive(held(), slots, rows);
   }
 
   void read_into(Tensor slots, Tensor out, Tensor weights_out, bool nonblocking, bool strict,
@@ -230,7 +229,7 @@ class Capturer {
       status = moecap_invalidate(h, s.get(), st);
     }
     check(status);
-    keep_alive(holder(), s, Borrowed{});
+    keep_alive(held(), s, Borrowed{});
   }
 
   // MOECAP_FLAG_SIDE_STREAM: `stream` waits for the work forked so far; the
@@ -404,14 +403,10 @@ class Capturer {
   // Where the tensors a call read are held: by the graph being recorded (for
   // its lifetime), or, with the side stream, until the next join (forked work
   // reads them after the call returns, and the caching allocator would hand
-  // a dropped tensor's memory to the next op); none otherwise. Taken after
-  // the call: a join meanwhile replaced the forked list, and a graph never
-  // begins or ends while a call it may record is between its C call and here.
-  nb::object holder() const {
-    if (recording_on_) return recording_;
-    if (side_stream_) return forked_;
-    return nb::object();
-  }
+  // a dropped tensor's memory to the next op). Taken after the call: a join
+  // meanwhile replaced the forked list, and a graph never begins or ends
+  // while a call it may record is between its C call and here.
+  nb::list* held() { return recording_on_ ? &recording_ : side_stream_ ? &forked_ : nullptr; }
 
   moecap_capturer* handle_ = nullptr;
   int in_flight_ = 0;     // calls between InFlight's constructor and destructor (the GIL guards it)
