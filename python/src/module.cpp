@@ -361,13 +361,16 @@ class Capturer {
   }
 
   // Waits for calls in progress on other threads (they released the GIL),
-  // refusing new ones meanwhile, then destroys the handle.
+  // refusing new ones meanwhile, then destroys the handle. A signal (Ctrl-C)
+  // during the wait leaves the capturer open and usable.
   void close() {
     if (handle_ == nullptr) return;
     closing_ = true;
-    while (in_flight_ > 0) {
-      nb::gil_scoped_release unlocked;
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    try {
+      wait_until([this] { return in_flight_ == 0; });
+    } catch (...) {
+      closing_ = false;
+      throw;
     }
     closing_ = false;
     check(moecap_destroy(handle_));  // refused while recording a graph: the handle stays live
@@ -635,7 +638,7 @@ NB_MODULE(_moecap, m) {
       .def("graph_begin", &Capturer::graph_begin, nb::arg("stream") = nb::none())
       .def("graph_end", &Capturer::graph_end, nb::rv_policy::take_ownership)
       .def("close", &Capturer::close, "Release the handle (views and graphs keep the memory alive). Waits for calls in progress on "
-           "other threads; later calls raise ValueError.")
+           "other threads (a signal during the wait raises and leaves it open); later calls raise ValueError.")
       .def_prop_ro("closed", &Capturer::is_closed)
       .def_prop_ro("device_type", &Capturer::device_type)
       .def_prop_ro("device_id", &Capturer::device_id);

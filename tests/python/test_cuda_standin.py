@@ -96,3 +96,46 @@ def test_a_producer_refusing_the_stream_is_imported_as_before():
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_ctrl_c_while_close_waits_for_a_stalled_synchronize_leaves_the_capturer_open():
+    # synchronize waits on the GPU with the GIL released; close() waits for it.
+    # The stand-in's host-wait hook stalls that wait until the test lets it go.
+    out = run("""
+        import signal, threading, time
+
+        entered, release = threading.Event(), threading.Event()
+
+        @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        def stall(_):
+            if not release.is_set():
+                entered.set()
+                release.wait()
+
+        cap.capture(0, owner.export("layer_ids", layer=1), stream=stream.value)
+        cap.capture(1, owner.export("layer_ids", layer=1), stream=stream.value)
+        cap.commit(np.arange(rows), stream=stream.value)
+        lib.standin_set_wait_hook(stall, None)
+        waiter = threading.Thread(target=cap.synchronize)
+        waiter.start()
+        assert entered.wait(30)
+        main = threading.get_ident()
+        threading.Timer(0.2, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+        deaf = threading.Timer(10, release.set)  # a close() deaf to the signal returns, and fails below
+        deaf.start()
+        try:
+            cap.close()
+            raise AssertionError("close() returned while synchronize was stalled")
+        except KeyboardInterrupt:
+            pass
+        assert not cap.closed
+        deaf.cancel()
+        release.set()
+        waiter.join()
+        assert (cap.read(np.arange(rows), stream=stream.value) == routing[:, None, :]).all()
+        cap.close()
+        assert cap.closed
+        lib.standin_set_wait_hook(None, None)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
