@@ -66,7 +66,7 @@ typedef struct moecap_record_source {
                               compact; every value in [0, num_experts) or -1 ("no expert");
                               layers and top_k >= 1 */
   const DLTensor* weights; /* NULL, or the same shape, float32/bfloat16/float16, stored in
-                              its own dtype */
+                              its own dtype; where an id is -1 its weight is stored as 0 */
   const DLTensor* valid;   /* NULL (every token valid), or [tokens] uint8/int8: nonzero =
                               valid. An invalid token (an empty slot) is stored as ids
                               "no expert" and weights 0, whatever the inputs hold there */
@@ -100,7 +100,8 @@ typedef struct moecap_record_info {
 MOECAP_API moecap_status moecap_record_size(const moecap_record_source* source, uint64_t* bytes);
 
 /* Encodes `source` into out[0, capacity). *written (non-NULL) receives the
- * size. CAPACITY (nothing written) when capacity is smaller than the record. */
+ * size. CAPACITY (nothing written) when capacity is smaller than the record;
+ * INVALID_ARGUMENT when the record's bytes would overlap a source tensor. */
 MOECAP_API moecap_status moecap_record_encode(const moecap_record_source* source, void* out,
                                               uint64_t capacity, uint64_t* written);
 
@@ -113,9 +114,11 @@ MOECAP_API moecap_status moecap_record_parse(const void* data, uint64_t bytes, m
  *   ids_out     [tokens, layers, top_k] int8/int16/int32/int64 that holds
  *               num_experts - 1; "no expert" reads as -1;
  *   weights_out NULL, or the same shape, float32/bfloat16/float16 (converted
- *               from the stored dtype); refused if the record has none;
+ *               from the stored dtype; 0 wherever the id reads -1); refused
+ *               if the record has none;
  *   valid_out   NULL, or [tokens] uint8: 1 valid, 0 not.
- * Checks everything moecap_record_parse checks before writing. */
+ * Checks everything moecap_record_parse checks before writing, and that the
+ * outputs overlap neither each other nor data (INVALID_ARGUMENT). */
 MOECAP_API moecap_status moecap_record_decode(const void* data, uint64_t bytes, DLTensor* ids_out,
                                               DLTensor* weights_out, DLTensor* valid_out);
 

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The routing record (abi/moecap_record.h, docs/RECORD_FORMAT.md): encode and
-// decode in host memory. python/moecap/record.py writes the same bytes; a
-// test compares the two.
+// decode in host memory. python/moecap/record.py calls these through the
+// binding.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -197,11 +197,13 @@ void encode(const Source& src, uint8_t* out) {
       dst[b] |= static_cast<uint8_t>(shifted >> (8 * (b - bit / 8)));
     }
   }
-  if (l.weight_elem >= 0) {
+  if (l.weight_elem >= 0) {  // zero (from the memset) for "no expert", as a read gives it
     const uint8_t* w = tensor_data(s->weights);
     const uint64_t bytes = static_cast<uint64_t>(elem_bytes(l.weight_elem));
     for (uint64_t i = 0; i < l.codes; ++i) {
-      if (src.token_valid(static_cast<int64_t>(i / row))) std::memcpy(out + l.weights_at + i * bytes, w + i * bytes, bytes);
+      if (src.token_valid(static_cast<int64_t>(i / row)) && load_int(ids, src.id_elem, static_cast<int64_t>(i)) >= 0) {
+        std::memcpy(out + l.weights_at + i * bytes, w + i * bytes, bytes);
+      }
     }
   }
 }
@@ -300,6 +302,14 @@ void check_out(const DLTensor* t, const char* name, const Layout& l, std::initia
   check_dim(t, name, 2, l.top_k, "record top_k");
 }
 
+// A buffer written while another is read (or written) must not meet it: the
+// decode would read bytes it already overwrote, and return them as routing.
+void require_apart(const DLTensor* t, const char* name, const void* begin, uint64_t bytes, const char* what) {
+  if (t != nullptr && overlaps(t, begin, static_cast<size_t>(bytes))) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " shares memory with ", what, "; they must not overlap");
+  }
+}
+
 }  // namespace
 }  // namespace moecap
 
@@ -323,6 +333,9 @@ moecap_status moecap_record_encode(const moecap_record_source* source, void* out
     if (capacity < src.layout.total) {
       fail(MOECAP_ERROR_CAPACITY, "capacity is ", capacity, " bytes; the record needs ", src.layout.total);
     }
+    moecap::require_apart(src.args.ids, "source->ids", out, src.layout.total, "out");
+    moecap::require_apart(src.args.weights, "source->weights", out, src.layout.total, "out");
+    moecap::require_apart(src.args.valid, "source->valid", out, src.layout.total, "out");
     moecap::encode(src, static_cast<uint8_t*>(out));
     if (written != nullptr) *written = src.layout.total;
   });
@@ -369,16 +382,22 @@ moecap_status moecap_record_decode(const void* data, uint64_t bytes, DLTensor* i
       require_host(valid_out, "valid_out");
       check_dim(valid_out, "valid_out", 0, l.tokens, "record num_tokens");
     }
+    require_apart(ids_out, "ids_out", data, bytes, "data (the record)");
+    require_apart(weights_out, "weights_out", data, bytes, "data (the record)");
+    require_apart(valid_out, "valid_out", data, bytes, "data (the record)");
+    require_disjoint(weights_out, "weights_out", ids_out, "ids_out");
+    require_disjoint(valid_out, "valid_out", ids_out, "ids_out");
+    require_disjoint(valid_out, "valid_out", weights_out, "weights_out");
     const uint8_t* p = static_cast<const uint8_t*>(data);
     for (uint64_t i = 0; i < l.codes; ++i) {
       const uint64_t code = get_code(p + l.ids_at, l, i);
       store_int(tensor_data(ids_out), id_elem, static_cast<int64_t>(i), code == l.sentinel() ? -1 : static_cast<int64_t>(code));
     }
-    if (weight_elem >= 0) {
+    if (weight_elem >= 0) {  // "no expert" reads weight 0, as from moecap_read, whatever the bytes hold
       const uint8_t* w = p + l.weights_at;
       for (uint64_t i = 0; i < l.codes; ++i) {
         const uint64_t bytes_w = static_cast<uint64_t>(elem_bytes(l.weight_elem));
-        const uint64_t bits = get_le(w + i * bytes_w, bytes_w);
+        const uint64_t bits = get_code(p + l.ids_at, l, i) == l.sentinel() ? 0 : get_le(w + i * bytes_w, bytes_w);
         const float v = l.weight_elem == kF32 ? bits_float(static_cast<uint32_t>(bits))
                         : l.weight_elem == kBF16 ? bf16_to_float(static_cast<uint16_t>(bits))
                                                  : f16_to_float(static_cast<uint16_t>(bits));

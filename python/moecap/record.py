@@ -103,7 +103,8 @@ class RoutedExperts:
 
     ids      [tokens, layers, top_k], signed; -1 where a token has no expert
              (an empty slot, or an id out of range at capture)
-    weights  None, or the same shape, float32 (float16 kept as is)
+    weights  None, or the same shape, float32 (float16 kept as is); meaningless
+             where the id is -1 (a record stores 0 there, as a read returns)
     valid    [tokens] bool: False where the token's slot held no committed routing
     num_experts  routed experts of the model; ids are [0, num_experts)
     start    position in its sequence of the first token (a prefix-cache hit or
@@ -216,12 +217,15 @@ class RoutedExperts:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RoutedExperts):
             return NotImplemented
-        same_w = (self.weights is None) == (other.weights is None) and (
-            self.weights is None or np.array_equal(self.weights[self.valid], other.weights[other.valid]))
+        same_ids = (self.ids.shape == other.ids.shape and np.array_equal(self.valid, other.valid)
+                    and np.array_equal(self.ids[self.valid], other.ids[other.valid]))
+        # Weights where a token has an expert: an invalid token's, or a -1's, are no routing.
+        routed = self.valid[:, None, None] & (self.ids >= 0)
+        same_w = same_ids and (self.weights is None) == (other.weights is None) and (
+            self.weights is None or np.array_equal(self.weights[routed], other.weights[routed]))
         return (self.num_experts == other.num_experts and self.start == other.start
                 and self.layers == other.layers and self.num_hidden_layers == other.num_hidden_layers
-                and np.array_equal(self.valid, other.valid) and same_w
-                and np.array_equal(self.ids[self.valid], other.ids[other.valid]))
+                and same_ids and same_w)
 
     def __repr__(self) -> str:
         return (f"RoutedExperts(tokens={self.shape[0]}, layers={self.shape[1]}, top_k={self.shape[2]}, "

@@ -98,7 +98,7 @@ TEST_CASE("ids round-trip packed and plain at every width boundary, with weights
       for (int64_t i = 0; i < ids.numel(); ++i) {
         const bool ok = valid.as<uint8_t>()[i / (layers * top_k)];
         REQUIRE(back.at(i) == (ok ? ids.at(i) : -1));
-        REQUIRE(wback.as<float>()[i] == (ok ? weights.as<float>()[i] : 0.0f));
+        REQUIRE(wback.as<float>()[i] == (ok && ids.at(i) >= 0 ? weights.as<float>()[i] : 0.0f));
       }
       for (int64_t t = 0; t < tokens; ++t) CHECK(vback.as<uint8_t>()[t] == valid.as<uint8_t>()[t]);
     }
@@ -164,6 +164,77 @@ TEST_CASE("bad sources are refused, naming the argument, and nothing is written"
   CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_INVALID_ARGUMENT);
   CHECK(out == untouched);
   CHECK(written == 99);
+}
+
+TEST_CASE("a no-expert id is stored and read with weight 0, as a read of the capturer gives it") {
+  HostTensor ids({1, 1, 2}, moecap_test::i32());
+  ids.fill<int32_t>({-1, 2});
+  HostTensor w({1, 1, 2}, moecap_test::f32());
+  w.fill<float>({0.75f, 0.25f});
+  auto r = encode(source_of(ids, 4, 0, w.get()));
+  const size_t weights_at = r.size() - 2 * sizeof(float);
+  float stored[2];
+  std::memcpy(stored, r.data() + weights_at, sizeof stored);
+  CHECK(stored[0] == 0.0f);
+  CHECK(stored[1] == 0.25f);
+  // A record whose bytes pair the sentinel with a weight (an encoder that
+  // kept it) still reads 0 there.
+  const float kept = 0.75f;
+  std::memcpy(r.data() + weights_at, &kept, sizeof kept);
+  HostTensor back({1, 1, 2}, moecap_test::i32());
+  HostTensor wback({1, 1, 2}, moecap_test::f32());
+  REQUIRE(moecap_record_decode(r.data(), r.size(), back.get(), wback.get(), nullptr) == MOECAP_OK);
+  CHECK(back.at(0) == -1);
+  CHECK(wback.as<float>()[0] == 0.0f);
+  CHECK(wback.as<float>()[1] == 0.25f);
+}
+
+TEST_CASE("decode and encode refuse buffers that overlap what they read, and write nothing") {
+  HostTensor ids({2, 1, 2}, moecap_test::i32());
+  ids.fill<int32_t>({4, 2, 3, 4});
+  HostTensor w({2, 1, 2}, moecap_test::f32());
+  w.fill<float>({0.5f, 0.5f, 0.25f, 0.75f});
+  auto r = encode(source_of(ids, 5, 0, w.get()));
+  const auto original = r;
+
+  // Outputs over one another: the ids, then validity bytes written over them.
+  std::vector<int32_t> shared(8, 42);
+  HostTensor ids_out({2, 1, 2}, moecap_test::i32());
+  ids_out.dl().data = shared.data();
+  HostTensor valid_out({2}, moecap_test::u8());
+  valid_out.dl().data = shared.data();
+  HostTensor weights_out({2, 1, 2}, moecap_test::f32());
+  weights_out.dl().data = shared.data() + 2;
+  CHECK(moecap_record_decode(r.data(), r.size(), ids_out.get(), nullptr, valid_out.get()) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::strstr(moecap_last_error(), "valid_out shares memory with ids_out") != nullptr);
+  CHECK(moecap_record_decode(r.data(), r.size(), ids_out.get(), weights_out.get(), nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::strstr(moecap_last_error(), "weights_out shares memory with ids_out") != nullptr);
+  CHECK(shared == std::vector<int32_t>(8, 42));
+
+  // An output over the record itself.
+  HostTensor over_record({2, 1, 2}, moecap_test::i32());
+  over_record.dl().data = r.data() + 40;
+  CHECK(moecap_record_decode(r.data(), r.size(), over_record.get(), nullptr, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::strstr(moecap_last_error(), "ids_out shares memory with data (the record)") != nullptr);
+  CHECK(r == original);
+
+  // A record written over its own source.
+  std::vector<uint8_t> buffer(256, 0xAB);
+  HostTensor ids_in_buffer({2, 1, 2}, moecap_test::i32());
+  ids_in_buffer.dl().data = buffer.data() + 16;
+  std::memcpy(buffer.data() + 16, ids.as<int32_t>(), 4 * sizeof(int32_t));
+  const auto before = buffer;
+  auto s = source_of(ids_in_buffer, 5);
+  uint64_t written = 99;
+  CHECK(moecap_record_encode(&s, buffer.data(), buffer.size(), &written) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::strstr(moecap_last_error(), "source->ids shares memory with out") != nullptr);
+  CHECK(buffer == before);
+  CHECK(written == 99);
+  // Past the record's end is not the record: encoding there is fine.
+  ids_in_buffer.dl().data = buffer.data() + 128;
+  std::memcpy(buffer.data() + 128, ids.as<int32_t>(), 4 * sizeof(int32_t));
+  CHECK(moecap_record_encode(&s, buffer.data(), buffer.size(), &written) == MOECAP_OK);
+  CHECK(written < 128);
 }
 
 TEST_CASE("malformed records are refused before anything is decoded") {
