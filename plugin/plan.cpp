@@ -130,6 +130,9 @@ void validate_config(const moecap_config& c) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->device_type is ", c.device_type,
          "; expected MOECAP_DEVICE_HOST (1) or MOECAP_DEVICE_CUDA (2)");
   }
+  if (c.device_type == MOECAP_DEVICE_HOST && c.device_id != 0) {  // its views say cpu:0: nothing else is meant
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "config->device_id is ", c.device_id, "; the host backend is device 0");
+  }
 }
 
 // The host cache's id dtype. AUTO leaves room for the fused columns' ids

@@ -118,7 +118,7 @@ int32_t check_tensor(const DLTensor* t, const TensorRules& r) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " has dtype ", dtype_name(t->dtype), "; expected one of ", expected);
   }
   for (int i = 0; i < t->ndim; ++i) {
-    if (t->shape[i] < 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->shape[", i, "] is ", t->shape[i]);
+    if (t->shape[i] < 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->shape[", i, "] is ", t->shape[i], "; must be >= 0");
   }
   // A tensor with no elements is compact whatever its strides (NumPy gives
   // an empty array strides (0,)), and its byte size is 0.
@@ -144,6 +144,13 @@ int32_t check_tensor(const DLTensor* t, const TensorRules& r) {
   }
   const int64_t n = element_count(t);
   if (n > 0 && t->data == nullptr) fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->data is NULL");
+  // Every later bound compares addresses: the tensor's bytes must not wrap past the address space's end.
+  uintptr_t first = 0, end = 0;
+  if (n > 0 && (__builtin_add_overflow(reinterpret_cast<uintptr_t>(t->data), t->byte_offset, &first) ||
+                __builtin_add_overflow(first, static_cast<uintptr_t>(bytes), &end))) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, "->byte_offset is ", t->byte_offset,
+         "; data + byte_offset + its bytes wraps around the address space");
+  }
   if (n > 0 && (reinterpret_cast<uintptr_t>(tensor_data(t)) % static_cast<uintptr_t>(elem_bytes(e))) != 0) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, r.name, " data + byte_offset is not aligned to its ", elem_bytes(e),
          "-byte elements");

@@ -84,6 +84,15 @@ TEST_CASE("capture refuses bad input") {
   DLTensor misaligned = ids.dl();
   misaligned.byte_offset = 2;
   f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "not aligned", [&] { return moecap_capture(f.h, 0, &misaligned, w.get(), nullptr); });
+  DLTensor wrapping = ids.dl();  // an aligned offset that points below data, modulo 2^64
+  wrapping.byte_offset = ~uint64_t{0} - 7;
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "wraps around the address space",
+            [&] { return moecap_capture(f.h, 0, &wrapping, w.get(), nullptr); });
+  int64_t negative_shape[2] = {-2, k};
+  DLTensor negative = ids.dl();
+  negative.shape = negative_shape;
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids->shape[0] is -2; must be >= 0",
+            [&] { return moecap_capture(f.h, 0, &negative, w.get(), nullptr); });
   int64_t huge_shape[2] = {int64_t{1} << 62, k};
   DLTensor huge = ids.dl();
   huge.shape = huge_shape;
@@ -146,6 +155,10 @@ TEST_CASE("commit refuses bad input") {
   rows2.fill<int32_t>({0, 8});
   a.src_rows = rows2.get();
   f.refused(MOECAP_ERROR_OUT_OF_RANGE, "args->src_rows[1] is 8", [&] { return moecap_commit(f.h, &a, nullptr); });
+  rows2.fill<int32_t>({0, 1});
+  a.src_start = 3;  // and src_rows: which rows were meant?
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "args->src_start is 3 with args->src_rows given",
+            [&] { return moecap_commit(f.h, &a, nullptr); });
   DLTensor gpu_slots = slots.dl();
   gpu_slots.device = DLDevice{kDLCUDA, 0};
   a = good;

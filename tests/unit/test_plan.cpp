@@ -227,6 +227,8 @@ TEST_CASE("nonsense configs are refused with the field's name") {
       {"id_dtype", [](moecap_config& c) { c.id_dtype = MOECAP_IDS_U8; c.num_experts = 300; }, MOECAP_ERROR_INVALID_ARGUMENT},
       {"weight_dtype", [](moecap_config& c) { c.weight_dtype = 9; }, MOECAP_ERROR_INVALID_ARGUMENT},
       {"device_type", [](moecap_config& c) { c.device_type = 3; }, MOECAP_ERROR_INVALID_ARGUMENT},
+      {"device_id", [](moecap_config& c) { c.device_id = -1; }, MOECAP_ERROR_INVALID_ARGUMENT},
+      {"host backend is device 0", [](moecap_config& c) { c.device_id = 1; }, MOECAP_ERROR_INVALID_ARGUMENT},
       {"flags", [](moecap_config& c) { c.flags = 0x100; }, MOECAP_ERROR_INVALID_ARGUMENT},
       {"struct_size", [](moecap_config& c) { c.struct_size = 8; }, MOECAP_ERROR_ABI_MISMATCH},
       {"abi_version", [](moecap_config& c) { c.abi_version = 2u << 16; }, MOECAP_ERROR_ABI_MISMATCH},
