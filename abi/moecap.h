@@ -212,7 +212,8 @@ typedef struct moecap_config {
   int32_t id_dtype;             /* moecap_id_dtype */
   int32_t weight_dtype;         /* moecap_weight_dtype */
   int32_t device_type;          /* moecap_device_type */
-  int32_t device_id;            /* CUDA ordinal; 0 for the host backend */
+  int32_t device_id;            /* CUDA ordinal; 0 for the host backend (anything else
+                                   is refused) */
   /* ---- 1.1 ---- */
   const void* next;             /* extension chain: NULL (no extension is defined yet;
                                    anything else is refused) */
@@ -325,8 +326,9 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
  *                compact row-major, on the capturer's device (host memory
  *                for the host backend). Extra columns are dropped; ids
  *                outside [0, num_experts) are stored as "no expert" (a value
- *                the device dtype keeps apart from every id) and counted
- *                (moecap_get_errors); moecap_read returns them as -1.
+ *                the device dtype keeps apart from every id) and, but for
+ *                -1, counted (moecap_get_errors); moecap_read returns them
+ *                as -1.
  *   topk_weights NULL, or the same shape, float32/bfloat16/float16; required
  *                iff weight_dtype != NONE. Converted to the stored dtype.
  * n <= device_rows, checked here on the host, so a check made at graph
@@ -401,7 +403,8 @@ MOECAP_API moecap_status moecap_local_rows(const moecap_capturer* capturer, cons
  * the commit runs). */
 typedef struct moecap_commit_args {
   size_t struct_size;        /* sizeof(moecap_commit_args) */
-  int64_t src_start;         /* with src_rows NULL: rows [src_start, src_start + count) */
+  int64_t src_start;         /* with src_rows NULL: rows [src_start, src_start + count);
+                                with src_rows given: 0 (anything else is refused) */
   const DLTensor* src_rows;  /* NULL, or [count] int32/int64 device rows (accepted
                                 speculative tokens, in any order) */
   const DLTensor* dst_slots; /* [count] int32/int64 host-cache slots; count is its
@@ -565,8 +568,9 @@ typedef struct moecap_error_counts {
                              [-1, host_slots), or whose source row was outside
                              [0, device_rows) */
   uint64_t invalid_ids;   /* ids outside [0, num_experts) given to capture, or
-                             written so into a layer view (counted at commit;
-                             the "no routing" code -1 is not counted) */
+                             written so into a layer view (counted at commit);
+                             -1 is not counted: it is the "no expert" code
+                             engines give padded rows */
 } moecap_error_counts;
 
 #define MOECAP_ERROR_COUNTS_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_error_counts, invalid_ids)

@@ -49,7 +49,7 @@ void capture_ids_only(const CaptureParams& p) {
       const In id = in[k];
       const bool ok = id >= 0 && id < experts;
       out[k] = ok ? static_cast<Out>(id) : invalid;
-      bad += ok ? 0u : 1u;
+      bad += ok || id == -1 ? 0u : 1u;  // -1: the engine's own "no expert" (a padded row)
     }
   }
   if (bad != 0) __atomic_fetch_add(&p.errors->invalid_ids, bad, __ATOMIC_RELAXED);
@@ -168,7 +168,7 @@ MOECAP_NARROW_FROM(int32_t)
 // n * top_k ids are one flat array, narrowed as a commit narrows (AVX2 where
 // the CPU has it: the per-row loop of capture_ids_only is built for the
 // baseline ISA and ran at a fraction of memory speed). The ids outside
-// [0, experts) are counted in a second look, only when there are any.
+// [0, experts) but -1 are counted in a second look, only when there are any.
 bool capture_flat_i32(const CaptureParams& p) {
   const auto* in = static_cast<const int32_t*>(p.ids);
   const int64_t count = p.n * p.top_k;
@@ -183,7 +183,7 @@ bool capture_flat_i32(const CaptureParams& p) {
   }
   if (outside != 0) {
     unsigned long long bad = 0;
-    for (int64_t i = 0; i < count; ++i) bad += static_cast<uint32_t>(in[i]) >= experts ? 1u : 0u;
+    for (int64_t i = 0; i < count; ++i) bad += static_cast<uint32_t>(in[i]) >= experts && in[i] != -1 ? 1u : 0u;
     __atomic_fetch_add(&p.errors->invalid_ids, bad, __ATOMIC_RELAXED);
   }
   return true;

@@ -33,7 +33,7 @@ MOECAP_HD void capture_element(const CaptureParams& p, int64_t i) {
     if (p.histogram != nullptr) count_event(&p.histogram[id]);
   } else {
     store_int(p.dst_ids, p.stored_id_elem, i, invalid_id_code(p.stored_id_elem));
-    count_event(&p.errors->invalid_ids);
+    if (id != -1) count_event(&p.errors->invalid_ids);  // -1: the engine's own "no expert" (a padded row)
   }
   if (p.dst_weights != nullptr) {
     store_float(p.dst_weights, p.stored_weight_elem, i, load_float(p.weights, p.weights_elem, src));

@@ -207,7 +207,8 @@ def test_unset_fields_take_the_library_defaults():
 
 def test_errors_are_named_counts():
     with moecap.Capturer(**CONFIG) as cap:
-        cap.capture(0, np.array([[1, 99]], dtype=np.int32))  # 99 >= num_experts: counted, not stored
+        # 99 >= num_experts: counted, not stored; -1 (a padded row's "no expert") is not counted
+        cap.capture(0, np.array([[1, 99], [-1, -1]], dtype=np.int32))
         e = cap.errors(clear=True)
         assert isinstance(e, moecap.ErrorCounts) and (e.skipped_rows, e.invalid_ids) == (0, 1)
         assert e["invalid_ids"] == 1 and dict(e) == {"skipped_rows": 0, "invalid_ids": 1}
