@@ -942,7 +942,8 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
     checked when the block is entered (for a selector's model, whose expert
     count attach cannot tell, on each layer's first eager forward): one
     outside [0, num_experts), -1 included, raises ValueError naming the layer
-    and entry.
+    and entry. Its hooks run ahead of those already there: a capturer
+    attached before the block records the forced routing too.
     """
     import torch
     layers = find_moe_layers(model, routers)
@@ -1010,14 +1011,16 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
                                                weights_key: w.to(own_weights.dtype).reshape(own_weights.shape)})
         return keep, force
 
+    # Ahead of every hook already there: an attach made before replay began
+    # (at load, as trainers keep it) must capture the forced routing.
     hooks = []
     for layer in layers:
         if _picked_by_block(layer):
             keep, force = make_picked(layer)
-            hooks.append(layer.router.register_forward_hook(keep))
-            hooks.append(layer.block.experts.register_forward_pre_hook(force, with_kwargs=True))
+            hooks.append(layer.router.register_forward_hook(keep, prepend=True))
+            hooks.append(layer.block.experts.register_forward_pre_hook(force, with_kwargs=True, prepend=True))
         else:
-            hooks.append(layer.router.register_forward_hook(make(layer)))
+            hooks.append(layer.router.register_forward_hook(make(layer), prepend=True))
     try:
         yield layers
     finally:

@@ -554,10 +554,13 @@ def test_longcat_zero_experts_are_captured_and_replayed_as_the_ids_its_router_pi
         torch.testing.assert_close(out.reshape(4, -1), x.reshape(4, -1) * w.sum(dim=-1, keepdim=True))
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "zaya", "longcat_flash"])
-def test_a_capture_inside_replay_records_the_forced_experts(model_type):
+@pytest.mark.parametrize("attached_first", [False, True])
+@pytest.mark.parametrize("model_type", ["mixtral", "zaya", "longcat_flash", "dbrx"])
+def test_a_capture_inside_replay_records_the_forced_experts(model_type, attached_first):
     """A replayed forward, captured, records the forced ids whatever the
-    router itself would pick: Zaya's forced skip (id 8) as the skip and its
+    router itself would pick, whether the capturer was attached before replay
+    began (at load, as a trainer keeps it) or inside it; DBRX's experts
+    module, not its router, receives what replay forces. Zaya's forced skip (id 8) as the skip and its
     forced expert 0 as expert 0, LongCat's zero experts as themselves."""
     model = hf_serving.build(config_or_skip(model_type))
     layers = hf.find_moe_layers(model)
@@ -571,7 +574,10 @@ def test_a_capture_inside_replay_records_the_forced_experts(model_type):
         ids[0, 1:], ids[1, 1:] = torch.arange(1, top_k), torch.arange(1, top_k)
     cap = moecap.Capturer(num_layers=len(layers), top_k=top_k, num_experts=num_experts, host_slots=16,
                           max_running_requests=1, chunked_prefill_size=16)
-    with torch.no_grad(), hf.replay(model, forced), hf.attach(model, cap):
+    first, then = (lambda: hf.attach(model, cap)), (lambda: hf.replay(model, forced))  # attach hooks at its call
+    if not attached_first:
+        first, then = then, first
+    with torch.no_grad(), first(), then():
         model(torch.randint(3, hf_serving.VOCAB, (1, rows)), use_cache=False)
     cap.commit(np.arange(rows))
     assert np.array_equal(cap.read(np.arange(rows), strict=True), torch.stack(forced, 1).numpy())
