@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import numpy as np
 
+from ._errors import MoecapError, Status
 from .record import RoutedExperts
 
 if TYPE_CHECKING:
@@ -26,10 +27,21 @@ if TYPE_CHECKING:
 Slots = Union["DLPackArray", Sequence[int], np.ndarray]
 
 
-def _index_array(slots: Any) -> Any:
+def _ints(values: Any, name: str) -> np.ndarray:
+    """values as a flat int64 array; floats, bools and strings are refused, as
+    the capturer refuses them, never truncated (3.9 is not slot 3)."""
+    array = np.asarray(values)
+    if array.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        raise MoecapError(Status.INVALID_ARGUMENT, f"{name} has dtype {array.dtype}; expected integers")
+    return np.ascontiguousarray(array.astype(np.int64, copy=False).reshape(-1))
+
+
+def _index_array(slots: Any, name: str = "slots") -> Any:
     if hasattr(slots, "__dlpack__") and not isinstance(slots, np.ndarray):
         return slots  # a tensor: handed to the capturer as is (device slots stay on device)
-    return np.ascontiguousarray(np.asarray(slots, dtype=np.int64).reshape(-1))
+    return _ints(slots, name)
 
 
 def _length(slots: Any) -> int:
@@ -73,7 +85,7 @@ def batch_slots(attention_mask: ArrayLike, slots_per_row: Sequence[ArrayLike]) -
                          "([batch, seq]): one slot list per row")
     out = np.full(mask.shape, -1, dtype=np.int64)
     for b, given in enumerate(slots_per_row):
-        row_slots = np.asarray(given, dtype=np.int64)
+        row_slots = _ints(given, f"slots_per_row[{b}]")
         if row_slots.shape[0] != int(mask[b].sum()):
             raise ValueError(f"row {b} has {int(mask[b].sum())} real tokens but {row_slots.shape[0]} slots")
         out[b, mask[b]] = row_slots
@@ -116,7 +128,7 @@ class RequestTable:
 
     def append(self, rid: Any, slots: ArrayLike) -> None:
         """The slots of the request's next tokens (in order)."""
-        self._slots[rid].append(np.asarray(slots, dtype=np.int64).reshape(-1))
+        self._slots[rid].append(_ints(slots, "slots"))
 
     def slots(self, rid: Any) -> np.ndarray:
         parts = self._slots[rid]
@@ -154,7 +166,7 @@ class RequestTable:
         keep their routing. Each must be one of the request's slots."""
         slots = self.slots(rid)
         if free is not None:
-            free = np.asarray(free, dtype=np.int64).reshape(-1)
+            free = _ints(free, "free")
             foreign = free[~np.isin(free, slots)]
             if foreign.size:
                 raise ValueError(f"free holds slot {int(foreign[0])}, which is not one of request {rid!r}'s slots")

@@ -71,6 +71,31 @@ def test_slot_count_must_match_the_ranks_rows():
         commit_batch(cap, [1], dp_rank=2, tokens_per_rank=[1, 1])
 
 
+def test_slots_that_are_not_integers_are_refused_never_truncated():
+    # 3.9 is not slot 3 and True is not slot 1: each helper refuses them, as Capturer.commit does, and
+    # nothing is committed, recorded or invalidated.
+    cap = capturer()
+    capture_rows(cap, 2)
+    for bad in (np.array([3.9, 4.1]), [True, False], ["3", "4"]):
+        with pytest.raises(moecap.MoecapError, match="slots has dtype .*; expected integers"):
+            commit_batch(cap, bad)
+    assert (cap.slot_states(np.arange(64)) == moecap.SLOT_EMPTY).all()
+    with pytest.raises(moecap.MoecapError, match=r"slots_per_row\[0\] has dtype float64"):
+        batch_slots(np.ones((1, 2)), [[1.5, 2.5]])
+    table = RequestTable(cap)
+    table.start("r")
+    with pytest.raises(moecap.MoecapError, match="slots has dtype float64"):
+        table.append("r", [7.9])
+    table.append("r", [7, 8])
+    with pytest.raises(moecap.MoecapError, match="free has dtype bool"):
+        table.abort("r", free=[True])
+    assert table.slots("r").tolist() == [7, 8] and "r" in table
+    with pytest.raises(moecap.MoecapError, match="slots has dtype float64"):
+        write_routed(cap, [0.5], RoutedExperts(np.zeros((1, LAYERS, TOP_K), dtype=np.int32), EXPERTS))
+    # An empty list is no slots, whatever NumPy's default dtype for it.
+    assert commit_batch(cap, []) == (0, 0, 0)
+
+
 def test_batch_slots_flattens_a_left_padded_batch():
     mask = np.array([[0, 0, 1, 1], [1, 1, 1, 1]])
     assert batch_slots(mask, [[7, 3], [1, 2, 9, 4]]).tolist() == [-1, -1, 7, 3, 1, 2, 9, 4]
