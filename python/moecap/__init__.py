@@ -166,6 +166,19 @@ def _check_fits(what: str, value: int, bits: int) -> None:
         raise MoecapError(Status.INVALID_ARGUMENT, f"{what} is {value}; it must fit in int{bits} [{low}, {high}]")
 
 
+def _checked_flag(name: str, value: Any) -> bool:
+    """A bool (NumPy's, or an int 0 or 1, too); "no" is not False, so a str, a float or None is refused."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a bool, not {type(value).__name__}") from None
+    if number not in (0, 1):
+        raise TypeError(f"{name} must be a bool, not {value!r}")
+    return bool(number)
+
+
 @dataclasses.dataclass(frozen=True, eq=True)
 class Config(_Fields):
     """Everything a Capturer is sized by (``moecap_config``, abi/moecap.h documents every
@@ -237,9 +250,9 @@ class Config(_Fields):
             device = f"cuda:{int(ordinal)}"  # 'cuda:01' is 'cuda:1', so equal configs compare equal
         set_field(self, "device", device)
         if self.guards is not None:
-            set_field(self, "guards", bool(self.guards))
-        set_field(self, "histogram", bool(self.histogram))
-        set_field(self, "side_stream", bool(self.side_stream))
+            set_field(self, "guards", _checked_flag("guards", self.guards))
+        set_field(self, "histogram", _checked_flag("histogram", self.histogram))
+        set_field(self, "side_stream", _checked_flag("side_stream", self.side_stream))
 
     def _c_config(self) -> _moecap.Config:
         c = _moecap.Config()  # moecap_config_init, then every field of ours
@@ -333,7 +346,8 @@ class ErrorCounts(_Fields):
     """Committed rows (or invalidated slots) whose slot was outside [-1, host_slots), or whose source row
     was outside [0, device_rows)."""
     invalid_ids: int
-    """Ids outside [0, num_experts) given to capture or written into a layer view (-1 not counted)."""
+    """Ids outside [0, num_experts) given to capture or written into a layer view; -1, the "no expert"
+    code engines give padded rows, is not counted."""
 
 
 def plan(config: Optional[Config] = None, **keywords: Any) -> Plan:

@@ -36,6 +36,16 @@ def test_ints_and_devices_are_checked_before_the_library_sees_them():
     with pytest.raises(TypeError, match="top_k must be an int, not bool"):
         moecap.plan(**dict(CONFIG, top_k=True))
     assert moecap.plan(**dict(CONFIG, top_k=np.int64(2))).row_elements == 4
+    # Flags are bools: "no" is not False, and 2 is not True.
+    for name in ("histogram", "side_stream", "guards"):
+        for bad in ("no", 0.0, 2):
+            with pytest.raises(TypeError, match=f"{name} must be a bool"):
+                moecap.Config(**CONFIG, **{name: bad})
+        assert getattr(moecap.Config(**CONFIG, **{name: np.bool_(True)}), name) is True
+        assert getattr(moecap.Config(**CONFIG, **{name: 0}), name) is False
+    with pytest.raises(TypeError, match="histogram must be a bool, not NoneType"):
+        moecap.Config(**CONFIG, histogram=None)
+    assert moecap.Config(**CONFIG, guards=None).guards is None  # the build's default
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda"):
         moecap.Config(**CONFIG, device="tpu")
     assert moecap.Config(**CONFIG, device="cuda").device == "cuda:0"
