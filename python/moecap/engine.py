@@ -53,11 +53,12 @@ def commit_batch(capturer: Capturer, slots: Slots, dp_rank: int = 0, tokens_per_
                  padded_tokens_per_rank: Optional[int] = None, stream: Any = None) -> tuple[int, int, int]:
     """Commits this rank's rows of the batch the MoE layers just saw.
 
-    slots: one KV slot per row this rank put into the batch (padding rows -1,
-    their routing is dropped). tokens_per_rank: every attention-DP rank's row
-    count (default: this rank alone). padded_tokens_per_rank: the graph's
-    per-rank row count for a padded (CUDA-graph) batch; None for eager batches
-    packed back to back. A rank with no rows commits an empty list, which
+    slots: one KV slot per real row this rank put into the batch, as many as
+    tokens_per_rank[dp_rank] (a row given -1 is dropped; a graph's padding
+    rows past them are not listed). tokens_per_rank: every attention-DP
+    rank's real row count (default: this rank alone). padded_tokens_per_rank:
+    the graph's per-rank row count for a padded (CUDA-graph) batch; None for
+    eager batches packed back to back. A rank with no rows commits an empty list, which
     moves nothing but ends the step (see moecap_capture, "Steps"). Returns
     (start, count, total) of this rank's rows.
     """
