@@ -404,7 +404,7 @@ MOECAP_API moecap_status moecap_local_rows(const moecap_capturer* capturer, cons
 typedef struct moecap_commit_args {
   size_t struct_size;        /* sizeof(moecap_commit_args) */
   int64_t src_start;         /* with src_rows NULL: rows [src_start, src_start + count);
-                                with src_rows given: 0 (anything else is refused) */
+                                with src_rows given: not read (src_rows names the rows) */
   const DLTensor* src_rows;  /* NULL, or [count] int32/int64 device rows (accepted
                                 speculative tokens, in any order) */
   const DLTensor* dst_slots; /* [count] int32/int64 host-cache slots; count is its

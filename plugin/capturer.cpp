@@ -265,10 +265,6 @@ void Capturer::commit(const moecap_commit_args* caller_args, EngineStream stream
            "; rows must lie in [0, device_rows = ", plan_.device_rows, ")");
     }
   } else {
-    if (args->src_start != 0) {  // which one the caller meant is unknowable
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "args->src_start is ", args->src_start,
-           " with args->src_rows given; it must be 0 (src_rows names the rows)");
-    }
     rows_elem = check_tensor(rows, {"args->src_rows", {kI32, kI64}, 1});
     check_dim(rows, "args->src_rows", 0, count, "entries of args->dst_slots");
     rows_on_host = staged_index(rows, "args->src_rows", graph);

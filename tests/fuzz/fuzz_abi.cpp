@@ -17,8 +17,8 @@
 //   - create: every device row holds "no routing" (the device dtype's
 //     all-ones code), every slot is EMPTY (Model::start);
 //   - capture: rows [0, n) of a layer; an id outside [0, num_experts) is
-//     stored as the no-routing code and counted in invalid_ids, an id inside
-//     it is counted in the histogram; weights rounded to the stored dtype
+//     stored as the no-routing code and, but for -1, counted in invalid_ids,
+//     an id inside it is counted in the histogram; weights rounded to the stored dtype
 //     (Model::capture);
 //   - a top-k kernel writing a MOECAP_BUFFER_LAYER_IDS view: the values
 //     stay as written until a commit reads them (Model::kernel_writes);
@@ -218,7 +218,7 @@ struct Model {
         const bool ok = real_id(v);
         const size_t at = dev_at(layer, r, c);
         dev_ids[at] = ok ? v : device_no_expert;
-        if (!ok) ++invalid;
+        if (!ok && v != -1) ++invalid;
         if (ok && has_histogram) ++histogram[static_cast<size_t>(layer * experts + v)];
         if (w != nullptr) dev_w[at] = round_weight(w->getf(r * cols + c));
       }
