@@ -16,9 +16,10 @@
 // when one of them changes, the Model method named beside it changes with it:
 //   - create: every device row holds "no routing" (the device dtype's
 //     all-ones code), every slot is EMPTY (Model::start);
-//   - capture: rows [0, n) of a layer; an id outside [0, num_experts) is
-//     stored as the no-routing code and, but for -1, counted in invalid_ids,
-//     an id inside it is counted in the histogram; weights rounded to the stored dtype
+//   - capture: rows [0, n) of a layer (with no rows it still starts a step
+//     and stamps the layer); an id outside [0, num_experts) is stored as the
+//     no-routing code and, but for -1, counted in invalid_ids, an id inside
+//     it in the histogram; weights rounded to the stored dtype
 //     (Model::capture);
 //   - a top-k kernel writing a MOECAP_BUFFER_LAYER_IDS view: the values
 //     stay as written until a commit reads them (Model::kernel_writes);
@@ -203,15 +204,15 @@ struct Model {
   // capture of ids [n, cols] (the first k columns kept) into rows [0, n) of `layer`.
   void capture(int32_t layer, const Tensor& ids, const Tensor* w) {
     const int64_t n = ids.shape[0], cols = ids.shape[1];
-    if (n > 0) {  // a capture of no rows enqueues nothing
-      if (committed || step == 0) {
-        ++step;
-        committed = false;
-      }
-      const auto l = static_cast<size_t>(layer);
-      layer_rows[l] = layer_step[l] == step ? std::max(layer_rows[l], n) : n;
-      layer_step[l] = step;
+    // A capture of no rows too starts a step and stamps its layer (with none
+    // of that step's rows, unless an earlier capture this step wrote some).
+    if (committed || step == 0) {
+      ++step;
+      committed = false;
     }
+    const auto l = static_cast<size_t>(layer);
+    layer_rows[l] = layer_step[l] == step ? std::max(layer_rows[l], n) : n;
+    layer_step[l] = step;
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < k; ++c) {
         const int64_t v = ids.get(r * cols + c);
