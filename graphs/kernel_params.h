@@ -17,7 +17,7 @@ namespace moecap {
 // Counters the kernels bump where they cannot return an error.
 struct ErrorWord {
   unsigned long long skipped_rows;  // commit rows whose slot or source row was out of range
-  unsigned long long invalid_ids;   // ids outside [0, num_experts) at capture, or written so into a layer view (counted at commit)
+  unsigned long long invalid_ids;   // ids outside [0, num_experts) but -1 at capture, or written so into a layer view (counted at commit)
 };
 
 // What a host-cache slot holds; equal to the header's MOECAP_SLOT_* values

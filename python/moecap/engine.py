@@ -35,6 +35,8 @@ def _ints(values: Any, name: str) -> np.ndarray:
         return np.empty(0, dtype=np.int64)
     if array.dtype.kind not in "iu":
         raise MoecapError(Status.INVALID_ARGUMENT, f"{name} has dtype {array.dtype}; expected integers")
+    if array.dtype == np.uint64 and array.max() > np.iinfo(np.int64).max:  # as int64 it would wrap to a slot
+        raise MoecapError(Status.OUT_OF_RANGE, f"{name} holds {int(array.max())}, past int64")
     return np.ascontiguousarray(array.astype(np.int64, copy=False).reshape(-1))
 
 

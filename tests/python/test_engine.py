@@ -92,6 +92,8 @@ def test_slots_that_are_not_integers_are_refused_never_truncated():
     assert table.slots("r").tolist() == [7, 8] and "r" in table
     with pytest.raises(moecap.MoecapError, match="slots has dtype float64"):
         write_routed(cap, [0.5], RoutedExperts(np.zeros((1, LAYERS, TOP_K), dtype=np.int32), EXPERTS))
+    with pytest.raises(moecap.MoecapError, match="slots holds 18446744073709551615, past int64"):
+        commit_batch(cap, np.array([2 ** 64 - 1], dtype=np.uint64))  # not slot -1
     # An empty list is no slots, whatever NumPy's default dtype for it.
     assert commit_batch(cap, []) == (0, 0, 0)
 
