@@ -21,6 +21,7 @@ import types
 import numpy as np
 import pytest
 
+import moecap
 from moecap.formats import sglang as sglang_format
 from moecap.integrations import _model
 from moecap.record import RoutedExperts
@@ -136,13 +137,14 @@ class Scheduler:
 
 
 def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=None, shared_cols=0, overlap=False,
-                verify_width=None):
+                verify_width=None, padded_per_rank=None):
     """One forward: every MoE layer's top-k through SGLang's capture site for
     each capturer (the global one), then on_forward_end on each.
     rows_ids: [rows, moe_layers, top_k] of the gathered batch (graph-padded
     rows included). capturers: (capturer, its out_cache_loc) pairs.
     verify_width: a target-verify forward of that many tokens per request
-    (spec_info.num_tokens_per_req, as SGLang's verify inputs carry it)."""
+    (spec_info.num_tokens_per_req, as SGLang's verify inputs carry it).
+    padded_per_rank: an eager DP gather's global_num_tokens_padded_cpu."""
     torch = sgl.torch
     config = types.SimpleNamespace(allow_routed_experts_capture=True)
     for cap, loc in capturers:
@@ -160,6 +162,8 @@ def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=
                                   seq_lens_sum=len(loc))
             if tokens_per_rank is not None:
                 fb.global_num_tokens_cpu = list(tokens_per_rank)
+            if padded_per_rank is not None:
+                fb.global_num_tokens_padded_cpu = list(padded_per_rank)
             if verify_width is not None:
                 fb.forward_mode = sgl.ForwardMode.TARGET_VERIFY
                 fb.spec_info = types.SimpleNamespace(num_tokens_per_req=verify_width)
@@ -328,6 +332,34 @@ def test_payloads_equal_sglangs_at_dp2(sgl, graph):
             slots = scheds[r].pool.req_to_token[rid, :seqlen - 1].tolist()
             got = RoutedExperts.from_sglang(b, NUM_EXPERTS, NUM_LAYERS, TOP_K, layers=MOE_LAYERS).ids
             assert np.array_equal(got, np.stack([expected[r][s] for s in slots]))  # this rank's own rows
+
+
+@pytest.mark.parametrize("tokens, padded", [([0, 3], [3, 3]), ([2, 3], [3, 3]), ([3, 1], [4, 2])])
+def test_an_eager_dp_batch_sglang_padded_is_read_where_its_gather_put_each_rank(sgl, tokens, padded):
+    """An eager DP-attention forward SGLang padded: MAX_LEN (an idle rank, or a
+    speculative one) puts rank r's rows at r * max and pads each rank's
+    out_cache_loc to max with slot 0; SUM_LEN with attention TP pads each rank
+    to a multiple of its size, back to back. Each rank commits its real rows
+    only, from where the gather put them. (SGLang's own capturer raises on the
+    shorter rank and hands the longer one another rank's padding.)"""
+    rng = np.random.default_rng(9)
+    rows = rng.integers(0, NUM_EXPERTS, size=(sum(padded), len(MOE_LAYERS), TOP_K))
+    for rank in range(2):
+        with server(sgl, dp_size=2, dp_rank=rank):
+            _, ours = create_pair(sgl, num_tokens=200, max_running=4)
+            sched = Scheduler(sgl, 200, 3, np.random.default_rng(30 + rank))
+            sched.reqs[0] = [0, 0, 0]
+            loc = sched.alloc(tokens[rank])
+            sched.keep(0, loc)
+            out_cache_loc = loc + [0] * (padded[rank] - tokens[rank])  # SGLang's padding slot
+            run_forward(sgl, [(ours, out_cache_loc)], rows, out_cache_loc, tokens_per_rank=tokens,
+                        padded_per_rank=padded)
+            assert ours.capturer.slot_states([0])[0] == moecap.SLOT_EMPTY  # the padding went nowhere
+            if tokens[rank]:
+                got = RoutedExperts.from_sglang(payloads(sgl, ours, sched, 0, len(loc) + 1, 0)[0], NUM_EXPERTS,
+                                                NUM_LAYERS, TOP_K, layers=MOE_LAYERS).ids
+                first = sum(padded[:rank])
+                assert np.array_equal(got, rows[first:first + len(loc)])
 
 
 def test_graph_padded_verify_rows_at_dp2_are_found_a_verify_graph_apart(sgl):

@@ -167,23 +167,38 @@ class MoecapRoutedExpertsCapturer:
         """Commits this rank's rows of the forward to their KV slots (stream-ordered; returns None)."""
         if self._split_prefill_continues(forward_batch):
             return None
-        slots = forward_batch.out_cache_loc_virtual
+        slots, name = forward_batch.out_cache_loc_virtual, "out_cache_loc_virtual"
         if slots is None:
-            slots = forward_batch.out_cache_loc
+            slots, name = forward_batch.out_cache_loc, "out_cache_loc"
         n = int(slots.shape[0])
         tokens_per_rank = getattr(forward_batch, "global_num_tokens_cpu", None)
+        padded_rows = n  # this rank's rows in the gathered batch, its padding included
         # One entry: SGLang skipped the all-gather and the batch is this rank's alone.
         if self.dp_size > 1 and tokens_per_rank is not None and len(tokens_per_rank) > 1:
             tokens_per_rank = [int(t) for t in tokens_per_rank]
             rank = self._local_rank(tokens_per_rank)
-            padded = _graph_rows_per_rank(forward_batch, cuda_graph_batch) if can_run_graph and cuda_graph_batch else None
-            start, count, _ = self.capturer.local_rows(rank, tokens_per_rank, padded)
+            eager_padded = getattr(forward_batch, "global_num_tokens_padded_cpu", None)
+            if can_run_graph and cuda_graph_batch:
+                start, count, _ = self.capturer.local_rows(rank, tokens_per_rank,
+                                                           _graph_rows_per_rank(forward_batch, cuda_graph_batch))
+            elif eager_padded is not None and len(eager_padded) == len(tokens_per_rank):
+                # An eager gather lays the ranks out by their padded counts: MAX_LEN pads every rank to the
+                # largest (rank r at r * max), SUM_LEN each to a multiple of the attention TP size; a rank's
+                # real rows lead its part, and its out_cache_loc is padded as far (slot 0, SGLang's dummy).
+                eager_padded = [int(t) for t in eager_padded]
+                if any(p < t for p, t in zip(eager_padded, tokens_per_rank)):
+                    raise ValueError(f"global_num_tokens_padded_cpu {eager_padded} is below global_num_tokens_cpu "
+                                     f"{tokens_per_rank}")
+                start, count, padded_rows = sum(eager_padded[:rank]), tokens_per_rank[rank], eager_padded[rank]
+            else:
+                start, count, _ = self.capturer.local_rows(rank, tokens_per_rank, None)
+                padded_rows = count
         else:
             start, count = 0, int(forward_batch.out_cache_loc.shape[0])
-        if n > count:
-            raise ValueError(f"out_cache_loc_virtual has {n} slots; this rank's batch has {count} rows")
+        if n > max(count, padded_rows) or (n > count and n != padded_rows):
+            raise ValueError(f"{name} has {n} slots; this rank's batch has {count} rows")
         # Also with no rows (an idle DP rank): an empty commit ends the step.
-        self.capturer.commit(slots, src_start=start)
+        self.capturer.commit(slots[:count] if n > count else slots, src_start=start)
         return None
 
     def _split_prefill_continues(self, forward_batch):
