@@ -204,6 +204,32 @@ def test_rows_a_layer_did_not_write_are_refused_not_sent_as_expert_0(vl):
     assert not zero.snapshot_routing_data(3).any()
 
 
+def test_a_graph_batchs_padding_rows_are_never_sent_by_a_later_step(vl):
+    """A CUDA-graph step captures its padded batch (8 rows) and vLLM snapshots
+    the 5 real ones; the next step's 7 rows include two of that padding, and
+    a MoE layer that skips the capture there must not send it as routing."""
+    cfg = vl.config()
+    _, ours = pair(vl, cfg)
+    zero = vl.adapter.MoecapRoutedExpertsCapturer(MAX_TOKENS, cfg, invalid="zero")
+    rng = np.random.default_rng(3)
+    torch = vl.torch
+
+    def forward(rows, layers):
+        with vl.set_forward_context(None, cfg, num_tokens=rows.shape[0]):
+            for cap in (ours, zero):
+                for i, layer in enumerate(MOE_LAYERS):
+                    if layer in layers:
+                        cap.capture(layer, torch.from_numpy(np.ascontiguousarray(rows[:, i, :])).to(torch.int64))
+
+    forward(rng.integers(1, NUM_EXPERTS, size=(8, len(MOE_LAYERS), TOP_K)), MOE_LAYERS)
+    for cap in (ours, zero):
+        cap.snapshot_routing_data(5)
+    forward(rng.integers(1, NUM_EXPERTS, size=(7, len(MOE_LAYERS), TOP_K)), MOE_LAYERS[:-1])
+    with pytest.raises(RuntimeError, match="7 of 7 rows of this step have no routing"):
+        ours.snapshot_routing_data(7)
+    assert not zero.snapshot_routing_data(7)[:, MOE_LAYERS[-1]].any()
+
+
 def test_a_second_micro_batch_lands_past_the_first_and_an_id_outside_it_is_refused(vl, monkeypatch):
     """Dual-batch overlap: the second micro-batch's rows go at its token offset (written straight into
     moecap's buffer, as vLLM writes its own), byte for byte as vLLM's. An id outside [0, num_experts)

@@ -164,8 +164,10 @@ class MoecapRoutedExpertsCapturer:
         if n > self._device_ids.shape[1]:
             raise ValueError(f"num_tokens is {n}; the capturer holds {self._device_ids.shape[1]} rows")
         moe = self._routing_int32(self._device_ids[:, :n, :])  # a copy, taken before the consume
-        # Even with no rows: an empty commit ends the step (an idle DP rank's too).
-        self.capturer.commit(self._drop[:n], src_start=0)
+        # Every device row is consumed, not only the n read: a CUDA-graph batch captured its padding rows
+        # past n too, which a later step's skipped layer would otherwise hand back as routing. It also
+        # ends the step (an idle DP rank's too).
+        self.capturer.commit(self._drop, src_start=0)
         bad = (moe < 0).any(dim=2).any(dim=1)
         if self.invalid == "raise" and bool(bad.any()):
             first = int(torch.nonzero(bad)[0, 0])
