@@ -362,6 +362,31 @@ def test_an_eager_dp_batch_sglang_padded_is_read_where_its_gather_put_each_rank(
                 assert np.array_equal(got, rows[first:first + len(loc)])
 
 
+def test_without_chunked_prefill_a_prompt_past_max_prefill_tokens_fits(sgl):
+    """With chunking off SGLang admits a batch's first request above
+    max_prefill_tokens, up to the context length within the KV slots: the
+    plan holds that prefill, not a CAPACITY error inside the forward."""
+    with server(sgl, chunked_prefill_size=-1), sgl.rc.get_schedule().override(max_prefill_tokens=16):
+        model, config = make_model(sgl)
+        config.context_len = 48
+        sgl.adapter.install()
+        try:
+            ours = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=config, num_tokens=200,
+                                                       max_running_requests=4, device="cpu")
+        finally:
+            sgl.adapter.uninstall()
+        assert ours.plan["rows_per_rank"] >= 48
+        sched = Scheduler(sgl, 200, 3, np.random.default_rng(40))
+        sched.reqs[0] = [0, 0, 0]
+        loc = sched.alloc(40)
+        sched.keep(0, loc)
+        rows = np.random.default_rng(41).integers(0, NUM_EXPERTS, size=(40, len(MOE_LAYERS), TOP_K))
+        run_forward(sgl, [(ours, loc)], rows, loc)
+        got = RoutedExperts.from_sglang(payloads(sgl, ours, sched, 0, 41, 0)[0], NUM_EXPERTS, NUM_LAYERS, TOP_K,
+                                        layers=MOE_LAYERS).ids
+        assert np.array_equal(got, rows)
+
+
 def test_graph_padded_verify_rows_at_dp2_are_found_a_verify_graph_apart(sgl):
     """Under DP attention a verify CUDA graph of bs requests x W draft tokens
     gives each rank bs * W rows of the gathered batch; SGLang passes bs. (Its

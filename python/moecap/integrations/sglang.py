@@ -112,6 +112,11 @@ class MoecapRoutedExpertsCapturer:
         verify_tokens = int(verify_tokens if verify_tokens is not None else ctx["verify_tokens"])
         chunked = int(chunked_prefill_size if chunked_prefill_size is not None else ctx["chunked_prefill_size"])
         batch_tokens = int(max_batch_tokens if max_batch_tokens is not None else ctx["max_batch_tokens"])
+        if max_batch_tokens is None and chunked <= 0:
+            # Without chunking SGLang admits a batch's first request above max_prefill_tokens, up to its
+            # input cap: the context length, within the KV slots.
+            context = int(getattr(model_config, "context_len", 0) or 0)
+            batch_tokens = max(batch_tokens, min(context, int(num_tokens)) if context > 0 else 0)
         self.device = str(device)
         if device_id_dtype is None:
             device_id_dtype = _model.device_id_dtype(self.num_experts)
