@@ -137,14 +137,17 @@ class Scheduler:
 
 
 def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=None, shared_cols=0, overlap=False,
-                verify_width=None, padded_per_rank=None):
+                verify_width=None, padded_per_rank=None, real_rows=None):
     """One forward: every MoE layer's top-k through SGLang's capture site for
     each capturer (the global one), then on_forward_end on each.
     rows_ids: [rows, moe_layers, top_k] of the gathered batch (graph-padded
     rows included). capturers: (capturer, its out_cache_loc) pairs.
     verify_width: a target-verify forward of that many tokens per request
     (spec_info.num_tokens_per_req, as SGLang's verify inputs carry it).
-    padded_per_rank: an eager DP gather's global_num_tokens_padded_cpu."""
+    padded_per_rank: the per-rank counts SGLang padded a DP batch to for its
+    gather (it writes them to global_num_tokens_padded_cpu and
+    global_num_tokens_cpu both); real_rows: this rank's count before, which
+    it keeps in _original_num_tokens."""
     torch = sgl.torch
     config = types.SimpleNamespace(allow_routed_experts_capture=True)
     for cap, loc in capturers:
@@ -163,7 +166,8 @@ def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=
             if tokens_per_rank is not None:
                 fb.global_num_tokens_cpu = list(tokens_per_rank)
             if padded_per_rank is not None:
-                fb.global_num_tokens_padded_cpu = list(padded_per_rank)
+                fb.global_num_tokens_cpu = fb.global_num_tokens_padded_cpu = list(padded_per_rank)
+                fb._original_num_tokens = real_rows
             if verify_width is not None:
                 fb.forward_mode = sgl.ForwardMode.TARGET_VERIFY
                 fb.spec_info = types.SimpleNamespace(num_tokens_per_req=verify_width)
@@ -334,14 +338,16 @@ def test_payloads_equal_sglangs_at_dp2(sgl, graph):
             assert np.array_equal(got, np.stack([expected[r][s] for s in slots]))  # this rank's own rows
 
 
-@pytest.mark.parametrize("tokens, padded", [([0, 3], [3, 3]), ([2, 3], [3, 3]), ([3, 1], [4, 2])])
-def test_an_eager_dp_batch_sglang_padded_is_read_where_its_gather_put_each_rank(sgl, tokens, padded):
-    """An eager DP-attention forward SGLang padded: MAX_LEN (an idle rank, or a
-    speculative one) puts rank r's rows at r * max and pads each rank's
-    out_cache_loc to max with slot 0; SUM_LEN with attention TP pads each rank
-    to a multiple of its size, back to back. Each rank commits its real rows
-    only, from where the gather put them. (SGLang's own capturer raises on the
-    shorter rank and hands the longer one another rank's padding.)"""
+@pytest.mark.parametrize("tokens, padded, graph_bs", [([0, 3], [3, 3], None), ([2, 3], [3, 3], None),
+                                                      ([3, 1], [4, 2], None), ([2, 5], [8, 8], 1)])
+def test_a_dp_batch_sglang_padded_commits_each_ranks_real_rows_from_where_its_gather_put_them(sgl, tokens, padded,
+                                                                                            graph_bs):
+    """A DP-attention batch SGLang padded for its gather (prepare_mlp_sync_batch):
+    MAX_LEN (an idle rank, speculative decoding, a prefill CUDA graph's bucket)
+    puts rank r at r * max, SUM_LEN with attention TP rounds each rank up, back
+    to back; each rank's out_cache_loc is padded with slot 0, SGLang's dummy.
+    Each rank commits its real rows only; a prefill graph's layout is the
+    padded one, not the decode graph batch SGLang passes (graph_bs)."""
     rng = np.random.default_rng(9)
     rows = rng.integers(0, NUM_EXPERTS, size=(sum(padded), len(MOE_LAYERS), TOP_K))
     for rank in range(2):
@@ -351,9 +357,9 @@ def test_an_eager_dp_batch_sglang_padded_is_read_where_its_gather_put_each_rank(
             sched.reqs[0] = [0, 0, 0]
             loc = sched.alloc(tokens[rank])
             sched.keep(0, loc)
-            out_cache_loc = loc + [0] * (padded[rank] - tokens[rank])  # SGLang's padding slot
-            run_forward(sgl, [(ours, out_cache_loc)], rows, out_cache_loc, tokens_per_rank=tokens,
-                        padded_per_rank=padded)
+            out_cache_loc = loc + [0] * (padded[rank] - tokens[rank])
+            run_forward(sgl, [(ours, out_cache_loc)], rows, out_cache_loc, tokens_per_rank=padded,
+                        padded_per_rank=padded, real_rows=tokens[rank], graph_bs=graph_bs)
             assert ours.capturer.slot_states([0])[0] == moecap.SLOT_EMPTY  # the padding went nowhere
             if tokens[rank]:
                 got = RoutedExperts.from_sglang(payloads(sgl, ours, sched, 0, len(loc) + 1, 0)[0], NUM_EXPERTS,

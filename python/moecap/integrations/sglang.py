@@ -177,30 +177,31 @@ class MoecapRoutedExpertsCapturer:
             slots, name = forward_batch.out_cache_loc, "out_cache_loc"
         n = int(slots.shape[0])
         tokens_per_rank = getattr(forward_batch, "global_num_tokens_cpu", None)
-        padded_rows = n  # this rank's rows in the gathered batch, its padding included
+        padded_rows = None  # where SGLang padded this rank's part of the batch: its rows, padding included
         # One entry: SGLang skipped the all-gather and the batch is this rank's alone.
         if self.dp_size > 1 and tokens_per_rank is not None and len(tokens_per_rank) > 1:
             tokens_per_rank = [int(t) for t in tokens_per_rank]
             rank = self._local_rank(tokens_per_rank)
-            eager_padded = getattr(forward_batch, "global_num_tokens_padded_cpu", None)
-            if can_run_graph and cuda_graph_batch:
+            layout = getattr(forward_batch, "global_num_tokens_padded_cpu", None)
+            if layout is not None and len(layout) == len(tokens_per_rank):
+                # SGLang padded the batch for its gather (prepare_mlp_sync_batch: eager forwards and prefill
+                # graphs, whose cuda_graph_batch is the decode runner's, not this forward's): ranks lie back to
+                # back by these counts (MAX_LEN: every rank at the largest; SUM_LEN: each rounded up to the
+                # attention TP size), each rank's real rows first, its out_cache_loc padded with slot 0 (its
+                # dummy) as far. global_num_tokens_cpu holds the padded counts too; the real ones are gone
+                # but for this rank's, _original_num_tokens.
+                layout = [int(t) for t in layout]
+                start, padded_rows = sum(layout[:rank]), layout[rank]
+                real = getattr(forward_batch, "_original_num_tokens", None)
+                count = padded_rows if real is None else min(int(real), padded_rows)
+            elif can_run_graph and cuda_graph_batch:
                 start, count, _ = self.capturer.local_rows(rank, tokens_per_rank,
                                                            _graph_rows_per_rank(forward_batch, cuda_graph_batch))
-            elif eager_padded is not None and len(eager_padded) == len(tokens_per_rank):
-                # An eager gather lays the ranks out by their padded counts: MAX_LEN pads every rank to the
-                # largest (rank r at r * max), SUM_LEN each to a multiple of the attention TP size; a rank's
-                # real rows lead its part, and its out_cache_loc is padded as far (slot 0, SGLang's dummy).
-                eager_padded = [int(t) for t in eager_padded]
-                if any(p < t for p, t in zip(eager_padded, tokens_per_rank)):
-                    raise ValueError(f"global_num_tokens_padded_cpu {eager_padded} is below global_num_tokens_cpu "
-                                     f"{tokens_per_rank}")
-                start, count, padded_rows = sum(eager_padded[:rank]), tokens_per_rank[rank], eager_padded[rank]
             else:
                 start, count, _ = self.capturer.local_rows(rank, tokens_per_rank, None)
-                padded_rows = count
         else:
             start, count = 0, int(forward_batch.out_cache_loc.shape[0])
-        if n > max(count, padded_rows) or (n > count and n != padded_rows):
+        if n > count and n != padded_rows:
             raise ValueError(f"{name} has {n} slots; this rank's batch has {count} rows")
         # Also with no rows (an idle DP rank): an empty commit ends the step.
         self.capturer.commit(slots[:count] if n > count else slots, src_start=start)
