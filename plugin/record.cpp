@@ -184,27 +184,22 @@ void encode(const Source& src, uint8_t* out) {
   const uint8_t* ids = tensor_data(s->ids);
   const uint64_t row = static_cast<uint64_t>(l.layers * l.top_k);
   uint8_t* dst = out + l.ids_at;
+  const uint8_t* w = l.weight_elem >= 0 ? tensor_data(s->weights) : nullptr;
+  const uint64_t w_bytes = w != nullptr ? static_cast<uint64_t>(elem_bytes(l.weight_elem)) : 0;
   for (uint64_t i = 0; i < l.codes; ++i) {
     const int64_t v = src.token_valid(static_cast<int64_t>(i / row)) ? load_int(ids, src.id_elem, static_cast<int64_t>(i)) : -1;
     const uint64_t code = v < 0 ? l.sentinel() : static_cast<uint64_t>(v);
     if (!l.packed()) {
       put_le(dst + i * (l.width() / 8), code, l.width() / 8);
-      continue;
-    }
-    const uint64_t bit = i * l.width();
-    const uint64_t shifted = code << (bit % 8);  // at most 32 + 7 bits
-    for (uint64_t b = bit / 8; b <= (bit + l.width() - 1) / 8; ++b) {
-      dst[b] |= static_cast<uint8_t>(shifted >> (8 * (b - bit / 8)));
-    }
-  }
-  if (l.weight_elem >= 0) {  // zero (from the memset) for "no expert", as a read gives it
-    const uint8_t* w = tensor_data(s->weights);
-    const uint64_t bytes = static_cast<uint64_t>(elem_bytes(l.weight_elem));
-    for (uint64_t i = 0; i < l.codes; ++i) {
-      if (src.token_valid(static_cast<int64_t>(i / row)) && load_int(ids, src.id_elem, static_cast<int64_t>(i)) >= 0) {
-        std::memcpy(out + l.weights_at + i * bytes, w + i * bytes, bytes);
+    } else {
+      const uint64_t bit = i * l.width();
+      const uint64_t shifted = code << (bit % 8);  // at most 32 + 7 bits
+      for (uint64_t b = bit / 8; b <= (bit + l.width() - 1) / 8; ++b) {
+        dst[b] |= static_cast<uint8_t>(shifted >> (8 * (b - bit / 8)));
       }
     }
+    // "No expert" keeps the memset's weight 0, as a read gives it.
+    if (w != nullptr && v >= 0) std::memcpy(out + l.weights_at + i * w_bytes, w + i * w_bytes, w_bytes);
   }
 }
 
@@ -389,20 +384,18 @@ moecap_status moecap_record_decode(const void* data, uint64_t bytes, DLTensor* i
     require_disjoint(valid_out, "valid_out", ids_out, "ids_out");
     require_disjoint(valid_out, "valid_out", weights_out, "weights_out");
     const uint8_t* p = static_cast<const uint8_t*>(data);
+    const uint64_t w_bytes = weight_elem >= 0 ? static_cast<uint64_t>(elem_bytes(l.weight_elem)) : 0;
     for (uint64_t i = 0; i < l.codes; ++i) {
       const uint64_t code = get_code(p + l.ids_at, l, i);
-      store_int(tensor_data(ids_out), id_elem, static_cast<int64_t>(i), code == l.sentinel() ? -1 : static_cast<int64_t>(code));
-    }
-    if (weight_elem >= 0) {  // "no expert" reads weight 0, as from moecap_read, whatever the bytes hold
-      const uint8_t* w = p + l.weights_at;
-      for (uint64_t i = 0; i < l.codes; ++i) {
-        const uint64_t bytes_w = static_cast<uint64_t>(elem_bytes(l.weight_elem));
-        const uint64_t bits = get_code(p + l.ids_at, l, i) == l.sentinel() ? 0 : get_le(w + i * bytes_w, bytes_w);
-        const float v = l.weight_elem == kF32 ? bits_float(static_cast<uint32_t>(bits))
-                        : l.weight_elem == kBF16 ? bf16_to_float(static_cast<uint16_t>(bits))
-                                                 : f16_to_float(static_cast<uint16_t>(bits));
-        store_float(tensor_data(weights_out), weight_elem, static_cast<int64_t>(i), v);
-      }
+      const bool none = code == l.sentinel();
+      store_int(tensor_data(ids_out), id_elem, static_cast<int64_t>(i), none ? -1 : static_cast<int64_t>(code));
+      if (weight_elem < 0) continue;
+      // "No expert" reads weight 0, as from moecap_read, whatever the bytes hold.
+      const uint64_t bits = none ? 0 : get_le(p + l.weights_at + i * w_bytes, w_bytes);
+      const float v = l.weight_elem == kF32 ? bits_float(static_cast<uint32_t>(bits))
+                      : l.weight_elem == kBF16 ? bf16_to_float(static_cast<uint16_t>(bits))
+                                               : f16_to_float(static_cast<uint16_t>(bits));
+      store_float(tensor_data(weights_out), weight_elem, static_cast<int64_t>(i), v);
     }
     if (valid_out != nullptr) {
       const bool validity = l.flags & MOECAP_RECORD_HAS_VALIDITY;

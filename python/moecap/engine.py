@@ -40,10 +40,10 @@ def _ints(values: Any, name: str) -> np.ndarray:
     return np.ascontiguousarray(array.astype(np.int64, copy=False).reshape(-1))
 
 
-def _index_array(slots: Any, name: str = "slots") -> Any:
+def _index_array(slots: Any) -> Any:
     if hasattr(slots, "__dlpack__") and not isinstance(slots, np.ndarray):
         return slots  # a tensor: handed to the capturer as is (device slots stay on device)
-    return _ints(slots, name)
+    return _ints(slots, "slots")
 
 
 def _length(slots: Any) -> int:
