@@ -834,11 +834,10 @@ def _recomputed_weights(router, logits, ids, hidden_dtype=None):
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(logits.dtype)
     if kind.startswith(("GraniteMoe", "GptOss", "AriaText", "Cohere2Moe")):
-        top = logits.float().gather(1, ids)
-        if getattr(router, "expert_selection_fn", "softmax") == "sigmoid":  # Cohere2-MoE's other rule
-            w = top.sigmoid()
+        if getattr(router, "expert_selection_fn", "softmax") == "sigmoid":  # Cohere2-MoE's other rule, in the
+            w = logits.gather(1, ids).sigmoid()                              # logits' dtype
             return w / w.sum(dim=-1, keepdim=True) if router.norm_topk_prob else w
-        return torch.softmax(top, dim=-1)
+        return torch.softmax(logits.float().gather(1, ids), dim=-1)
     if kind.startswith("Llama4Router"):
         return torch.sigmoid(logits.gather(1, ids).float())
     if kind.startswith("Gemma4Text"):  # its "logits" are already the softmax
@@ -898,11 +897,13 @@ def _weights_and_gammas(router, logits, ids):
     if logits.shape[-1] != router.num_experts + shared:
         raise UnknownArchitecture(f"{type(router).__name__}'s weights need its shared experts' logits too: "
                                   f"[tokens, {router.num_experts + shared}] logits, not {tuple(logits.shape)}")
-    logits = logits.reshape(-1, logits.shape[-1]).float()
+    # In the logits' dtype, as the router weighs: float32 in transformers 5.25, the model's (or autocast's)
+    # dtype before, where its (1,)-shaped global_scale promotes the product as it does there.
+    logits = logits.reshape(-1, logits.shape[-1])
     picked = torch.cat([logits[:, :router.num_experts].gather(1, ids), logits[:, router.num_experts:]], dim=-1)
     log_probs = torch.nn.functional.logsigmoid(picked)
     w = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
-    w = w * router.route_scale * router.global_scale.float()
+    w = w * router.route_scale * router.global_scale
     return w[:, :ids.shape[-1]], w[:, ids.shape[-1]:]
 
 
@@ -914,11 +915,12 @@ def _full_logits(router, inputs, routed):
         raise UnknownArchitecture(f"{type(router).__name__} was called without positional hidden states: replay "
                                   "cannot take its shared experts' logits; pass weights=")
     flat = inputs[0].reshape(-1, router.hidden_dim)
-    weight = router.weight[router.num_experts:]
     # At the routed logits' dtype with autocast off: float32 where the router turns autocast off itself
-    # (transformers 5.25), autocast's dtype where its product ran under autocast (5.19).
+    # (transformers 5.25), autocast's dtype where its product ran under autocast (5.19). The whole product,
+    # as the router takes it: a product of the shared rows alone can sum in another order.
     with torch.autocast(flat.device.type, enabled=False):
-        shared = torch.nn.functional.linear(flat.to(routed.dtype), weight.to(routed.dtype))
+        logits = torch.nn.functional.linear(flat.to(routed.dtype), router.weight.to(routed.dtype))
+    shared = logits[:, router.num_experts:]
     return torch.cat([routed.reshape(-1, routed.shape[-1]), shared], dim=-1)
 
 
@@ -936,9 +938,9 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
     weights=None, left as the router gave them with weights given. Where a
     block picks from its router's bare logits (DBRX's, Jamba's in
     transformers 5.19) the ids and weights are forced where its experts module
-    receives them, the weights by the block's rule. A router
-    that weighs in autocast's dtype (Inkling's before transformers 5.25)
-    gets its weights back at float32's precision. The ids are
+    receives them, the weights by the block's rule. Recomputed weights are
+    rounded as the router rounds its own. Given weights must be floating and
+    shaped as the layer's ids; the ids an integer tensor. The ids are
     checked when the block is entered (for a selector's model, whose expert
     count attach cannot tell, on each layer's first eager forward): one
     outside [0, num_experts), -1 included, raises ValueError naming the layer
@@ -949,6 +951,8 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
     layers = find_moe_layers(model, routers)
     if len(ids) != len(layers):
         raise ValueError(f"ids has {len(ids)} layers; the model has {len(layers)} MoE layers")
+    if weights is not None and len(weights) != len(layers):
+        raise ValueError(f"weights has {len(weights)} layers; the model has {len(layers)} MoE layers")
     checked: set[int] = set()  # layers whose ids were range-checked: once each, not every forward
     try:
         _, num_experts = _routing_dims(model, layers[0].router)
@@ -969,7 +973,7 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
             forced = _forced_ids(layer.index, ids[layer.index], own_ids, logits.shape[-1], checked)
             replaced = list(output)  # a fourth output (Inkling's gammas) stays in its place
             if weights is not None:
-                w = torch.as_tensor(weights[layer.index], device=own_weights.device)
+                w = _forced_weights(layer.index, weights[layer.index], forced, own_weights.device)
             elif own_gammas is not None:
                 w, gammas = _weights_and_gammas(module, _full_logits(module, inputs, logits), forced.long())
                 replaced[-1] = gammas.to(own_gammas.dtype).reshape(own_gammas.shape)
@@ -1004,7 +1008,7 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
                     "just before: replay cannot weigh the forced experts")
             forced = _forced_ids(layer.index, ids[layer.index], own_ids, logits.shape[-1], checked)
             if weights is not None:
-                w = torch.as_tensor(weights[layer.index], device=own_weights.device)
+                w = _forced_weights(layer.index, weights[layer.index], forced, own_weights.device)
             else:
                 w = _recomputed_weights(layer.block, logits, forced.long(), args[0].dtype if args else None)
             return _with_values(args, kwargs, {ids_key: forced.reshape(own_ids.shape),
@@ -1042,6 +1046,18 @@ def _forced_ids(index, recorded, own_ids, num_experts, checked):
     return forced
 
 
+def _forced_weights(index, recorded, forced, device):
+    """Layer `index`'s recorded weights: floating, shaped as its forced ids."""
+    import torch
+    given = torch.as_tensor(recorded, device=device)
+    if not given.is_floating_point():
+        raise ValueError(f"layer {index}: recorded weights are {given.dtype}; expected a floating tensor")
+    if given.shape != forced.shape:
+        raise ValueError(f"layer {index}: recorded weights {tuple(given.shape)}, the forward routes "
+                         f"{tuple(forced.shape)} (tokens, top_k)")
+    return given
+
+
 def _check_replayed_ids(index, forced, num_experts, checked):
     """Every recorded id of layer `index` names one of the router's experts. An
     id past them would index the experts out of bounds (or, in grouped
@@ -1049,6 +1065,9 @@ def _check_replayed_ids(index, forced, num_experts, checked):
     no forward can replay. Compared at the ids' own dtype: a cast first could
     wrap an int64 id into range."""
     import torch
+    if forced.is_floating_point() or forced.is_complex() or forced.dtype == torch.bool:
+        raise ValueError(f"layer {index}: recorded ids are {forced.dtype}; expected an integer tensor (a cast "
+                         "would truncate them to experts)")
     if index in checked or torch.compiler.is_compiling():  # traced: a data-dependent check would break the graph
         return
     bad = ((forced < 0) | (forced >= num_experts)).nonzero()
@@ -1073,5 +1092,5 @@ def _forced_scores(router, output, index, ids, weights, checked):
     if weights is None:
         w = _recomputed_weights(router, logits, forced)
     else:
-        w = torch.as_tensor(weights, device=scores.device)
+        w = _forced_weights(index, weights, forced, scores.device)
     return torch.zeros_like(scores).scatter_(1, forced, w.to(scores.dtype).reshape(forced.shape)), logits

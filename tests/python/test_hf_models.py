@@ -5,7 +5,6 @@ read back from the capturer equals the model's own output_router_logits top-k
 (ids exactly, weights within float32 precision), at dp 1 and at dp 2 with
 ranks that are idle for some steps and one that serves nothing at all."""
 import contextlib
-import inspect
 import os
 
 import numpy as np
@@ -445,29 +444,33 @@ def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type)
         torch.testing.assert_close(own[index][1].float(), weights.float(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("model_type, precision", [("ergo", "bf16"), ("qwen3_moe", "bf16"), ("jamba", "bf16"),
-                                                   ("dbrx", "bf16"), ("zaya", "bf16"), ("inkling_text", "autocast"),
-                                                   ("qwen3_moe", "autocast"), ("longcat_flash", "autocast")])
-def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precision):
+@pytest.mark.parametrize("model_type, precision, settings", [
+    ("ergo", "bf16", {}), ("qwen3_moe", "bf16", {}), ("jamba", "bf16", {}), ("dbrx", "bf16", {}),
+    ("zaya", "bf16", {}), ("inkling_text", "bf16", {}),
+    ("cohere2_moe", "bf16", {"expert_selection_fn": "sigmoid", "norm_topk_prob": True}),
+    ("cohere2_moe", "bf16", {"expert_selection_fn": "softmax"}),
+    ("inkling_text", "autocast", {}), ("qwen3_moe", "autocast", {}), ("longcat_flash", "autocast", {})])
+def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precision, settings):
     """Ergo's router rounds its float32 weights through its bf16 input, as
     Jamba's does (its block's, in 5.19), DBRX's block and Zaya's router weigh
     in the logits' bf16, as LongCat's does under CPU autocast, which keeps its
-    softmax in bf16; Inkling's (transformers 5.25) turns autocast off for its logits:
-    replayed, the recomputed weights are rounded as the router rounds them."""
+    softmax in bf16, and Cohere2-MoE's sigmoid rule in a bf16 model; Inkling's
+    weighs in its logits' dtype (transformers 5.25 turns autocast off for them):
+    replayed, the recomputed weights are rounded as the router rounds them,
+    bit for bit."""
     config = config_or_skip(model_type)
+    for key, value in settings.items():
+        setattr(config, key, value)
     tokens = torch.randint(3, hf_serving.VOCAB, (2, 5))
     if precision == "bf16":
         free, own = replay_own_routing(hf_serving.build(config, dtype=torch.bfloat16), tokens)
     else:
-        model = hf_serving.build(config)
-        router = type(hf.find_moe_layers(model)[0].router)
-        if model_type == "inkling_text" and "enabled=False" not in inspect.getsource(router.forward):
-            pytest.skip(f"transformers {transformers.__version__}'s {router.__name__} weighs in autocast's bf16, "
-                        "which replay's float32 does not round to")
-        free, own = replay_own_routing(model, tokens, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+        free, own = replay_own_routing(hf_serving.build(config), tokens,
+                                       lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     for index, (ids, weights) in free.items():
         assert torch.equal(own[index][0], ids)
-        torch.testing.assert_close(own[index][1].float(), weights.float(), rtol=1e-5, atol=1e-6)
+        assert own[index][1].dtype == weights.dtype
+        assert torch.equal(own[index][1], weights)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "dbrx", "longcat_flash", "zaya"])
@@ -516,6 +519,34 @@ def test_replay_refuses_ids_outside_the_experts_naming_the_layer(model_type):
     with pytest.raises(ValueError, match=rf"layer 0: recorded ids\[0, 0\] is {2**32 + 1}"):
         with hf.replay(model, ids):
             pass
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "dbrx", "llama4_text"])
+def test_replay_refuses_weights_and_ids_a_cast_or_reshape_would_take(model_type):
+    """Weights laid over every decoder layer, transposed weights of the same
+    size, and float ids (the weights passed as ids) would each route or weigh
+    silently wrong after a reshape or cast: each is refused naming the layer."""
+    model = hf_serving.build(config_or_skip(model_type))
+    layers = hf.find_moe_layers(model)
+    top_k, num_experts = hf._routing_dims(model, layers[0].router)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 4))
+    ids = [torch.arange(top_k).repeat(4, 1) for _ in layers]
+    weights = [torch.full((4, top_k), 1.0 / top_k) for _ in layers]
+
+    def forward(i, w):
+        with torch.no_grad(), hf.replay(model, i, w):
+            return model(tokens, use_cache=False).logits
+
+    reference = forward(ids, weights)
+    with pytest.raises(ValueError, match=rf"weights has {len(layers) + 1} layers; the model has {len(layers)} MoE"):
+        forward(ids, [torch.zeros(4, top_k)] + weights)
+    with pytest.raises(ValueError, match=rf"layer 0: recorded weights \({top_k}, 4\), the forward routes \(4, {top_k}\)"):
+        forward(ids, [w.t().contiguous() for w in weights])
+    with pytest.raises(ValueError, match="layer 0: recorded weights are torch.int64; expected a floating tensor"):
+        forward(ids, [torch.ones(4, top_k, dtype=torch.long) for _ in layers])
+    with pytest.raises(ValueError, match="layer 0: recorded ids are torch.float32; expected an integer tensor"):
+        forward([w.float() for w in ids], None)
+    torch.testing.assert_close(forward(ids, weights), reference, rtol=0, atol=0)  # nothing stayed behind
 
 
 def calls_under_replay(model, modules, forced, weights=None):
