@@ -3,7 +3,8 @@
 
 ``torch.ops.moecap.capture``, ``.commit`` and ``.invalidate`` have fake
 implementations (no output, nothing to infer) and declare what they write:
-capture mutates the capturer's device buffers, commit its host cache and slot
+capture mutates the capturer's device buffers (and its expert-load histogram,
+where it keeps one), commit its host cache and slot
 states (and reads the device buffer, so the two are never reordered),
 invalidate the slot states. Dynamo then traces
 them as single nodes: a model that calls them compiles with
@@ -104,27 +105,31 @@ def _refuse_host_copy(op: str, name: str, handed: Optional[torch.Tensor], real: 
 
 
 def _through_device_buffers(cap: Capturer, device_ids: torch.Tensor, device_weights: Optional[torch.Tensor],
-                            call: Callable[[], None]) -> None:
+                            call: Callable[[], None], histogram: Optional[torch.Tensor] = None) -> None:
     # The op reads and writes moecap's device buffers: a copy the backend handed
     # it goes in before the C call and takes the call's effect back out.
     real = _buffers(cap)
-    _copy_in(device_ids, real.device_ids)
-    _copy_in(device_weights, real.device_weights)
+    handed = ((device_ids, real.device_ids), (device_weights, real.device_weights), (histogram, real.histogram))
+    for given, own in handed:
+        _copy_in(given, own)
     call()
-    _copy_out(device_ids, real.device_ids)
-    _copy_out(device_weights, real.device_weights)
+    for given, own in handed:
+        _copy_out(given, own)
 
 
-@torch.library.custom_op("moecap::capture", mutates_args=("device_ids", "device_weights"))
+@torch.library.custom_op("moecap::capture", mutates_args=("device_ids", "device_weights", "histogram"))
 def capture(device_ids: torch.Tensor, device_weights: Optional[torch.Tensor], capturer: int, layer: int,
-            topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> None:
-    """Capturer.capture on torch's current stream; device_ids/device_weights are the capturer's buffers."""
+            topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
+            histogram: Optional[torch.Tensor] = None) -> None:
+    """Capturer.capture on torch's current stream; device_ids/device_weights (and histogram, which
+    capture counts into) are the capturer's buffers."""
     cap = _capturer(capturer)
-    _through_device_buffers(cap, device_ids, device_weights, lambda: cap.capture(layer, topk_ids, topk_weights))
+    _through_device_buffers(cap, device_ids, device_weights, lambda: cap.capture(layer, topk_ids, topk_weights),
+                            histogram)
 
 
 @capture.register_fake
-def _(device_ids, device_weights, capturer, layer, topk_ids, topk_weights):
+def _(device_ids, device_weights, capturer, layer, topk_ids, topk_weights, histogram=None):
     return None
 
 
@@ -175,6 +180,9 @@ class CapturerOps:
         weights = cap.plan.weight_bytes > 0
         self.device_weights = torch.from_dlpack(cap.export("device_weights")) if weights else None
         self.host_weights = torch.from_dlpack(cap.export("host_weights")) if weights else None
+        # [num_layers, num_experts] int64 expert loads, which capture counts into (histogram=True):
+        # read this tensor in compiled code, whose compiler then orders the read after the captures.
+        self.histogram = torch.from_dlpack(cap.export("histogram")) if cap.config.histogram else None
         _issuers[cap.id] = self
 
     def layer_ids(self, layer: int) -> torch.Tensor:
@@ -191,7 +199,8 @@ class CapturerOps:
         return self.device_weights[layer]
 
     def capture(self, layer: int, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor] = None) -> None:
-        torch.ops.moecap.capture(self.device_ids, self.device_weights, self.id, layer, topk_ids, topk_weights)
+        torch.ops.moecap.capture(self.device_ids, self.device_weights, self.id, layer, topk_ids, topk_weights,
+                                 self.histogram)
 
     def commit(self, dst_slots: torch.Tensor, src_start: int = 0, src_rows: Optional[torch.Tensor] = None) -> None:
         torch.ops.moecap.commit(self.host_ids, self.host_weights, self.host_states, self.device_ids,

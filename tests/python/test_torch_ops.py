@@ -184,6 +184,29 @@ def test_invalidate_compiles_and_empties_the_slots():
     assert (got[1] == -1).all()
 
 
+def test_capture_declares_the_histogram_it_counts_into():
+    """With histogram=True, capture counts into ops.histogram: a declared
+    mutation, so compiled code that reads it after capture sees the counts
+    (undeclared, Inductor read it before the capture ran)."""
+    cap = moecap.Capturer(num_layers=1, top_k=2, num_experts=8, host_slots=16, max_running_requests=4,
+                          chunked_prefill_size=4, histogram=True)
+    ops = cap.ops
+    schema = torch.ops.moecap.capture.default._schema
+    assert {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write} == {
+        "device_ids", "device_weights", "histogram"}
+
+    def step(ids):
+        before = ops.histogram.clone()
+        ops.capture(0, ids)
+        return before, ops.histogram.clone()
+
+    torch._dynamo.reset()
+    before, after = torch.compile(step, fullgraph=True)(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32))
+    assert before[0].tolist() == [0] * 8
+    assert after[0].tolist() == [0, 1, 1, 1, 1, 0, 0, 0] == ops.histogram[0].tolist()
+    assert make().ops.histogram is None  # a capturer without one passes none
+
+
 def test_opcheck_schema_fake_and_mutations():
     cap = make()
     ops = cap.ops
