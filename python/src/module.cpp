@@ -194,7 +194,8 @@ class Capturer {
       const uint32_t flags = (nonblocking ? MOECAP_READ_NONBLOCKING : 0u) | (strict ? MOECAP_READ_STRICT : 0u);
       status = moecap_read(h, s.get(), ids.get_mut(), w, flags, st);
     }
-    check(status, {{"ids_out", "out"}});
+    check(status,
+          {{"ids_out", "out"}, {"MOECAP_READ_STRICT", "strict=True"}, {"MOECAP_READ_NONBLOCKING", "nonblocking=True"}});
   }
 
   void write(Tensor slots, Tensor ids, Tensor weights, nb::handle stream) {

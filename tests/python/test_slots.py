@@ -50,8 +50,12 @@ def test_strict_read_refuses_a_slot_without_routing_and_writes_nothing():
         with pytest.raises(moecap.MoecapError) as e:
             cap.read(np.array([3, 9]), out=out, strict=True)
         assert e.value.status == moecap.Status.NO_ROUTING
+        assert "(strict=True)" in str(e.value) and "MOECAP_READ" not in str(e.value)  # the method's terms
         assert (out == 7).all()
         assert cap.read(np.array([3]), strict=True)[0, 0].tolist() == [0, 1]
+    with moecap.Capturer(**{**CONFIG, "num_experts": 256}) as cap:
+        with pytest.raises(moecap.MoecapError, match="use a signed dtype, or strict=True$"):
+            cap.read(np.array([0]), dtype=np.uint8)
 
 
 def test_config_takes_the_library_defaults_and_the_device_dtype():
