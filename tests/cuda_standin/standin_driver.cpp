@@ -122,6 +122,7 @@ struct Kernel {
 std::recursive_mutex& g_mu = *new std::recursive_mutex;
 std::vector<Stream*>& g_streams = *new std::vector<Stream*>;  // every stream from cuStreamCreate
 std::vector<Stream*>& g_branches = *new std::vector<Stream*>;  // graph branches' queues, one per branch per launch
+std::vector<Stream*>& g_destroyed_streams = *new std::vector<Stream*>;  // cuStreamDestroy'd, their work done
 std::map<uintptr_t, Alloc>& g_allocs = *new std::map<uintptr_t, Alloc>;
 std::vector<Capture*>& g_captures = *new std::vector<Capture*>;  // active captures, any thread
 Stream& g_legacy = *new Stream;
@@ -571,7 +572,9 @@ CUresult cuStreamDestroy(void* stream) {
   if (s == &g_legacy) return kInvalidHandle;
   run_until(*s, s->enqueued);  // queued work still completes, as on a GPU
   g_streams.erase(std::find(g_streams.begin(), g_streams.end(), s));
-  delete s;
+  // Kept, not deleted: CUDA releases a stream once its work is done, while waits queued on other streams
+  // (cuStreamWaitEvent) and events recorded on it may still name it.
+  g_destroyed_streams.push_back(s);
   return kOk;
 }
 CUresult cuStreamSynchronize(void* stream) {

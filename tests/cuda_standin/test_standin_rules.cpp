@@ -34,6 +34,7 @@ struct Calls {
   CUresult (*event_query)(void*) = entry<decltype(event_query)>("cuEventQuery");
   CUresult (*event_sync)(void*) = entry<decltype(event_sync)>("cuEventSynchronize");
   CUresult (*stream_wait_event)(Stream, void*, unsigned) = entry<decltype(stream_wait_event)>("cuStreamWaitEvent");
+  CUresult (*stream_destroy)(Stream) = entry<decltype(stream_destroy)>("cuStreamDestroy");
 };
 
 const Calls& calls() {
@@ -142,6 +143,22 @@ TEST_CASE("stand-in: a capturing stream waiting on an event recorded outside the
     CHECK(end(s) == kCaptureInvalidated);
   }
   standin_run_stream(other);  // only this test's stream: others may hold earlier tests' work
+  calls().event_destroy(e);
+}
+
+TEST_CASE("stand-in: a wait on an event of a destroyed stream still runs, as CUDA releases streams when done") {
+  // moecap_destroy destroys its side stream while the engine's stream may
+  // still hold a queued wait on an event recorded there.
+  Stream waiter = new_stream();
+  Stream gone = nullptr;
+  REQUIRE(driver().stream_create(&gone, 1) == kOk);
+  void* e = nullptr;
+  REQUIRE(calls().event_create(&e, 0x1) == kOk);
+  REQUIRE(calls().event_record(e, gone) == kOk);
+  REQUIRE(calls().stream_wait_event(waiter, e, 0) == kOk);
+  REQUIRE(calls().stream_destroy(gone) == kOk);
+  CHECK(driver().stream_sync(waiter) == kOk);
+  CHECK(calls().event_sync(e) == kOk);
   calls().event_destroy(e);
 }
 
