@@ -20,7 +20,7 @@
  *   16       4    top_k
  *   20       4    num_experts
  *   24       8    num_tokens
- *   32       8    start_position (signed)
+ *   32       8    start_position (signed, >= 0)
  *   40            validity bitmap (HAS_VALIDITY only): ceil(tokens / 8) bytes,
  *                 bit t % 8 of byte t / 8 set when token t is valid
  *                 ids: tokens * layers * top_k codes, row-major; code = id, or
@@ -61,7 +61,7 @@ typedef struct moecap_record_source {
   size_t struct_size;      /* sizeof(moecap_record_source) */
   uint32_t flags;          /* 0 or MOECAP_RECORD_PACKED */
   int32_t num_experts;     /* ids are [0, num_experts); >= 1 */
-  int64_t start_position;  /* position in its sequence of the first token (prompt offset) */
+  int64_t start_position;  /* position in its sequence of the first token (prompt offset); >= 0 */
   const DLTensor* ids;     /* [tokens, layers, top_k] int8/int16/int32/int64, host memory,
                               compact; every value in [0, num_experts) or -1 ("no expert");
                               layers and top_k >= 1 */
@@ -101,7 +101,8 @@ MOECAP_API moecap_status moecap_record_size(const moecap_record_source* source, 
 
 /* Encodes `source` into out[0, capacity). *written (non-NULL) receives the
  * size. CAPACITY (nothing written) when capacity is smaller than the record;
- * INVALID_ARGUMENT when the record's bytes would overlap a source tensor. */
+ * INVALID_ARGUMENT when the record's bytes would overlap a source tensor
+ * or *written. */
 MOECAP_API moecap_status moecap_record_encode(const moecap_record_source* source, void* out,
                                               uint64_t capacity, uint64_t* written);
 

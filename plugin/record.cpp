@@ -116,6 +116,9 @@ Source check_source(const moecap_record_source* caller) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "source->flags is ", s->flags, "; only MOECAP_RECORD_PACKED (1) is defined");
   }
   if (s->num_experts < 1) fail(MOECAP_ERROR_INVALID_ARGUMENT, "source->num_experts is ", s->num_experts, "; must be >= 1");
+  if (s->start_position < 0) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "source->start_position is ", s->start_position, "; must be >= 0");
+  }
   Layout& l = out.layout;
   out.id_elem = check_tensor(s->ids, {"source->ids", {kI8, kI16, kI32, kI64}, 3});
   require_host(s->ids, "source->ids");
@@ -233,6 +236,8 @@ Layout parse_header(const uint8_t* p, uint64_t bytes) {
   }
   if (tokens > static_cast<uint64_t>(INT64_MAX)) fail(MOECAP_ERROR_INVALID_ARGUMENT, "record num_tokens ", tokens, " exceeds 2^63");
   l.tokens = static_cast<int64_t>(tokens);
+  const auto start = static_cast<int64_t>(get_le(p + 32, 8));
+  if (start < 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, "record start_position is ", start, "; must be >= 0");
   const int32_t want_bits = l.packed() ? packed_bits(l.num_experts) : plain_bits(l.num_experts);
   if (l.id_bits != want_bits) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "record id_bits is ", l.id_bits, "; ", l.packed() ? "packed" : "plain",
@@ -331,6 +336,10 @@ moecap_status moecap_record_encode(const moecap_record_source* source, void* out
     moecap::require_apart(src.args.ids, "source->ids", out, src.layout.total, "out");
     moecap::require_apart(src.args.weights, "source->weights", out, src.layout.total, "out");
     moecap::require_apart(src.args.valid, "source->valid", out, src.layout.total, "out");
+    const auto at = reinterpret_cast<uintptr_t>(written), begin = reinterpret_cast<uintptr_t>(out);
+    if (written != nullptr && at < begin + src.layout.total && begin < at + sizeof *written) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "written points into out; they must not overlap");
+    }
     moecap::encode(src, static_cast<uint8_t*>(out));
     if (written != nullptr) *written = src.layout.total;
   });

@@ -131,7 +131,8 @@ class RequestTable:
 
     def append(self, rid: Any, slots: ArrayLike) -> None:
         """The slots of the request's next tokens (in order)."""
-        self._slots[rid].append(_ints(slots, "slots"))
+        # A copy: engines reuse their slot buffers from step to step.
+        self._slots[rid].append(np.array(_ints(slots, "slots")))
 
     def slots(self, rid: Any) -> np.ndarray:
         parts = self._slots[rid]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 import numpy as np
 
 from . import _checked_dtype, _moecap, WEIGHT_DTYPES
-from ._errors import MoecapError
+from ._errors import MoecapError, Status
 from ._moecap import RecordFlag, WeightDtype
 
 if TYPE_CHECKING:
@@ -72,8 +72,16 @@ def _to_numpy(x: Any) -> Any:
 LayerMap = collections.namedtuple("LayerMap", "layers num_hidden_layers")
 
 
+#: The most layers a RoutedExperts holds, and its largest num_hidden_layers: far past any model's, so that
+#: a header or payload naming more, with no routing behind it (0 tokens), is refused before a layer map or
+#: an all-layer payload the size of that number is built.
+MAX_LAYERS = 1 << 16
+
+
 def _layer_map(moe_layers, layers, num_hidden_layers):
     """Checks a layer map against ids with `moe_layers` layers: (layers tuple, num_hidden_layers)."""
+    if moe_layers > MAX_LAYERS:
+        raise ValueError(f"ids has {moe_layers} layers; a RoutedExperts holds at most {MAX_LAYERS}")
     if layers is None:
         layers = tuple(range(moe_layers))
     else:
@@ -81,20 +89,23 @@ def _layer_map(moe_layers, layers, num_hidden_layers):
         array = np.asarray(layers)
         if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
             raise ValueError(f"layers must be a sequence of ints, not {array.dtype} of shape {array.shape}")
+        if array.size != moe_layers:
+            raise ValueError(f"layers has {array.size} entries; ids has {moe_layers} layers")
+        if array.size and array[0] < 0:
+            raise ValueError(f"layers[0] is {array[0]}; model layers start at 0")
+        falls = np.flatnonzero(array[1:] <= array[:-1])
+        if falls.size:
+            i = int(falls[0]) + 1
+            raise ValueError(f"layers[{i}] is {array[i]} after {array[i - 1]}; layers must be strictly increasing")
         layers = tuple(int(x) for x in array)
-    if len(layers) != moe_layers:
-        raise ValueError(f"layers has {len(layers)} entries; ids has {moe_layers} layers")
-    if layers and layers[0] < 0:
-        raise ValueError(f"layers[0] is {layers[0]}; model layers start at 0")
-    for i in range(1, len(layers)):
-        if layers[i] <= layers[i - 1]:
-            raise ValueError(f"layers[{i}] is {layers[i]} after {layers[i - 1]}; layers must be strictly increasing")
     least = layers[-1] + 1 if layers else 0
     if num_hidden_layers is None:
         num_hidden_layers = least
     num_hidden_layers = int(num_hidden_layers)
     if num_hidden_layers < least:
         raise ValueError(f"num_hidden_layers is {num_hidden_layers}; layers names model layer {least - 1}")
+    if num_hidden_layers > MAX_LAYERS:
+        raise ValueError(f"num_hidden_layers is {num_hidden_layers}; a RoutedExperts holds at most {MAX_LAYERS}")
     return layers, num_hidden_layers
 
 
@@ -123,9 +134,14 @@ class RoutedExperts:
         ids = _to_numpy(ids)
         if ids.ndim != 3 or ids.dtype.kind not in "iu":
             raise ValueError(f"ids must be an integer [tokens, layers, top_k] array, not {ids.dtype} {ids.shape}")
+        if ids.shape[1] < 1 or ids.shape[2] < 1:
+            raise ValueError(f"ids has shape {ids.shape}; layers and top_k must be >= 1")
         num_experts = int(num_experts)
-        if num_experts < 1:
-            raise ValueError(f"num_experts is {num_experts}; must be >= 1")
+        if not 1 <= num_experts < 2**31:  # the record's limit; the ids' int32 holds no more
+            raise ValueError(f"num_experts is {num_experts}; must be in [1, 2^31)")
+        start = int(start)
+        if start < 0:
+            raise ValueError(f"start is {start}; a position in a sequence is >= 0")
         # Unsigned ids are checked as given: as int64, a uint64 2**64 - 1 would pass for -1.
         unsigned = ids.dtype.kind == "u"
         ids = ids if unsigned else ids.astype(np.int64)
@@ -139,13 +155,14 @@ class RoutedExperts:
         if w is not None:
             if w.shape != ids.shape:
                 raise ValueError(f"weights has shape {w.shape}; ids has {ids.shape}")
-            w = w if w.dtype in (np.float32, np.float16) else w.astype(np.float32)
+            # A copy: the caller's read buffers are the next request's.
+            w = np.array(w, dtype=w.dtype if w.dtype in (np.float32, np.float16) else np.float32)
         self.weights = w
         v = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(_to_numpy(valid)).astype(bool)
         if v.shape != (ids.shape[0],):
             raise ValueError(f"valid has shape {v.shape}; expected ({ids.shape[0]},)")
         self.valid = v
-        self.start = int(start)
+        self.start = start
         self.layers, self.num_hidden_layers = _layer_map(ids.shape[1], layers, num_hidden_layers)
 
     @classmethod
@@ -263,6 +280,9 @@ class RoutedExperts:
         """Reads a record (from to_bytes or moecap_record_encode), checking all of it
         (moecap_record_decode); a malformed one raises RecordError."""
         info = _codec(_moecap.record_parse, data)
+        if info["num_layers"] > MAX_LAYERS:
+            raise RecordError(Status.INVALID_ARGUMENT, f"record num_layers is {info['num_layers']}; a RoutedExperts "
+                              f"holds at most {MAX_LAYERS}")
         shape = (info["num_tokens"], info["num_layers"], info["top_k"])
         ids = np.empty(shape, dtype=signed_dtype(info["num_experts"]))
         weights = None

@@ -126,6 +126,28 @@ def test_request_table_reads_a_finished_request_in_token_order():
     assert "a" not in table and len(table) == 0
 
 
+@pytest.mark.parametrize("buffer", ["numpy int64", "torch int64", "numpy int32"])
+def test_request_table_keeps_its_own_copy_of_slots_the_engine_reuses(buffer):
+    """Engines fill one slot buffer step after step: a request's recorded
+    slots must not follow the buffer to the next request's."""
+    torch = pytest.importorskip("torch")
+    cap = capturer()
+    table = RequestTable(cap)
+    kind, dtype = buffer.split()
+    slots = np.empty(2, dtype=dtype) if kind == "numpy" else torch.empty(2, dtype=getattr(torch, dtype))
+    for rid, (first, fill) in enumerate(((3, 1), (7, 9))):
+        table.start(rid)
+        slots[0], slots[1] = first, first + 1
+        for layer in range(LAYERS):
+            cap.capture(layer, np.full((2, TOP_K), fill, dtype=np.int32))
+        commit_batch(cap, slots)
+        table.append(rid, slots)
+    assert table.slots(0).tolist() == [3, 4]
+    routed = table.finish(0)
+    assert routed.valid.all() and routed.ids[:, 0, 0].tolist() == [1, 1]
+    assert moecap.SLOT_VALID & int(cap.slot_states([7])[0])  # request 1's routing stays
+
+
 def test_finished_slots_are_invalidated():
     cap = capturer()
     table = RequestTable(cap)

@@ -392,3 +392,18 @@ def test_decoders_check_dense_layers_and_name_unknown_payloads():
     assert plain.layers == tuple(range(HIDDEN))
     with pytest.raises(ValueError, match="cannot tell which consumer's payload"):
         formats.decode([1, 2, 3], 8)
+
+
+def test_payloads_naming_more_layers_than_any_model_are_refused_before_a_layer_list_is_built():
+    """A few bytes with 0 tokens (or top_k 0) can name 2^31 - 1 layers: each
+    decoder refuses the count before building anything that long."""
+    from moecap.record import MAX_LAYERS
+    huge = 2**31 - 1
+    for payload, consumer in (({"data": "", "shape": [0, huge, 1], "dtype": "uint8"}, "SkyRL"),
+                              ({"data": "", "shape": [0, huge, 1], "start": 0, "dtype": "uint8"}, "prime-rl"),
+                              (f"nrlre1:int8:1x{huge}x0:", "NeMo-RL")):
+        with pytest.raises(ValueError, match=f"the {consumer} payload has {huge} layers; a RoutedExperts holds "
+                                             f"at most {MAX_LAYERS}"):
+            formats.decode(payload, 8)
+    with pytest.raises(ValueError, match="layers and top_k must be >= 1"):
+        formats.decode("nrlre1:int8:1x3x0:", 8)  # a routing of no experts per token

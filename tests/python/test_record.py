@@ -294,3 +294,65 @@ def test_bad_input_to_the_codec_is_a_record_error_with_a_status():
     assert e.value.status == moecap.Status.ABI_MISMATCH
     with pytest.raises(TypeError, match="bytes-like"):
         RoutedExperts.from_bytes("MCRT")
+
+
+def test_a_header_naming_more_layers_than_any_model_is_refused_before_its_layer_map_is_built():
+    """40 bytes, 0 tokens, 2^31 - 1 layers: a well-formed record whose layer
+    map alone would take GBs. from_bytes refuses it as a RecordError, and
+    RoutedExperts the same counts as ids or num_hidden_layers."""
+    from moecap.record import MAX_LAYERS
+    empty = RoutedExperts(np.zeros((0, 1, 1), dtype=np.int32), 5).to_bytes()
+    assert len(empty) == 40
+    huge = empty[:12] + (2**31 - 1).to_bytes(4, "little") + empty[16:]
+    assert moecap._moecap.record_parse(huge)["num_layers"] == 2**31 - 1  # the C reader takes it
+    with pytest.raises(RecordError, match=f"num_layers is {2**31 - 1}; a RoutedExperts holds at most {MAX_LAYERS}"):
+        RoutedExperts.from_bytes(huge)
+    at_limit = empty[:12] + MAX_LAYERS.to_bytes(4, "little") + empty[16:]
+    assert RoutedExperts.from_bytes(at_limit).shape == (0, MAX_LAYERS, 1)
+    with pytest.raises(ValueError, match=f"ids has {MAX_LAYERS + 1} layers; a RoutedExperts holds at most"):
+        RoutedExperts(np.zeros((0, MAX_LAYERS + 1, 1), dtype=np.int8), 5)
+    with pytest.raises(ValueError, match=f"num_hidden_layers is {MAX_LAYERS + 1}; a RoutedExperts holds at most"):
+        RoutedExperts(np.zeros((1, 2, 1), dtype=np.int8), 5, num_hidden_layers=MAX_LAYERS + 1)
+    with pytest.raises(ValueError, match=r"layers\[2\] is 2 after 5; layers must be strictly increasing"):
+        RoutedExperts(np.zeros((1, 3, 1), dtype=np.int8), 5, layers=[0, 5, 2])
+
+
+def test_routing_no_sequence_or_record_can_hold_is_refused():
+    """A negative start (encoded, it made payloads their own decoders refuse,
+    and a 0-token sequence with rows), num_experts past the record's 2^31 - 1
+    (the int32 ids wrapped expert 2^31 to "no expert"), and empty axes."""
+    ids = np.array([[[1, 2]], [[3, 0]]])
+    with pytest.raises(ValueError, match="start is -3; a position in a sequence is >= 0"):
+        RoutedExperts(ids, 4, start=-3)
+    with pytest.raises(ValueError, match=r"num_experts is 4294967296; must be in \[1, 2\^31\)"):
+        RoutedExperts(np.array([[[2**31, 5]]]), 2**32)
+    for shape in ((1, 0, 2), (1, 2, 0)):
+        with pytest.raises(ValueError, match="layers and top_k must be >= 1"):
+            RoutedExperts(np.zeros(shape, dtype=np.int32), 4)
+    good = RoutedExperts(ids, 4, start=3).to_bytes()
+    negative = good[:32] + (-1).to_bytes(8, "little", signed=True) + good[40:]
+    with pytest.raises(RecordError, match="start_position is -1; must be >= 0"):
+        RoutedExperts.from_bytes(negative)
+    with pytest.raises(moecap.MoecapError, match=r"source\.start_position is -2; must be >= 0"):
+        moecap._moecap.record_encode(np.ascontiguousarray(ids, dtype=np.int32), 4, None, None, -2, True, None)
+
+
+def test_routing_keeps_its_own_copy_of_what_it_was_given():
+    """An engine reads request after request into the same buffers: a
+    RoutedExperts made from them must not change when they are reused."""
+    for make in (np.asarray, torch_or_skip_tensor):
+        ids = make(np.array([[[1, 2]]], dtype=np.int32))
+        weights = make(np.array([[[0.75, 0.25]]], dtype=np.float32))
+        valid = make(np.array([True]))
+        routed = RoutedExperts(ids, 4, weights=weights, valid=valid)
+        record = routed.to_bytes()
+        ids[...] = 3
+        weights[...] = 0.5
+        valid[...] = False
+        assert routed.ids.tolist() == [[[1, 2]]] and routed.weights.tolist() == [[[0.75, 0.25]]]
+        assert routed.valid.tolist() == [True] and routed.to_bytes() == record
+
+
+def torch_or_skip_tensor(array):
+    torch = pytest.importorskip("torch")
+    return torch.from_numpy(array)

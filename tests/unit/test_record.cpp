@@ -84,9 +84,10 @@ TEST_CASE("ids round-trip packed and plain at every width boundary, with weights
         weights.as<float>()[i] = static_cast<float>(rng() % 1000) / 1000.0f;
       }
       for (int64_t t = 0; t < tokens; ++t) valid.as<uint8_t>()[t] = t % 4 != 2;
-      const auto r = encode(source_of(ids, experts, flags, weights.get(), valid.get(), -3));
+      const auto r = encode(source_of(ids, experts, flags, weights.get(), valid.get(), int64_t{1} << 40));
       const auto info = parse(r);
       CHECK(info.flags == (flags | MOECAP_RECORD_HAS_WEIGHTS | MOECAP_RECORD_HAS_VALIDITY));
+      CHECK(info.start_position == int64_t{1} << 40);
       int32_t bits = 1;
       while ((int64_t{1} << bits) - 1 < experts) ++bits;
       CHECK(info.id_bits == (flags ? bits : experts <= 255 ? 8 : experts <= 65535 ? 16 : 32));
@@ -152,6 +153,13 @@ TEST_CASE("bad sources are refused, naming the argument, and nothing is written"
   s.flags = 8;
   CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_INVALID_ARGUMENT);
   s.flags = 0;
+  s.start_position = -1;
+  CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::strstr(moecap_last_error(), "source->start_position is -1; must be >= 0") != nullptr);
+  s.start_position = 0;
+  CHECK(moecap_record_encode(&s, out.data(), out.size(), reinterpret_cast<uint64_t*>(out.data() + 8)) ==
+        MOECAP_ERROR_INVALID_ARGUMENT);  // the size would land in the record's header
+  CHECK(std::strstr(moecap_last_error(), "written points into out") != nullptr);
   s.struct_size = sizeof s - 8;
   CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_ABI_MISMATCH);
   s.struct_size = sizeof s;
@@ -262,6 +270,15 @@ TEST_CASE("malformed records are refused before anything is decoded") {
   refused(with(9, 0x80), MOECAP_ERROR_INVALID_ARGUMENT, "unknown bits");
   refused(with(10, MOECAP_WEIGHTS_F32), MOECAP_ERROR_INVALID_ARGUMENT, "weight dtype");
   refused(with(24, 4), MOECAP_ERROR_INVALID_ARGUMENT, "header says");
+  refused(with(39, 0x80), MOECAP_ERROR_INVALID_ARGUMENT, "start_position is -9223372036854775808; must be >= 0");
+  {
+    auto before_zero = good;  // start -1
+    std::fill(before_zero.begin() + 32, before_zero.begin() + 40, uint8_t{0xFF});
+    refused(before_zero, MOECAP_ERROR_INVALID_ARGUMENT, "start_position is -1; must be >= 0");
+    moecap_record_info info{};
+    info.struct_size = sizeof info;
+    CHECK(moecap_record_parse(before_zero.data(), before_zero.size(), &info) == MOECAP_ERROR_INVALID_ARGUMENT);
+  }
   refused(std::vector<uint8_t>(good.begin(), good.end() - 1), MOECAP_ERROR_INVALID_ARGUMENT, "header says");
   refused(std::vector<uint8_t>(good.begin(), good.begin() + 12), MOECAP_ERROR_INVALID_ARGUMENT, "at least 40");
   refused(with(40, 0x0D), MOECAP_ERROR_INVALID_ARGUMENT, "padding");            // bit 3: a fourth token

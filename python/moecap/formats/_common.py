@@ -6,7 +6,7 @@ import base64
 
 import numpy as np
 
-from ..record import RoutedExperts
+from ..record import MAX_LAYERS, RoutedExperts
 
 
 def sequence_length(routed, num_tokens, consumer, whole=True):
@@ -85,6 +85,8 @@ def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start
     if ids.ndim != 3:
         raise ValueError(f"{consumer} payload has shape {ids.shape}; expected [tokens, layers, top_k]")
     width = ids.shape[1]
+    if width > MAX_LAYERS:  # before a layer list that long is built for a payload that may hold no routing
+        raise ValueError(f"the {consumer} payload has {width} layers; a RoutedExperts holds at most {MAX_LAYERS}")
     if layers is None:
         layers = range(width)
     layers = [int(x) for x in layers]
