@@ -174,15 +174,18 @@ class CapturerOps:
     def __init__(self, cap: Capturer) -> None:
         self.id = cap.id
         self._capturer = cap  # the registry holds capturers weakly; these ops keep theirs alive
-        self.device_ids = torch.from_dlpack(cap.export("device_ids"))
-        self.host_ids = torch.from_dlpack(cap.export("host_ids"))
-        self.host_states = torch.from_dlpack(cap.export("host_states"))
-        weights = cap.plan.weight_bytes > 0
-        self.device_weights = torch.from_dlpack(cap.export("device_weights")) if weights else None
-        self.host_weights = torch.from_dlpack(cap.export("host_weights")) if weights else None
-        # [num_layers, num_experts] int64 expert loads, which capture counts into (histogram=True):
-        # read this tensor in compiled code, whose compiler then orders the read after the captures.
-        self.histogram = torch.from_dlpack(cap.export("histogram")) if cap.config.histogram else None
+        # Normal tensors even when first asked for inside torch.inference_mode() (an engine's first
+        # forward): inference tensors could not be written, nor handed to the ops, outside it later.
+        with torch.inference_mode(False):
+            self.device_ids = torch.from_dlpack(cap.export("device_ids"))
+            self.host_ids = torch.from_dlpack(cap.export("host_ids"))
+            self.host_states = torch.from_dlpack(cap.export("host_states"))
+            weights = cap.plan.weight_bytes > 0
+            self.device_weights = torch.from_dlpack(cap.export("device_weights")) if weights else None
+            self.host_weights = torch.from_dlpack(cap.export("host_weights")) if weights else None
+            # [num_layers, num_experts] int64 expert loads, which capture counts into (histogram=True):
+            # read this tensor in compiled code, whose compiler then orders the read after the captures.
+            self.histogram = torch.from_dlpack(cap.export("histogram")) if cap.config.histogram else None
         _issuers[cap.id] = self
 
     def layer_ids(self, layer: int) -> torch.Tensor:

@@ -207,6 +207,25 @@ def test_capture_declares_the_histogram_it_counts_into():
     assert make().ops.histogram is None  # a capturer without one passes none
 
 
+def test_ops_first_asked_for_in_inference_mode_work_outside_it_too():
+    """An engine's first forward runs under torch.inference_mode(); a trainer
+    replays outside it: the buffers cap.ops exports are normal tensors."""
+    cap = make()
+    with torch.inference_mode():
+        ops = cap.ops
+        assert not ops.device_ids.is_inference() and not ops.host_ids.is_inference()
+        ops.capture(0, torch.tensor([[1, 2, 3, 4]], dtype=torch.int32), torch.full((1, TOP_K), 0.25))
+    with torch.no_grad():
+        for layer in range(1, LAYERS):
+            ops.layer_ids(layer)[:1].copy_(torch.tensor([[5, 6, 7, 8]]))
+            ops.layer_weights(layer)[:1].fill_(0.5)
+        ops.commit(torch.tensor([2]))
+    with torch.inference_mode():
+        ops.invalidate(torch.tensor([3]))
+    got = cap.read(torch.tensor([2]))
+    assert got[0, 0].tolist() == [1, 2, 3, 4] and got[0, 3].tolist() == [5, 6, 7, 8]
+
+
 def test_opcheck_schema_fake_and_mutations():
     cap = make()
     ops = cap.ops
