@@ -81,6 +81,7 @@ WeightDtypeLike = Union[None, str, WeightDtype, Any]
 # NumPy's and torch's names of the dtypes moecap stores, and the keyword's name for each.
 _DTYPE_NAMES = {"uint8": "u8", "uint16": "u16", "int16": "i16", "int32": "i32",
                 "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+_DTYPES_BY_NAME = {short: full for full, short in _DTYPE_NAMES.items()}
 
 
 def abi_version() -> tuple[int, int]:
@@ -242,6 +243,8 @@ class Config(_Fields):
         device = str(self.device)
         if device == "cuda":
             device = "cuda:0"
+        if device == "cpu:0":  # torch.device("cpu", 0)
+            device = "cpu"
         ordinal = device[len("cuda:"):]
         if device != "cpu" and not (device.startswith("cuda:") and ordinal.isascii() and ordinal.isdigit()):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', not {self.device!r}")
@@ -413,7 +416,8 @@ class Capturer(_moecap.Capturer):
         """The rows of ``slots`` (host memory, any DLPack producer) as ``[T, num_layers, top_k]``.
 
         Without ``out``, allocates one like ``slots`` (a torch tensor for torch
-        slots, else NumPy) of ``dtype`` (default int32). ``out`` may be a CUDA
+        slots, else NumPy) of ``dtype`` (default int32; moecap's names ``"u8"``,
+        ``"u16"``, ``"i16"``, ``"i32"`` as in Config). ``out`` may be a CUDA
         tensor on the capturer's GPU: it is filled on ``stream``. Returns out,
         or (out, weights_out) when weights_out is given.
 
@@ -422,6 +426,8 @@ class Capturer(_moecap.Capturer):
         at capture; ``strict=True`` raises MoecapError(NO_ROUTING) instead and
         writes nothing. ``slot_states`` says which slots hold routing."""
         if out is None:
+            # moecap's own names mean what they mean in Config: "u8" is uint8 (NumPy would read uint64).
+            dtype = _DTYPES_BY_NAME.get(dtype, dtype) if isinstance(dtype, str) else dtype
             shape = (_moecap.read_slots_length(slots), self.config.num_layers, self.config.top_k)
             torch = _torch_if_imported()
             if torch is not None and isinstance(slots, torch.Tensor):
@@ -449,7 +455,7 @@ class Capturer(_moecap.Capturer):
             self.synchronize()
         except MoecapError as e:
             if e.status != Status.ROWS_SKIPPED:  # the commits have landed; the skipped rows stay counted
-                raise
+                raise MoecapError(e.status, e._message.replace("moecap_synchronize", "slot_states")) from None
         return self._states[index]
 
     def export(self, which: Union[str, Buffer], layer: int = 0) -> DLPackView:
@@ -492,6 +498,9 @@ def _host_slots(slots: Any, host_slots: int) -> Any:
                 raise outside(i, v)
         slots = np.asarray(values, dtype=np.int64)
     elif not isinstance(slots, np.ndarray):
+        if not hasattr(slots, "__dlpack__"):
+            raise MoecapError(Status.INVALID_ARGUMENT, "slot_states: slots must be host memory (a DLPack producer) "
+                                                       f"or a list of ints, not {type(slots).__name__}")
         try:
             slots = np.from_dlpack(slots)
         except (TypeError, RuntimeError, BufferError) as e:
@@ -502,6 +511,9 @@ def _host_slots(slots: Any, host_slots: int) -> Any:
     if slots.dtype not in (np.int32, np.int64):
         raise MoecapError(Status.INVALID_ARGUMENT,
                           f"slot_states: slots has dtype {slots.dtype}; expected one of int32, int64")
+    if slots.size and slots.ctypes.data % slots.itemsize:  # as moecap_read refuses it
+        raise MoecapError(Status.INVALID_ARGUMENT, f"slot_states: slots data + byte_offset is not aligned to its "
+                                                   f"{slots.itemsize}-byte elements")
     if slots.size > 1 and slots.strides[0] != slots.itemsize:
         raise MoecapError(Status.INVALID_ARGUMENT,
                           f"slot_states: slots is not compact row-major: strides[0] is {slots.strides[0]} bytes; "

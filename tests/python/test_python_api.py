@@ -50,6 +50,7 @@ def test_ints_and_devices_are_checked_before_the_library_sees_them():
         moecap.Config(**CONFIG, device="tpu")
     assert moecap.Config(**CONFIG, device="cuda").device == "cuda:0"
     assert moecap.Config(**CONFIG, device=torch.device("cuda", 1)).device == "cuda:1"
+    assert moecap.Config(**CONFIG, device=torch.device("cpu", 0)).device == "cpu"
     assert moecap.Config(**CONFIG, device="cuda:01") == moecap.Config(**CONFIG, device="cuda:1")
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda"):
         moecap.Config(**CONFIG, device="cuda:\u0661")  # a digit, but not an ASCII one

@@ -30,9 +30,15 @@ def test_a_slot_outside_the_cache_is_out_of_range_like_read(slots, index, value)
     assert read_error.value.status == e.value.status
 
 
+def misaligned():
+    raw = np.zeros(17, dtype=np.uint8)
+    return raw[1:].view(np.int64)  # slots 0 and 0, one byte past an 8-byte boundary
+
+
 @pytest.mark.parametrize("slots, what", [(np.array([[0]]), "ndim 2"), (np.array([0.5]), "dtype float64"),
                                          (np.array([1], dtype=np.uint8), "dtype uint8"),
-                                         (np.array([1, 0, 2])[::-2], "not compact")])
+                                         (np.array([1, 0, 2])[::-2], "not compact"),
+                                         (misaligned(), "not aligned to its 8-byte elements")])
 def test_malformed_slots_are_invalid_arguments(slots, what):
     cap = make()
     with pytest.raises(moecap.MoecapError, match=what) as e:
@@ -75,3 +81,19 @@ def test_skipped_rows_do_not_make_slot_states_raise():
     assert cap.slot_states([SLOTS - 1, 0]).tolist() == [moecap.SLOT_VALID, moecap.SLOT_EMPTY]
     assert cap.errors()["skipped_rows"] == 1  # still reported where errors are read
     graph.close()
+
+
+@pytest.mark.parametrize("slots", [None, range(3), {1}, 3])
+def test_what_is_neither_an_array_nor_a_list_is_an_invalid_argument_naming_slots(slots):
+    with pytest.raises(moecap.MoecapError, match=f"slots must be host memory .* not {type(slots).__name__}") as e:
+        make().slot_states(slots)
+    assert e.value.status == moecap.Status.INVALID_ARGUMENT
+
+
+def test_errors_name_slot_states_not_the_call_it_waits_with():
+    cap = make()
+    cap.graph_begin()
+    with pytest.raises(moecap.MoecapError, match="^CAPTURE_ILLEGAL: slot_states: not allowed") as e:
+        cap.slot_states([1])
+    assert e.value.status == moecap.Status.CAPTURE_ILLEGAL
+    cap.graph_end().close()

@@ -58,6 +58,21 @@ def test_strict_read_refuses_a_slot_without_routing_and_writes_nothing():
             cap.read(np.array([0]), dtype=np.uint8)
 
 
+def test_a_read_takes_moecaps_dtype_names_as_config_does():
+    """"u8" is uint8 in Config; NumPy reads it as uint64, which a read would
+    have allocated."""
+    with moecap.Capturer(**CONFIG) as cap:
+        fill(cap, 1)
+        cap.commit(np.array([3]))
+        for name, dtype in (("u8", np.uint8), ("u16", np.uint16), ("i16", np.int16), ("i32", np.int32),
+                            ("uint8", np.uint8), ("int64", np.int64)):
+            got = cap.read(np.array([3, 4]), dtype=name)
+            assert got.dtype == dtype and got[0, 0].tolist() == [0, 1]
+            assert (got[1] == np.array(-1).astype(dtype)).all()  # slot 4 holds nothing: all ones
+        torch = pytest.importorskip("torch")
+        assert cap.read(torch.tensor([3]), dtype="u8").dtype == torch.uint8
+
+
 def test_config_takes_the_library_defaults_and_the_device_dtype():
     config = moecap._moecap.Config()  # moecap_config_init
     assert (config.dp_size, config.verify_tokens, config.device_type, config.id_dtype) == (1, 1, 1, 0)
