@@ -479,6 +479,112 @@ def test_a_slot_without_routing_is_never_sent_as_routing(sgl):
         assert ours.get_topk(1, 4, sched.pool, 0) is None
 
 
+@pytest.mark.parametrize("lens, whole", [([130, 10], None), ([10, 140, 3], None), ([5, 6], None),
+                                         ([130, 10], [True, False])])
+def test_late_layers_that_route_only_each_requests_tail_are_put_back_at_their_tokens(sgl, lens, whole):
+    """DeepSeek-V4.1's decoder SWA bounded replay: an extend runs the layers
+    from late_layer_start over each request's last SWA_WINDOW tokens only (its
+    whole extend where it returns prompt logprobs), so their top-k rows are
+    those tails back to back. A request wholly in its tail gets its own
+    routing; one longer than the window has tokens no late layer routed and
+    is left out, never sent another token's or request's routing."""
+    from sglang.kernels.ops.attention.dsv4.attn_metadata_kernels import late_layer_tail_lens
+    from sglang.srt.layers.attention.deepseek_v4_backend import SWA_WINDOW
+    torch = sgl.torch
+    tails = late_layer_tail_lens(lens, SWA_WINDOW, whole)
+    ends = np.cumsum(lens)
+    tail_rows = np.concatenate([np.arange(end - tail, end) for end, tail in zip(ends, tails)])
+    rows = sum(lens)
+    truth = np.random.default_rng(sum(lens)).integers(0, NUM_EXPERTS, size=(rows, len(MOE_LAYERS), TOP_K))
+    model, config = make_model(sgl)
+    model.late_layer_start = 3  # MoE layer 4 runs over the tails; 1 and 2 over every row
+    with server(sgl, chunked_prefill_size=512):
+        sgl.adapter.install()
+        try:
+            ours = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=config, num_tokens=600,
+                                                       max_running_requests=4, device="cpu")
+        finally:
+            sgl.adapter.uninstall()
+        sched = Scheduler(sgl, 600, len(lens), np.random.default_rng(3))
+        loc = []
+        for rid, n in enumerate(lens):
+            sched.reqs[rid] = [rid, 0, n]
+            slots = sched.alloc(n)
+            sched.keep(rid, slots)
+            loc += slots
+        sgl.re.set_global_experts_capturer(ours)
+        try:
+            config_on = types.SimpleNamespace(allow_routed_experts_capture=True)
+            for i, layer in enumerate(MOE_LAYERS):
+                routed = truth[tail_rows, i] if layer == 4 else truth[:, i]
+                sgl.topk.capture_routed_experts_if_allowed(config_on, layer,
+                                                           torch.from_numpy(np.ascontiguousarray(routed)).int())
+            fb = sgl.ForwardBatch(forward_mode=sgl.ForwardMode.EXTEND, batch_size=len(lens),
+                                  input_ids=torch.zeros(rows, dtype=torch.long),
+                                  req_pool_indices=torch.arange(len(lens)), seq_lens=torch.tensor(lens),
+                                  out_cache_loc=torch.tensor(loc), seq_lens_sum=rows, extend_seq_lens_cpu=list(lens))
+            if whole is not None:  # prompt logprobs from position 0 where whole, none elsewhere
+                fb.return_logprob = True
+                fb.extend_logprob_start_lens_cpu = [0 if w else n for w, n in zip(whole, lens)]
+            ours.on_forward_end(forward_batch=fb, can_run_graph=False, cuda_graph_batch=None)
+        finally:
+            sgl.re.set_global_experts_capturer(None)
+        for rid, n in enumerate(lens):
+            got = ours.get_topk(rid, n + 1, sched.pool, 0)
+            if tails[rid] < n:
+                assert got is None
+                routed = ours.read(loc[int(ends[rid] - n):int(ends[rid])])
+                assert not routed.valid[:n - tails[rid]].any() and routed.valid[n - tails[rid]:].all()
+            else:
+                assert got is not None
+                assert np.array_equal(got.numpy()[:, list(MOE_LAYERS)], truth[ends[rid] - n:ends[rid]])
+
+
+def test_late_layers_that_route_only_tails_under_dp_attention_read_no_routing(sgl):
+    """Under DP attention the gathered tails' places are not known: the late
+    layers' rows all read "no routing", so no request is sent other tokens'."""
+    torch = sgl.torch
+    lens, other_rank = [130, 10], 7
+    rows = sum(lens)
+    model, config = make_model(sgl)
+    model.late_layer_start = 3
+    with server(sgl, chunked_prefill_size=512, dp_size=2, dp_rank=0):
+        sgl.adapter.install()
+        try:
+            ours = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=config, num_tokens=600,
+                                                       max_running_requests=4, device="cpu")
+        finally:
+            sgl.adapter.uninstall()
+        assert ours.dp_size == 2
+        sched = Scheduler(sgl, 600, len(lens), np.random.default_rng(3))
+        loc = []
+        for rid, n in enumerate(lens):
+            sched.reqs[rid] = [rid, 0, n]
+            slots = sched.alloc(n)
+            sched.keep(rid, slots)
+            loc += slots
+        gathered = np.random.default_rng(4).integers(0, NUM_EXPERTS, size=(rows + other_rank, len(MOE_LAYERS), TOP_K))
+        sgl.re.set_global_experts_capturer(ours)
+        try:
+            config_on = types.SimpleNamespace(allow_routed_experts_capture=True)
+            for i, layer in enumerate(MOE_LAYERS):
+                routed = gathered[:128 + 10 + other_rank, i] if layer == 4 else gathered[:, i]
+                sgl.topk.capture_routed_experts_if_allowed(config_on, layer,
+                                                           torch.from_numpy(np.ascontiguousarray(routed)).int())
+            fb = sgl.ForwardBatch(forward_mode=sgl.ForwardMode.EXTEND, batch_size=len(lens),
+                                  input_ids=torch.zeros(rows, dtype=torch.long),
+                                  req_pool_indices=torch.arange(len(lens)), seq_lens=torch.tensor(lens),
+                                  out_cache_loc=torch.tensor(loc), seq_lens_sum=rows, extend_seq_lens_cpu=list(lens))
+            fb.global_num_tokens_cpu = [rows, other_rank]
+            ours.on_forward_end(forward_batch=fb, can_run_graph=False, cuda_graph_batch=None)
+        finally:
+            sgl.re.set_global_experts_capturer(None)
+        for rid, n in enumerate(lens):
+            assert ours.get_topk(rid, n + 1, sched.pool, 0) is None
+        routed = ours.read(loc)
+        assert not routed.valid.any() and (routed.ids[:, 2] == -1).all() and (routed.ids[:, :2] >= 0).all()
+
+
 def test_streaming_reads_only_new_positions(sgl):
     """A running request read chunk by chunk: each chunk is what SGLang sends
     with routed_experts_start_len at its first position, and no read touches

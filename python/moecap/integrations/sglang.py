@@ -66,6 +66,16 @@ def _moe_layers_of(model):
     return tuple(ids) or None
 
 
+def _late_layer_start(model):
+    """DeepSeek-V4.1's decoder SWA bounded replay: the model layer from which an extend runs each request's
+    last SWA_WINDOW tokens only (its model's late_layer_start), or None."""
+    found = getattr(model, "late_layer_start", None)
+    if found is None and hasattr(model, "modules"):
+        found = next((m.late_layer_start for m in model.modules()
+                      if getattr(m, "late_layer_start", None) is not None), None)
+    return None if found is None else int(found)
+
+
 def _graph_rows_per_rank(forward_batch, cuda_graph_batch):
     """The rows each DP rank occupies in a CUDA-graph forward. SGLang passes its decode graph runner's
     batch size, in requests; a speculative verify graph gives each request spec_info.num_tokens_per_req
@@ -84,7 +94,8 @@ class MoecapRoutedExpertsCapturer:
     extra top-k columns the router may pass (dropped). Keywords (default: read
     from SGLang's runtime context): moe_layers (model layers that route),
     num_experts, dp_size, verify_tokens, chunked_prefill_size,
-    max_batch_tokens, invalid ("omit", "raise", "zero"), device_id_dtype
+    max_batch_tokens, late_layer_start (DeepSeek-V4.1's: read from the
+    model), invalid ("omit", "raise", "zero"), device_id_dtype
     (default: "u8" up to 255 experts, else "auto": routing reaches the
     device buffer only through moecap's capture, so the narrowest dtype
     holds it, and a commit reads half the bytes of int16).
@@ -93,7 +104,7 @@ class MoecapRoutedExpertsCapturer:
     def __init__(self, model_config, num_tokens, max_running_requests, num_fused_shared_experts=0, device="cpu",
                  *, moe_layers=None, num_experts=None, dp_size=None, verify_tokens=None,
                  chunked_prefill_size=None, max_batch_tokens=None, invalid="omit", dp_rank=None,
-                 device_id_dtype=None):
+                 device_id_dtype=None, late_layer_start=None):
         if invalid not in INVALID:
             raise ValueError(f"invalid must be one of {INVALID}, not {invalid!r}")
         hf = model_config.hf_text_config
@@ -105,6 +116,9 @@ class MoecapRoutedExpertsCapturer:
         layers = moe_layers if moe_layers is not None else _model.moe_layers_from_config(hf)
         self.moe_layers = _model.check_layers(layers, self.num_layers)
         self._ordinal = {layer: i for i, layer in enumerate(self.moe_layers)}
+        # MoE ordinals of the layers an extend runs over its requests' tails only.
+        self._late = [i for layer, i in self._ordinal.items() if late_layer_start is not None and
+                      layer >= int(late_layer_start)]
         self.invalid = invalid
         self._dp_rank = dp_rank
         ctx = _runtime_sizes()
@@ -143,6 +157,8 @@ class MoecapRoutedExpertsCapturer:
             raise NotImplementedError("moecap's SGLang capturer does not gather DeepEP's scattered top-k across "
                                       "attention-TP ranks; run without --moe-a2a-backend deepep or uninstall()")
         options = {**_installed_options, **options}
+        if "late_layer_start" not in options:
+            options["late_layer_start"] = _late_layer_start(model)
         if "moe_layers" not in options:
             found = _moe_layers_of(model)
             if found is not None:
@@ -203,9 +219,53 @@ class MoecapRoutedExpertsCapturer:
             start, count = 0, int(forward_batch.out_cache_loc.shape[0])
         if n > count and n != padded_rows:
             raise ValueError(f"{name} has {n} slots; this rank's batch has {count} rows")
+        if self._late:
+            self._place_late_layer_tails(forward_batch)
         # Also with no rows (an idle DP rank): an empty commit ends the step.
         self.capturer.commit(slots[:count] if n > count else slots, src_start=start)
         return None
+
+    def _place_late_layer_tails(self, forward_batch):
+        """Under DeepSeek-V4.1's decoder SWA bounded replay an extend runs the
+        layers from late_layer_start over each request's last SWA_WINDOW tokens
+        only (its whole extend where it returns prompt logprobs or hidden
+        states): their top-k rows are those tails, back to back (SGLang's
+        late_layer_tail_layout), not the batch's rows. Each late MoE layer's
+        rows are put back at their tokens, and the tokens no late layer routed
+        read "no routing" (SGLang's own capturer commits the tails as the
+        batch's first rows). Under DP attention the gathered tails' places are
+        not known here, so those layers' rows all read "no routing"."""
+        mode = getattr(forward_batch, "forward_mode", None)
+        extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
+        if mode is None or not mode.is_extend_without_speculative() or extend is None:
+            return  # decode and verify forwards run the late layers over every row
+        from sglang.kernels.ops.attention.dsv4.attn_metadata_kernels import late_layer_tail_lens
+        from sglang.srt.layers.attention.deepseek_v4_backend import SWA_WINDOW, late_layer_whole_extend
+        extend = [int(e) for e in extend]
+        spec = getattr(forward_batch, "spec_algorithm", None)
+        dspark = bool(spec is not None and getattr(spec, "is_dspark", lambda: False)())
+        tails = late_layer_tail_lens(extend, SWA_WINDOW, late_layer_whole_extend(forward_batch, dspark=dspark))
+        rows = sum(extend)
+        if sum(tails) == rows:
+            return  # every token is in its request's tail: the late layers' rows are the batch's
+        torch = _torch()
+        ops = self.capturer.ops
+        device = ops.device_ids.device
+        top_k = self.topk_size
+        if self.dp_size > 1:
+            blank = torch.full((int(self.plan.device_rows), top_k), -1, dtype=torch.int32, device=device)
+            for ordinal in self._late:
+                self.capturer.capture(ordinal, blank)
+            return
+        ends = np.cumsum(extend)
+        index = torch.from_numpy(np.concatenate([np.arange(end - tail, end) for end, tail in zip(ends, tails)]))
+        index = index.to(device)
+        for ordinal in self._late:
+            picked = ops.layer_ids(ordinal)[:index.shape[0]].to(torch.int32)
+            picked = picked.masked_fill(picked >= self.num_experts, -1)  # u8's 0xff: "none"
+            placed = torch.full((rows, top_k), -1, dtype=torch.int32, device=device)
+            placed[index] = picked
+            self.capturer.capture(ordinal, placed)
 
     def _split_prefill_continues(self, forward_batch):
         """A split prefill (--enable-pdmux) runs the model a range of layers per
