@@ -137,7 +137,7 @@ class Scheduler:
 
 
 def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=None, shared_cols=0, overlap=False,
-                verify_width=None, padded_per_rank=None, real_rows=None):
+                verify_width=None, padded_per_rank=None, real_rows=None, ragged_tier=None):
     """One forward: every MoE layer's top-k through SGLang's capture site for
     each capturer (the global one), then on_forward_end on each.
     rows_ids: [rows, moe_layers, top_k] of the gathered batch (graph-padded
@@ -147,7 +147,8 @@ def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=
     padded_per_rank: the per-rank counts SGLang padded a DP batch to for its
     gather (it writes them to global_num_tokens_padded_cpu and
     global_num_tokens_cpu both); real_rows: this rank's count before, which
-    it keeps in _original_num_tokens."""
+    it keeps in _original_num_tokens. ragged_tier: a ragged verify graph's
+    token tier (each rank's rows in the gathered batch)."""
     torch = sgl.torch
     config = types.SimpleNamespace(allow_routed_experts_capture=True)
     for cap, loc in capturers:
@@ -170,7 +171,9 @@ def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=
                 fb._original_num_tokens = real_rows
             if verify_width is not None:
                 fb.forward_mode = sgl.ForwardMode.TARGET_VERIFY
-                fb.spec_info = types.SimpleNamespace(num_tokens_per_req=verify_width)
+                fb.spec_info = types.SimpleNamespace(num_tokens_per_req=verify_width, ragged_verify_layout=None)
+                if ragged_tier is not None:  # SGLang's RaggedVerifyLayout: the graph's token tier per rank
+                    fb.spec_info.ragged_verify_layout = types.SimpleNamespace(graph_num_tokens=ragged_tier)
             out = cap.on_forward_end(forward_batch=fb, can_run_graph=graph_bs is not None, cuda_graph_batch=graph_bs,
                                      no_copy_to_cpu=overlap)
             if out is not None:  # SGLang's overlap path: GenerationBatchResult.copy_to_cpu, then the processor's finalize
@@ -393,14 +396,17 @@ def test_without_chunked_prefill_a_prompt_past_max_prefill_tokens_fits(sgl):
         assert np.array_equal(got, rows)
 
 
-def test_graph_padded_verify_rows_at_dp2_are_found_a_verify_graph_apart(sgl):
+@pytest.mark.parametrize("ragged_tier", [None, 8])
+def test_graph_padded_verify_rows_at_dp2_are_found_a_verify_graph_apart(sgl, ragged_tier):
     """Under DP attention a verify CUDA graph of bs requests x W draft tokens
     gives each rank bs * W rows of the gathered batch; SGLang passes bs. (Its
-    own capturer offsets by bs and reads rank 0's rows for rank 1.)"""
+    own capturer offsets by bs and reads rank 0's rows for rank 1.) A ragged
+    verify graph pads each rank to its token tier instead, whatever bs is."""
     rng = np.random.default_rng(8)
     width, graph_bs, requests = 3, 2, [2, 1]
     tokens = [r * width for r in requests]
-    rows = rng.integers(0, NUM_EXPERTS, size=(2 * graph_bs * width, len(MOE_LAYERS), TOP_K))
+    per_rank = ragged_tier or graph_bs * width
+    rows = rng.integers(0, NUM_EXPERTS, size=(2 * per_rank, len(MOE_LAYERS), TOP_K))
     for rank in range(2):
         with server(sgl, dp_size=2, dp_rank=rank):
             _, ours = create_pair(sgl, num_tokens=200, max_running=4, verify_tokens=width)
@@ -409,10 +415,10 @@ def test_graph_padded_verify_rows_at_dp2_are_found_a_verify_graph_apart(sgl):
             loc = sched.alloc(tokens[rank])
             sched.keep(0, loc)
             run_forward(sgl, [(ours, loc)], rows, loc, tokens_per_rank=tokens, graph_bs=graph_bs,
-                        verify_width=width)
+                        verify_width=width, ragged_tier=ragged_tier)
             got = RoutedExperts.from_sglang(payloads(sgl, ours, sched, 0, len(loc) + 1, 0)[0], NUM_EXPERTS,
                                             NUM_LAYERS, TOP_K, layers=MOE_LAYERS).ids
-            first = rank * graph_bs * width
+            first = rank * per_rank
             assert np.array_equal(got, rows[first:first + len(loc)])
 
 

@@ -80,8 +80,14 @@ def _graph_rows_per_rank(forward_batch, cuda_graph_batch):
     """The rows each DP rank occupies in a CUDA-graph forward. SGLang passes its decode graph runner's
     batch size, in requests; a speculative verify graph gives each request spec_info.num_tokens_per_req
     rows (the draft tokens), so the ranks' rows are that many times further apart. (SGLang's own
-    capturer offsets by the request count and reads another rank's rows there.)"""
-    width = int(getattr(getattr(forward_batch, "spec_info", None), "num_tokens_per_req", 1) or 1)
+    capturer offsets by the request count and reads another rank's rows there.) A ragged verify graph
+    (SGLANG_RAGGED_VERIFY_MODE=compact: requests verify different draft counts) is padded to a token
+    tier, its layout's graph_num_tokens, whatever its batch size."""
+    spec_info = getattr(forward_batch, "spec_info", None)
+    ragged = getattr(spec_info, "ragged_verify_layout", None)
+    if ragged is not None:
+        return int(ragged.graph_num_tokens)
+    width = int(getattr(spec_info, "num_tokens_per_req", 1) or 1)
     return int(cuda_graph_batch) * max(width, 1)  # -1: a spec input that did not set it
 
 
