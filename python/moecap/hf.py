@@ -865,7 +865,10 @@ def _recomputed_weights(router, logits, ids, hidden_dtype=None):
         # Ergo's router rounds its float32 weights through its input's dtype
         return w.to(hidden_dtype).float() if kind.startswith("Ergo") and hidden_dtype is not None else w
     if kind.startswith(("Flint", "Kolibri1")):  # the sigmoid of the picked logits (Kolibri 1 picks them biased)
-        w = logits.float().gather(1, ids).sigmoid()
+        if kind.startswith("Flint"):  # of all its logits, then picked: a vectorized sigmoid rounds by position
+            w = logits.float().sigmoid().gather(1, ids)
+        else:
+            w = logits.float().gather(1, ids).sigmoid()
         return w / w.sum(dim=-1, keepdim=True) if router.norm_topk_prob else w
     if kind.startswith("Lfm2Moe"):
         w = logits.sigmoid().gather(1, ids)

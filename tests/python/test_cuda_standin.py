@@ -139,3 +139,21 @@ def test_ctrl_c_while_close_waits_for_a_stalled_synchronize_leaves_the_capturer_
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_a_nonblocking_read_of_slots_still_being_committed_is_not_ready_in_pythons_terms():
+    # The stand-in runs a stream only when the host waits: the commit stays in flight.
+    out = run("""
+        cap.capture(0, owner.export("layer_ids", layer=1), stream=stream.value)
+        cap.capture(1, owner.export("layer_ids", layer=1), stream=stream.value)
+        cap.commit(np.arange(rows), stream=stream.value)
+        try:
+            cap.read(np.arange(rows), nonblocking=True, stream=stream.value)
+            raise AssertionError("a read of slots still being committed returned")
+        except moecap.MoecapError as e:
+            assert e.status == moecap.Status.NOT_READY, e
+            assert "(nonblocking=True)" in str(e) and "MOECAP_READ" not in str(e), e
+        assert (cap.read(np.arange(rows), stream=stream.value) == routing[:, None, :]).all()
+        print("ok")
+    """)
+    assert out.strip() == "ok"

@@ -200,6 +200,10 @@ def test_capture_declares_the_histogram_it_counts_into():
         ops.capture(0, ids)
         return before, ops.histogram.clone()
 
+    torch.library.opcheck(torch.ops.moecap.capture.default,
+                          (ops.device_ids, None, cap.id, 0, torch.tensor([[5, 6]], dtype=torch.int32), None,
+                           ops.histogram))
+    cap.histogram_reset()
     torch._dynamo.reset()
     before, after = torch.compile(step, fullgraph=True)(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32))
     assert before[0].tolist() == [0] * 8
