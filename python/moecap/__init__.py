@@ -408,7 +408,7 @@ class Capturer(_moecap.Capturer):
     def errors(self, clear: bool = False) -> ErrorCounts:  # type: ignore[override]
         """Counters of problems found where no status could be returned (inside kernels and
         graph replays); waits for the commits in flight. ``clear`` resets them in the same step."""
-        return ErrorCounts(**super().errors(clear))
+        return ErrorCounts(**super().errors(_checked_flag("clear", clear)))
 
     def read(self, slots: DLPackArray, dtype: Any = None, out: Optional[DLPackArray] = None,
              weights_out: Optional[DLPackArray] = None, nonblocking: bool = False, strict: bool = False,
@@ -435,7 +435,8 @@ class Capturer(_moecap.Capturer):
             else:
                 import numpy as np
                 out = np.empty(shape, dtype=_numpy_dtype(torch, dtype or np.int32))
-        self.read_into(slots, out, weights_out, nonblocking, strict, stream)
+        self.read_into(slots, out, weights_out, _checked_flag("nonblocking", nonblocking),
+                       _checked_flag("strict", strict), stream)
         return out if weights_out is None else (out, weights_out)
 
     def slot_states(self, slots: Union[DLPackArray, list[int], tuple[int, ...]]) -> Any:

@@ -43,6 +43,16 @@ def test_ints_and_devices_are_checked_before_the_library_sees_them():
                 moecap.Config(**CONFIG, **{name: bad})
         assert getattr(moecap.Config(**CONFIG, **{name: np.bool_(True)}), name) is True
         assert getattr(moecap.Config(**CONFIG, **{name: 0}), name) is False
+    # So are a call's: read's strict and nonblocking, errors' clear.
+    cap = moecap.Capturer(**CONFIG)
+    assert cap.read(np.array([1]), strict=np.bool_(False), nonblocking=0).shape == (1, 2, 2)
+    assert cap.errors(clear=np.True_).invalid_ids == 0
+    for bad in ("no", 0.0, 2, None):
+        with pytest.raises(TypeError, match="strict must be a bool"):
+            cap.read(np.array([1]), strict=bad)
+        with pytest.raises(TypeError, match="clear must be a bool"):
+            cap.errors(clear=bad)
+    cap.close()
     with pytest.raises(TypeError, match="histogram must be a bool, not NoneType"):
         moecap.Config(**CONFIG, histogram=None)
     assert moecap.Config(**CONFIG, guards=None).guards is None  # the build's default
