@@ -546,11 +546,14 @@ def test_late_layers_that_route_only_each_requests_tail_are_put_back_at_their_to
                 assert np.array_equal(got.numpy()[:, list(MOE_LAYERS)], truth[ends[rid] - n:ends[rid]])
 
 
-def test_late_layers_that_route_only_tails_under_dp_attention_read_no_routing(sgl):
-    """Under DP attention the gathered tails' places are not known: the late
-    layers' rows all read "no routing", so no request is sent other tokens'."""
+@pytest.mark.parametrize("lens, mode", [([130, 10], "EXTEND"), ([100, 10], "EXTEND"), ([1, 1], "DECODE")])
+def test_late_layers_that_route_only_tails_under_dp_attention_read_no_routing(sgl, lens, mode):
+    """Under DP attention a step in which any rank extends re-lays the gathered
+    late-layer rows by every rank's tails, which one rank cannot see: the late
+    layers' rows all read "no routing" on every rank (one whose tails are
+    whole, or that decodes, too), so no request is sent other tokens'."""
     torch = sgl.torch
-    lens, other_rank = [130, 10], 7
+    other_rank = 7
     rows = sum(lens)
     model, config = make_model(sgl)
     model.late_layer_start = 3
@@ -574,13 +577,15 @@ def test_late_layers_that_route_only_tails_under_dp_attention_read_no_routing(sg
         try:
             config_on = types.SimpleNamespace(allow_routed_experts_capture=True)
             for i, layer in enumerate(MOE_LAYERS):
-                routed = gathered[:128 + 10 + other_rank, i] if layer == 4 else gathered[:, i]
+                routed = gathered[:min(rows, 128) + 10 + other_rank, i] if layer == 4 else gathered[:, i]
                 sgl.topk.capture_routed_experts_if_allowed(config_on, layer,
                                                            torch.from_numpy(np.ascontiguousarray(routed)).int())
             fb = sgl.ForwardBatch(forward_mode=sgl.ForwardMode.EXTEND, batch_size=len(lens),
                                   input_ids=torch.zeros(rows, dtype=torch.long),
                                   req_pool_indices=torch.arange(len(lens)), seq_lens=torch.tensor(lens),
                                   out_cache_loc=torch.tensor(loc), seq_lens_sum=rows, extend_seq_lens_cpu=list(lens))
+            fb.forward_mode = getattr(sgl.ForwardMode, mode)
+            fb.is_extend_in_batch = True  # this rank's or another's
             fb.global_num_tokens_cpu = [rows, other_rank]
             ours.on_forward_end(forward_batch=fb, can_run_graph=False, cuda_graph_batch=None)
         finally:

@@ -239,11 +239,25 @@ class MoecapRoutedExpertsCapturer:
         late_layer_tail_layout), not the batch's rows. Each late MoE layer's
         rows are put back at their tokens, and the tokens no late layer routed
         read "no routing" (SGLang's own capturer commits the tails as the
-        batch's first rows). Under DP attention the gathered tails' places are
-        not known here, so those layers' rows all read "no routing"."""
+        batch's first rows). Under DP attention, a step in which any rank
+        extends re-lays the gathered late-layer rows by every rank's tails (or
+        at a tail graph's bucket per rank), which one rank cannot see: those
+        layers' rows all read "no routing", on every rank."""
         mode = getattr(forward_batch, "forward_mode", None)
+        if mode is None:
+            return
+        torch = _torch()
+        ops = self.capturer.ops
+        device = ops.device_ids.device
+        top_k = self.topk_size
+        if self.dp_size > 1:
+            if getattr(forward_batch, "is_extend_in_batch", False) or mode.is_extend_without_speculative():
+                blank = torch.full((int(self.plan.device_rows), top_k), -1, dtype=torch.int32, device=device)
+                for ordinal in self._late:
+                    self.capturer.capture(ordinal, blank)
+            return
         extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
-        if mode is None or not mode.is_extend_without_speculative() or extend is None:
+        if not mode.is_extend_without_speculative() or extend is None:
             return  # decode and verify forwards run the late layers over every row
         from sglang.kernels.ops.attention.dsv4.attn_metadata_kernels import late_layer_tail_lens
         from sglang.srt.layers.attention.deepseek_v4_backend import SWA_WINDOW, late_layer_whole_extend
@@ -254,18 +268,10 @@ class MoecapRoutedExpertsCapturer:
         rows = sum(extend)
         if sum(tails) == rows:
             return  # every token is in its request's tail: the late layers' rows are the batch's
-        torch = _torch()
-        ops = self.capturer.ops
-        device = ops.device_ids.device
-        top_k = self.topk_size
-        if self.dp_size > 1:
-            blank = torch.full((int(self.plan.device_rows), top_k), -1, dtype=torch.int32, device=device)
-            for ordinal in self._late:
-                self.capturer.capture(ordinal, blank)
-            return
         ends = np.cumsum(extend)
         index = torch.from_numpy(np.concatenate([np.arange(end - tail, end) for end, tail in zip(ends, tails)]))
-        index = index.to(device)
+        if device.type != "cpu":  # pinned, so the copy is queued on the stream, not waited for
+            index = index.pin_memory().to(device, non_blocking=True)
         for ordinal in self._late:
             picked = ops.layer_ids(ordinal)[:index.shape[0]].to(torch.int32)
             picked = picked.masked_fill(picked >= self.num_experts, -1)  # u8's 0xff: "none"
