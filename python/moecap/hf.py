@@ -609,19 +609,16 @@ class Attached:
 
 def _compile_ops(capturer):
     """The capturer's custom ops for the hooks to call under torch.compile,
-    made at attach (inside traced code, exporting the buffers would break the
-    graph); None for a capturer other than moecap's or a torch without
-    torch.library custom ops. The runner's own, not Capturer.ops: that one
-    holds the capturer from the capturer, so a detached capturer would wait
-    for the garbage collector."""
+    taken at attach (inside traced code, exporting the buffers would break the
+    graph) and held by the runner; None for a capturer other than moecap's or
+    a torch without torch.library custom ops."""
     from . import Capturer
     if not isinstance(capturer, Capturer):
         return None
     try:
-        from .ops import CapturerOps
+        return capturer.ops
     except ImportError:
         return None
-    return CapturerOps(capturer)
 
 
 class _Runner:

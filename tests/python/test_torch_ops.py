@@ -211,6 +211,28 @@ def test_capture_declares_the_histogram_it_counts_into():
     assert make().ops.histogram is None  # a capturer without one passes none
 
 
+def test_a_capturer_and_its_ops_are_freed_without_the_garbage_collector():
+    """The ops hold the capturer (compiled graphs name it by id only); the
+    capturer holds them weakly, so no cycle keeps the buffers until gc runs
+    (an engine rebuilt in one process would hold two sets)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        cap = make()
+        ops = cap.ops
+        assert cap.ops is ops
+        ops.capture(0, torch.tensor([[1, 2, 3, 4]], dtype=torch.int32), torch.full((1, TOP_K), 0.25))
+        alive = weakref.ref(cap)
+        del cap
+        assert alive() is not None  # the ops keep it
+        del ops
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
 def test_ops_first_asked_for_in_inference_mode_work_outside_it_too():
     """An engine's first forward runs under torch.inference_mode(); a trainer
     replays outside it: the buffers cap.ops exports are normal tensors."""
