@@ -396,9 +396,7 @@ class Capturer(_moecap.Capturer):
         self.id = next(_ids)
         self.layer_map = None
         _registry[self.id] = self
-        # Held weakly: the ops hold the capturer (a compiled graph names it by id only), and a capturer
-        # holding them back would make a cycle that frees the buffers only when the collector runs.
-        self._ops: Optional[weakref.ref[CapturerOps]] = None
+        self._ops: Optional[CapturerOps] = None
         self._states: Any = None
 
     def __enter__(self) -> Capturer:
@@ -473,15 +471,13 @@ class Capturer(_moecap.Capturer):
     @property
     def ops(self) -> CapturerOps:
         """torch.library custom ops bound to this capturer (``moecap.ops.CapturerOps``): what
-        code under torch.compile calls instead of capture/commit. Needs torch >= 2.4. Keep the
-        object while you use it: it holds the capturer, which holds it only weakly (no cycle
-        to wait for the garbage collector), so once none is held the next call makes another."""
-        held = self._ops() if self._ops is not None else None
-        if held is None:
+        code under torch.compile calls instead of capture/commit. Needs torch >= 2.4. Made once
+        and held by the capturer; they name it by id and do not hold it (no cycle for the garbage
+        collector to find), so keep the capturer while code calls them."""
+        if self._ops is None:
             from . import ops
-            held = ops.CapturerOps(self)
-            self._ops = weakref.ref(held)
-        return held
+            self._ops = ops.CapturerOps(self)
+        return self._ops
 
 
 def _host_slots(slots: Any, host_slots: int) -> Any:

@@ -172,8 +172,9 @@ class CapturerOps:
     inlines these methods and sees only the op nodes)."""
 
     def __init__(self, cap: Capturer) -> None:
+        # The capturer holds these ops; they name it by id (the registry holds it weakly) and do not hold
+        # it back: a cycle would keep a dropped capturer's buffers until the garbage collector ran.
         self.id = cap.id
-        self._capturer = cap  # the registry holds capturers weakly; these ops keep theirs alive
         # Normal tensors even when first asked for inside torch.inference_mode() (an engine's first
         # forward): inference tensors could not be written, nor handed to the ops, outside it later.
         with torch.inference_mode(False):

@@ -211,10 +211,11 @@ def test_capture_declares_the_histogram_it_counts_into():
     assert make().ops.histogram is None  # a capturer without one passes none
 
 
-def test_a_capturer_and_its_ops_are_freed_without_the_garbage_collector():
-    """The ops hold the capturer (compiled graphs name it by id only); the
-    capturer holds them weakly, so no cycle keeps the buffers until gc runs
-    (an engine rebuilt in one process would hold two sets)."""
+def test_a_capturer_is_freed_without_the_garbage_collector_and_its_ops_then_say_so():
+    """The capturer holds its ops, which name it by id and do not hold it
+    back: no cycle keeps a dropped capturer's buffers until gc runs (an
+    engine rebuilt in one process would hold two sets). Ops kept past it
+    raise, and the memory they export stays readable."""
     import gc
     import weakref
 
@@ -226,9 +227,10 @@ def test_a_capturer_and_its_ops_are_freed_without_the_garbage_collector():
         ops.capture(0, torch.tensor([[1, 2, 3, 4]], dtype=torch.int32), torch.full((1, TOP_K), 0.25))
         alive = weakref.ref(cap)
         del cap
-        assert alive() is not None  # the ops keep it
-        del ops
         assert alive() is None
+        with pytest.raises(moecap.MoecapError, match="no live capturer has id"):
+            ops.capture(0, torch.tensor([[1, 2, 3, 4]], dtype=torch.int32), torch.full((1, TOP_K), 0.25))
+        assert ops.layer_ids(0)[0].tolist() == [1, 2, 3, 4]
     finally:
         gc.enable()
 
