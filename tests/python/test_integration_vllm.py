@@ -119,6 +119,30 @@ def test_snapshots_equal_vllms_at_dp1_with_verify_rows(vl):
     assert ours.moe_layers == MOE_LAYERS and ours.capturer.config["num_layers"] == len(MOE_LAYERS)
 
 
+def test_capture_compiles_into_one_graph_as_vllms_does(vl):
+    """vLLM compiles its models with torch.compile(fullgraph=True); the
+    capture hook inside them traces into the graph through moecap's custom
+    ops, and the snapshot equals vLLM's."""
+    torch = vl.torch
+    cfg = vl.config()
+    theirs, ours = pair(vl, cfg)
+    ours._ensure()
+    rows = np.random.default_rng(3).integers(0, NUM_EXPERTS, size=(5, len(MOE_LAYERS), TOP_K))
+    snapshots = []
+    for cap in (theirs, ours):
+        def body(x, cap=cap):
+            for i, layer in enumerate(MOE_LAYERS):
+                cap.capture(layer, x[:, i, :])
+            return x.sum()
+        torch._dynamo.reset()
+        compiled = torch.compile(body, fullgraph=True, backend="eager")
+        with vl.set_forward_context(None, cfg, num_tokens=5):
+            compiled(torch.from_numpy(rows).to(torch.int64))
+        snapshots.append(cap.snapshot_routing_data(5))
+    assert torch.equal(snapshots[0], snapshots[1])
+    assert snapshots[1][:, list(MOE_LAYERS)].tolist() == rows.tolist()
+
+
 @pytest.mark.parametrize("experts, dtype", [(256, "uint8"), (257, "uint16"), (384, "uint16")])
 def test_snapshots_equal_vllms_past_256_experts_in_uint16(vl, experts, dtype):
     cfg = vl.config(num_experts=experts)
