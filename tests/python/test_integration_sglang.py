@@ -105,15 +105,20 @@ def create_pair(sgl, num_tokens, max_running, shared=0, zero_experts=0, **option
     return theirs, ours
 
 
-def create_ours_on(sgl, hf):
-    """moecap's capturer made by SGLang's factory (after install()) on a model config of SGLang's own."""
-    model = types.SimpleNamespace(shared_experts_config=sgl.SharedExpertsConfig(num_fused_shared_experts=0))
+def create_ours(sgl, model, config, num_tokens, max_running):
+    """moecap's capturer made by SGLang's factory (after install())."""
     sgl.adapter.install()
     try:
-        return sgl.re.RoutedExpertsCapturer.create(model=model, model_config=types.SimpleNamespace(hf_text_config=hf),
-                                                   num_tokens=50, max_running_requests=2, device="cpu")
+        return sgl.re.RoutedExpertsCapturer.create(model=model, model_config=config, num_tokens=num_tokens,
+                                                   max_running_requests=max_running, device="cpu")
     finally:
         sgl.adapter.uninstall()
+
+
+def create_ours_on(sgl, hf):
+    """moecap's capturer made by SGLang's factory on a model config of SGLang's own."""
+    model = types.SimpleNamespace(shared_experts_config=sgl.SharedExpertsConfig(num_fused_shared_experts=0))
+    return create_ours(sgl, model, types.SimpleNamespace(hf_text_config=hf), num_tokens=50, max_running=2)
 
 
 class Scheduler:
@@ -378,12 +383,7 @@ def test_without_chunked_prefill_a_prompt_past_max_prefill_tokens_fits(sgl):
     with server(sgl, chunked_prefill_size=-1), sgl.rc.get_schedule().override(max_prefill_tokens=16):
         model, config = make_model(sgl)
         config.context_len = 48
-        sgl.adapter.install()
-        try:
-            ours = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=config, num_tokens=200,
-                                                       max_running_requests=4, device="cpu")
-        finally:
-            sgl.adapter.uninstall()
+        ours = create_ours(sgl, model, config, num_tokens=200, max_running=4)
         assert ours.plan["rows_per_rank"] >= 48
         sched = Scheduler(sgl, 200, 3, np.random.default_rng(40))
         sched.reqs[0] = [0, 0, 0]
@@ -485,6 +485,44 @@ def test_a_slot_without_routing_is_never_sent_as_routing(sgl):
         assert ours.get_topk(1, 4, sched.pool, 0) is None
 
 
+def late_layer_step(sgl, lens, late_rows, routing, dp_size=1, configure=lambda fb: None):
+    """One extend of requests `lens` on a model whose MoE layer 4 is past
+    late_layer_start: layers 1 and 2 capture `routing` whole, layer 4 its rows
+    `late_rows` (as SGLang hands its capture site the tails). Returns moecap's
+    capturer, its scheduler and the requests' KV slots; `configure` sets the
+    ForwardBatch further before on_forward_end."""
+    torch = sgl.torch
+    model, config = make_model(sgl)
+    model.late_layer_start = 3
+    rows = sum(lens)
+    with server(sgl, chunked_prefill_size=512, dp_size=dp_size):
+        ours = create_ours(sgl, model, config, num_tokens=600, max_running=4)
+        assert ours.dp_size == dp_size
+        sched = Scheduler(sgl, 600, len(lens), np.random.default_rng(3))
+        loc = []
+        for rid, n in enumerate(lens):
+            sched.reqs[rid] = [rid, 0, n]
+            slots = sched.alloc(n)
+            sched.keep(rid, slots)
+            loc += slots
+        sgl.re.set_global_experts_capturer(ours)
+        try:
+            config_on = types.SimpleNamespace(allow_routed_experts_capture=True)
+            for i, layer in enumerate(MOE_LAYERS):
+                routed = routing[late_rows, i] if layer == 4 else routing[:, i]
+                sgl.topk.capture_routed_experts_if_allowed(config_on, layer,
+                                                           torch.from_numpy(np.ascontiguousarray(routed)).int())
+            fb = sgl.ForwardBatch(forward_mode=sgl.ForwardMode.EXTEND, batch_size=len(lens),
+                                  input_ids=torch.zeros(rows, dtype=torch.long),
+                                  req_pool_indices=torch.arange(len(lens)), seq_lens=torch.tensor(lens),
+                                  out_cache_loc=torch.tensor(loc), seq_lens_sum=rows, extend_seq_lens_cpu=list(lens))
+            configure(fb)
+            ours.on_forward_end(forward_batch=fb, can_run_graph=False, cuda_graph_batch=None)
+        finally:
+            sgl.re.set_global_experts_capturer(None)
+    return ours, sched, loc
+
+
 @pytest.mark.parametrize("lens, whole", [([130, 10], None), ([10, 140, 3], None), ([5, 6], None),
                                          ([130, 10], [True, False])])
 def test_late_layers_that_route_only_each_requests_tail_are_put_back_at_their_tokens(sgl, lens, whole):
@@ -496,54 +534,26 @@ def test_late_layers_that_route_only_each_requests_tail_are_put_back_at_their_to
     is left out, never sent another token's or request's routing."""
     from sglang.kernels.ops.attention.dsv4.attn_metadata_kernels import late_layer_tail_lens
     from sglang.srt.layers.attention.deepseek_v4_backend import SWA_WINDOW
-    torch = sgl.torch
     tails = late_layer_tail_lens(lens, SWA_WINDOW, whole)
     ends = np.cumsum(lens)
     tail_rows = np.concatenate([np.arange(end - tail, end) for end, tail in zip(ends, tails)])
-    rows = sum(lens)
-    truth = np.random.default_rng(sum(lens)).integers(0, NUM_EXPERTS, size=(rows, len(MOE_LAYERS), TOP_K))
-    model, config = make_model(sgl)
-    model.late_layer_start = 3  # MoE layer 4 runs over the tails; 1 and 2 over every row
-    with server(sgl, chunked_prefill_size=512):
-        sgl.adapter.install()
-        try:
-            ours = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=config, num_tokens=600,
-                                                       max_running_requests=4, device="cpu")
-        finally:
-            sgl.adapter.uninstall()
-        sched = Scheduler(sgl, 600, len(lens), np.random.default_rng(3))
-        loc = []
-        for rid, n in enumerate(lens):
-            sched.reqs[rid] = [rid, 0, n]
-            slots = sched.alloc(n)
-            sched.keep(rid, slots)
-            loc += slots
-        sgl.re.set_global_experts_capturer(ours)
-        try:
-            config_on = types.SimpleNamespace(allow_routed_experts_capture=True)
-            for i, layer in enumerate(MOE_LAYERS):
-                routed = truth[tail_rows, i] if layer == 4 else truth[:, i]
-                sgl.topk.capture_routed_experts_if_allowed(config_on, layer,
-                                                           torch.from_numpy(np.ascontiguousarray(routed)).int())
-            fb = sgl.ForwardBatch(forward_mode=sgl.ForwardMode.EXTEND, batch_size=len(lens),
-                                  input_ids=torch.zeros(rows, dtype=torch.long),
-                                  req_pool_indices=torch.arange(len(lens)), seq_lens=torch.tensor(lens),
-                                  out_cache_loc=torch.tensor(loc), seq_lens_sum=rows, extend_seq_lens_cpu=list(lens))
-            if whole is not None:  # prompt logprobs from position 0 where whole, none elsewhere
-                fb.return_logprob = True
-                fb.extend_logprob_start_lens_cpu = [0 if w else n for w, n in zip(whole, lens)]
-            ours.on_forward_end(forward_batch=fb, can_run_graph=False, cuda_graph_batch=None)
-        finally:
-            sgl.re.set_global_experts_capturer(None)
-        for rid, n in enumerate(lens):
-            got = ours.get_topk(rid, n + 1, sched.pool, 0)
-            if tails[rid] < n:
-                assert got is None
-                routed = ours.read(loc[int(ends[rid] - n):int(ends[rid])])
-                assert not routed.valid[:n - tails[rid]].any() and routed.valid[n - tails[rid]:].all()
-            else:
-                assert got is not None
-                assert np.array_equal(got.numpy()[:, list(MOE_LAYERS)], truth[ends[rid] - n:ends[rid]])
+    truth = np.random.default_rng(sum(lens)).integers(0, NUM_EXPERTS, size=(sum(lens), len(MOE_LAYERS), TOP_K))
+
+    def logprobs(fb):
+        if whole is not None:  # prompt logprobs from position 0 where whole, none elsewhere
+            fb.return_logprob = True
+            fb.extend_logprob_start_lens_cpu = [0 if w else n for w, n in zip(whole, lens)]
+
+    ours, sched, loc = late_layer_step(sgl, lens, tail_rows, truth, configure=logprobs)
+    for rid, n in enumerate(lens):
+        got = ours.get_topk(rid, n + 1, sched.pool, 0)
+        if tails[rid] < n:
+            assert got is None
+            routed = ours.read(loc[int(ends[rid] - n):int(ends[rid])])
+            assert not routed.valid[:n - tails[rid]].any() and routed.valid[n - tails[rid]:].all()
+        else:
+            assert got is not None
+            assert np.array_equal(got.numpy()[:, list(MOE_LAYERS)], truth[ends[rid] - n:ends[rid]])
 
 
 @pytest.mark.parametrize("lens, mode", [([130, 10], "EXTEND"), ([100, 10], "EXTEND"), ([1, 1], "DECODE")])
@@ -552,48 +562,20 @@ def test_late_layers_that_route_only_tails_under_dp_attention_read_no_routing(sg
     late-layer rows by every rank's tails, which one rank cannot see: the late
     layers' rows all read "no routing" on every rank (one whose tails are
     whole, or that decodes, too), so no request is sent other tokens'."""
-    torch = sgl.torch
-    other_rank = 7
-    rows = sum(lens)
-    model, config = make_model(sgl)
-    model.late_layer_start = 3
-    with server(sgl, chunked_prefill_size=512, dp_size=2, dp_rank=0):
-        sgl.adapter.install()
-        try:
-            ours = sgl.re.RoutedExpertsCapturer.create(model=model, model_config=config, num_tokens=600,
-                                                       max_running_requests=4, device="cpu")
-        finally:
-            sgl.adapter.uninstall()
-        assert ours.dp_size == 2
-        sched = Scheduler(sgl, 600, len(lens), np.random.default_rng(3))
-        loc = []
-        for rid, n in enumerate(lens):
-            sched.reqs[rid] = [rid, 0, n]
-            slots = sched.alloc(n)
-            sched.keep(rid, slots)
-            loc += slots
-        gathered = np.random.default_rng(4).integers(0, NUM_EXPERTS, size=(rows + other_rank, len(MOE_LAYERS), TOP_K))
-        sgl.re.set_global_experts_capturer(ours)
-        try:
-            config_on = types.SimpleNamespace(allow_routed_experts_capture=True)
-            for i, layer in enumerate(MOE_LAYERS):
-                routed = gathered[:min(rows, 128) + 10 + other_rank, i] if layer == 4 else gathered[:, i]
-                sgl.topk.capture_routed_experts_if_allowed(config_on, layer,
-                                                           torch.from_numpy(np.ascontiguousarray(routed)).int())
-            fb = sgl.ForwardBatch(forward_mode=sgl.ForwardMode.EXTEND, batch_size=len(lens),
-                                  input_ids=torch.zeros(rows, dtype=torch.long),
-                                  req_pool_indices=torch.arange(len(lens)), seq_lens=torch.tensor(lens),
-                                  out_cache_loc=torch.tensor(loc), seq_lens_sum=rows, extend_seq_lens_cpu=list(lens))
-            fb.forward_mode = getattr(sgl.ForwardMode, mode)
-            fb.is_extend_in_batch = True  # this rank's or another's
-            fb.global_num_tokens_cpu = [rows, other_rank]
-            ours.on_forward_end(forward_batch=fb, can_run_graph=False, cuda_graph_batch=None)
-        finally:
-            sgl.re.set_global_experts_capturer(None)
-        for rid, n in enumerate(lens):
-            assert ours.get_topk(rid, n + 1, sched.pool, 0) is None
-        routed = ours.read(loc)
-        assert not routed.valid.any() and (routed.ids[:, 2] == -1).all() and (routed.ids[:, :2] >= 0).all()
+    other_rank, rows = 7, sum(lens)
+    gathered = np.random.default_rng(4).integers(0, NUM_EXPERTS, size=(rows + other_rank, len(MOE_LAYERS), TOP_K))
+
+    def dp_step(fb):
+        fb.forward_mode = getattr(sgl.ForwardMode, mode)
+        fb.is_extend_in_batch = True  # this rank's or another's
+        fb.global_num_tokens_cpu = [rows, other_rank]
+
+    late_rows = np.arange(min(rows, 128) + 10 + other_rank) % gathered.shape[0]
+    ours, sched, loc = late_layer_step(sgl, lens, late_rows, gathered, dp_size=2, configure=dp_step)
+    for rid, n in enumerate(lens):
+        assert ours.get_topk(rid, n + 1, sched.pool, 0) is None
+    routed = ours.read(loc)
+    assert not routed.valid.any() and (routed.ids[:, 2] == -1).all() and (routed.ids[:, :2] >= 0).all()
 
 
 def test_streaming_reads_only_new_positions(sgl):
