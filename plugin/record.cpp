@@ -46,6 +46,7 @@ uint64_t mul(uint64_t a, uint64_t b, const char* what) {
 // Where each section sits; everything the encoder and the decoder share.
 struct Layout {
   int64_t tokens = 0, layers = 0, top_k = 0, num_experts = 0;
+  int64_t start = 0;  // start_position, as parsed (an encoder takes the source's)
   uint64_t codes = 0;
   int32_t id_bits = 0;
   uint32_t flags = 0;
@@ -236,8 +237,8 @@ Layout parse_header(const uint8_t* p, uint64_t bytes) {
   }
   if (tokens > static_cast<uint64_t>(INT64_MAX)) fail(MOECAP_ERROR_INVALID_ARGUMENT, "record num_tokens ", tokens, " exceeds 2^63");
   l.tokens = static_cast<int64_t>(tokens);
-  const auto start = static_cast<int64_t>(get_le(p + 32, 8));
-  if (start < 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, "record start_position is ", start, "; must be >= 0");
+  l.start = static_cast<int64_t>(get_le(p + 32, 8));
+  if (l.start < 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, "record start_position is ", l.start, "; must be >= 0");
   const int32_t want_bits = l.packed() ? packed_bits(l.num_experts) : plain_bits(l.num_experts);
   if (l.id_bits != want_bits) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "record id_bits is ", l.id_bits, "; ", l.packed() ? "packed" : "plain",
@@ -336,8 +337,7 @@ moecap_status moecap_record_encode(const moecap_record_source* source, void* out
     moecap::require_apart(src.args.ids, "source->ids", out, src.layout.total, "out");
     moecap::require_apart(src.args.weights, "source->weights", out, src.layout.total, "out");
     moecap::require_apart(src.args.valid, "source->valid", out, src.layout.total, "out");
-    const auto at = reinterpret_cast<uintptr_t>(written), begin = reinterpret_cast<uintptr_t>(out);
-    if (written != nullptr && at < begin + src.layout.total && begin < at + sizeof *written) {
+    if (written != nullptr && moecap::ranges_meet(written, sizeof *written, out, src.layout.total)) {
       fail(MOECAP_ERROR_INVALID_ARGUMENT, "written points into out; they must not overlap");
     }
     moecap::encode(src, static_cast<uint8_t*>(out));
@@ -359,7 +359,7 @@ moecap_status moecap_record_parse(const void* data, uint64_t bytes, moecap_recor
     info.top_k = static_cast<int32_t>(l.top_k);
     info.num_experts = static_cast<int32_t>(l.num_experts);
     info.num_tokens = l.tokens;
-    info.start_position = static_cast<int64_t>(moecap::get_le(static_cast<const uint8_t*>(data) + 32, 8));
+    info.start_position = l.start;
     info.bytes = l.total;
     moecap::write_struct(out, info);
   });

@@ -86,11 +86,13 @@ uintptr_t tensor_bytes(const DLTensor* t) {
 }
 }  // namespace
 
+bool ranges_meet(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes != 0 && b_bytes != 0 && x < y + b_bytes && y < x + a_bytes;
+}
+
 bool overlaps(const DLTensor* t, const void* begin, size_t bytes) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(tensor_data(t));
-  const uintptr_t b = reinterpret_cast<uintptr_t>(begin);
-  const uintptr_t a_bytes = tensor_bytes(t);
-  return a_bytes != 0 && bytes != 0 && a < b + bytes && b < a + a_bytes;
+  return ranges_meet(tensor_data(t), static_cast<size_t>(tensor_bytes(t)), begin, bytes);
 }
 
 void require_disjoint(const DLTensor* t, const char* name, const DLTensor* other, const char* other_name) {

@@ -61,6 +61,9 @@ inline uint8_t* tensor_data(const DLTensor* t) { return static_cast<uint8_t*>(t-
 
 int64_t element_count(const DLTensor* t);
 
+// Whether [a, a + a_bytes) meets [b, b + b_bytes); empty ranges meet nothing.
+bool ranges_meet(const void* a, size_t a_bytes, const void* b, size_t b_bytes);
+
 // Whether a compact tensor's bytes (check_tensor passed) meet [begin, begin + bytes).
 bool overlaps(const DLTensor* t, const void* begin, size_t bytes);
 
