@@ -57,6 +57,15 @@ def device_id_dtype(num_experts):
     return "u8" if num_experts <= 255 else "auto"
 
 
+def device_ids_int32(device_ids, num_experts):
+    """Ids read straight from a device buffer (a layer view, or the whole
+    buffer), as int32 with "none" (-1, or 0xff in a u8 buffer) and any id
+    outside [0, num_experts) as -1."""
+    import torch
+    ids = device_ids.to(torch.int32)
+    return ids.masked_fill(ids >= num_experts, -1)
+
+
 def moe_layers_from_config(config):
     """The model layers (0-based) that route to experts, from the config's own
     rules: a per-layer list (transformers' mlp_layer_types, "sparse" or "moe"

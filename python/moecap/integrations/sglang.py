@@ -273,8 +273,7 @@ class MoecapRoutedExpertsCapturer:
         if device.type != "cpu":  # pinned, so the copy is queued on the stream, not waited for
             index = index.pin_memory().to(device, non_blocking=True)
         for ordinal in self._late:
-            picked = ops.layer_ids(ordinal)[:index.shape[0]].to(torch.int32)
-            picked = picked.masked_fill(picked >= self.num_experts, -1)  # u8's 0xff: "none"
+            picked = _model.device_ids_int32(ops.layer_ids(ordinal)[:index.shape[0]], self.num_experts)
             placed = torch.full((rows, top_k), -1, dtype=torch.int32, device=device)
             placed[index] = picked
             self.capturer.capture(ordinal, placed)

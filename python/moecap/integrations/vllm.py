@@ -197,11 +197,8 @@ class MoecapRoutedExpertsCapturer:
         return out
 
     def _routing_int32(self, device_ids):
-        """[moe_layers, rows, top_k] device ids as int32 [rows, moe_layers, top_k], with "none" (-1, or
-        0xff in a u8 buffer) and any id outside [0, num_experts) as -1."""
-        torch = _torch()
-        ids = device_ids.permute(1, 0, 2).to(torch.int32)
-        return ids.masked_fill(ids >= self.num_experts, -1)
+        """[moe_layers, rows, top_k] device ids as int32 [rows, moe_layers, top_k], "none" as -1."""
+        return _model.device_ids_int32(device_ids.permute(1, 0, 2), self.num_experts)
 
     def close(self):
         if self.capturer is not None:
