@@ -403,9 +403,8 @@ void BM_Commit_AgainstFloor_Top2(benchmark::State& state) { commit_against_floor
 void BM_Commit_AgainstFloor_U16Host(benchmark::State& state) {
   commit_against_floor(state, MOECAP_IDS_AUTO, kTopK, 384);
 }
-// Top-1 of 128 experts (Llama 4 Maverick) and top-10 of 512 into u16 host
-// ids (Qwen3-Next), and the staged path at a width known only at run time,
-// top-3 of 64.
+// Top-1 of 128 experts (Llama 4 Maverick), top-10 of 512 into u16 host ids
+// (Qwen3-Next), and top-3 of 64 (Step-3 routes to 3 of 48).
 void BM_Commit_AgainstFloor_Top1(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 1, 128); }
 void BM_Commit_AgainstFloor_Top10U16Host(benchmark::State& state) {
   commit_against_floor(state, MOECAP_IDS_AUTO, 10, 512);

@@ -108,8 +108,8 @@ def u8_device_rows(c):
 
 def top_k_rows(c):
     """The commit at top-6 (DeepSeek-V2), top-4 (gpt-oss) and top-2 (Mixtral), at top-8 of 384 experts into
-    u16 host ids (Kimi K2), at top-1 (Llama 4), at top-10 of 512 into u16 (Qwen3-Next), on the
-    staged path at top-3 (a width fixed only at run time), and top-8 with bf16 routing weights, against its floor,
+    u16 host ids (Kimi K2), at top-1 (Llama 4), at top-10 of 512 into u16 (Qwen3-Next), at top-3 of 64 (Step-3),
+    and top-8 with bf16 routing weights, against its floor,
     paired call by call (int16 device buffer, 48 layers: 288-, 192-, 96-, 768-, 48-, 960- and 144-byte host rows;
     with weights 384 bytes of ids and 768 of weights)."""
     rows = []

@@ -346,8 +346,9 @@ inline void narrow_consume_rows_by_element(const CommitParams& p, int64_t first,
 }
 
 // The range kernel works on blocks of rows of one layer packed into one
-// vector register of u8 host ids: 32 ids (32 / K rows) at top-8, 4 and 2;
-// at top-6 four rows, each padded to 8 bytes (pack_block_k6). Which id of
+// vector register of u8 host ids: 32 ids (32 / K rows) at top-8, 4, 2 and 1;
+// 24 ids at top-6 (four rows, each padded to 8 bytes) and at top-3 (eight
+// rows, each padded to 4 bytes): pack_padded_block. Which id of
 // its block the register's byte b holds: from u8 the b-th; from int16 the
 // ids were packed per 128-bit half (_mm256_packus_epi16 of ids 0..15 and
 // 16..31), so the halves hold ids 0..7, 16..23 | 8..15, 24..31.
@@ -362,16 +363,19 @@ constexpr int packed_id(int b) {
 
 // Rows of a block at top-K.
 template <int K>
-constexpr size_t kBlockRows = K == 6 ? 4 : 32 / K;
+constexpr size_t kBlockRows = K == 6 ? 4 : K == 3 ? 8 : 32 / K;
 // Bytes a row's ids of one layer take in a packed block: one place.
 template <int K>
-constexpr int kChunkBytes = K == 6 ? 8 : K;
+constexpr int kChunkBytes = K == 6 ? 8 : K == 3 ? 4 : K;
+// The widths whose rows are padded to kChunkBytes<K> in their blocks.
+template <int K>
+constexpr bool kPaddedRows = K == 6 || K == 3;
 // Which place of a packed block holds each of its rows.
 template <class S, int K>
 constexpr std::array<int, kBlockRows<K>> places_of_rows() {
   std::array<int, kBlockRows<K>> place_of{};
   for (int place = 0; place < static_cast<int>(kBlockRows<K>); ++place) {
-    place_of[static_cast<size_t>(K == 6 ? place : packed_id<S>(place * K) / K)] = place;  // top-6: in row order
+    place_of[static_cast<size_t>(kPaddedRows<K> ? place : packed_id<S>(place * K) / K)] = place;  // padded: in row order
   }
   return place_of;
 }
@@ -441,11 +445,14 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void consume_block(S* at) {
   for (size_t half = 0; half < sizeof(S); ++half) _mm256_storeu_si256(reinterpret_cast<__m256i*>(at) + half, ones);
 }
 
-// Top-6 blocks: rows 0, 1 | 2, 3, each row's 6 ids in 8 bytes (the last 2
-// zero), so they transpose as top-8's do. From `at`, exactly the block's 24
-// ids are read; `seen` as pack_block's.
-template <class S, bool kEveryByteAnId>
-MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_block_k6(const S* at, __m256i* seen) {
+// Blocks of 24 ids with each row padded by zeros, so they transpose as a
+// full width's do: at top-6 rows 0, 1 | 2, 3, each row's 6 ids in 8 bytes
+// (as top-8); at top-3 rows 0-3 | 4-7, each row's 3 ids in 4 bytes (as
+// top-4). From `at`, exactly the block's 24 ids are read; `seen` as
+// pack_block's.
+template <int K, class S, bool kEveryByteAnId>
+MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_padded_block(const S* at, __m256i* seen) {
+  static_assert(kPaddedRows<K>, "padded blocks: top-6 or top-3");
   __m128i x, y;  // ids 0..15 and 16..23 as u8 (y's upper half zero)
   if constexpr (std::is_same_v<S, uint8_t>) {
     x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
@@ -460,23 +467,27 @@ MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_block_k6(const S*
     x = _mm_packus_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     y = _mm_packus_epi16(b, _mm_setzero_si128());
   }
-  const __m128i spread = _mm_setr_epi8(0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1);
-  const __m128i rows01 = _mm_shuffle_epi8(x, spread);
-  const __m128i rows23 = _mm_shuffle_epi8(_mm_alignr_epi8(y, x, 12), spread);  // ids 12..23 first
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(rows01), rows23, 1);
+  // Each half takes 12 ids (2 rows at top-6, 4 at top-3), row by row into its places.
+  const __m128i spread = K == 6 ? _mm_setr_epi8(0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1)
+                                : _mm_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+  const __m128i lo = _mm_shuffle_epi8(x, spread);
+  const __m128i hi = _mm_shuffle_epi8(_mm_alignr_epi8(y, x, 12), spread);  // ids 12..23 first
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
-// A top-6 block holding an id outside (rare), laid out as pack_block_k6's,
-// each row narrowed by the plain rule (narrow_ids), as clamp_block clamps.
-template <class S>
-MOECAP_AVX2 inline __m256i clamp_block_k6(const S* at, uint32_t experts) {
+// A padded block holding an id outside (rare), laid out as
+// pack_padded_block's, each row narrowed by the plain rule (narrow_ids), as
+// clamp_block clamps.
+template <int K, class S>
+MOECAP_AVX2 inline __m256i clamp_padded_block(const S* at, uint32_t experts) {
   alignas(32) uint8_t bytes[32] = {};
-  for (int r = 0; r < 4; ++r) narrow_ids(at + r * 6, bytes + r * 8, 6, experts);
+  for (size_t r = 0; r < kBlockRows<K>; ++r) narrow_ids(at + r * K, bytes + r * kChunkBytes<K>, K, experts);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
 }
 
+// A padded block's 24 ids consumed.
 template <class S>
-MOECAP_AVX2 inline __attribute__((always_inline)) void consume_block_k6(S* at) {
+MOECAP_AVX2 inline __attribute__((always_inline)) void consume_block_24(S* at) {
   const __m128i ones = _mm_set1_epi8(-1);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(at), ones);
   if constexpr (sizeof(S) == 2) {
@@ -490,8 +501,8 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void consume_block_k6(S* at) {
 // The block operations at top-K.
 template <int K, class S, bool kEveryByteAnId>
 MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_rows(const S* at, __m256i* seen) {
-  if constexpr (K == 6) {
-    return pack_block_k6<S, kEveryByteAnId>(at, seen);
+  if constexpr (kPaddedRows<K>) {
+    return pack_padded_block<K, S, kEveryByteAnId>(at, seen);
   } else {
     return pack_block<S, kEveryByteAnId>(at, seen);
   }
@@ -500,8 +511,8 @@ MOECAP_AVX2 inline __attribute__((always_inline)) __m256i pack_rows(const S* at,
 template <int K, class S, bool kEveryByteAnId>
 MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_rows(const S* at, __m256i limit, __m256i limit_bytes,
                                                                      uint32_t experts) {
-  if constexpr (K == 6) {
-    return clamp_block_k6(at, kEveryByteAnId ? 256u : experts);
+  if constexpr (kPaddedRows<K>) {
+    return clamp_padded_block<K>(at, kEveryByteAnId ? 256u : experts);
   } else {
     return clamp_block<S, kEveryByteAnId>(at, limit, limit_bytes);
   }
@@ -509,8 +520,8 @@ MOECAP_AVX2 inline __attribute__((always_inline)) __m256i clamp_rows(const S* at
 
 template <int K, class S>
 MOECAP_AVX2 inline __attribute__((always_inline)) void consume_rows(S* at) {
-  if constexpr (K == 6) {
-    consume_block_k6(at);
+  if constexpr (kPaddedRows<K>) {
+    consume_block_24(at);
   } else {
     consume_block(at);
   }
@@ -518,7 +529,8 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void consume_rows(S* at) {
 
 // Layers per pass of the range kernel at top-K: as many as make each row's
 // chunk of a pass 32 bytes (one store per row), but 16 bytes at top-2,
-// whose 16-bit elements transpose within 128-bit halves, and 24 at top-6.
+// whose 16-bit elements transpose within 128-bit halves, and 24 at top-6
+// and top-3.
 template <int K>
 constexpr size_t kLayersPerPass = K == 8 || K == 6 ? 4 : 8;
 
@@ -526,8 +538,8 @@ constexpr size_t kLayersPerPass = K == 8 || K == 6 ? 4 : 8;
 // into each row's chunk of that pass, written to `to` (the block's rows'
 // host rows, already offset to the pass's first layer) in row order, so a
 // slot two rows go to keeps the later one. A transpose of a
-// [layers, places] matrix of kChunkBytes<K>-byte elements (at top-6 the
-// padding is then squeezed out).
+// [layers, places] matrix of kChunkBytes<K>-byte elements (at top-6 and
+// top-3 the padding is then squeezed out).
 template <class S, int K>
 MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i* r, uint8_t* const* to,
                                                                   int64_t at) {
@@ -559,7 +571,7 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
         _mm_storel_epi64(reinterpret_cast<__m128i*>(to[row] + at + 16), _mm256_extracti128_si256(chunk, 1));
       }
     }
-  } else if constexpr (K == 4) {
+  } else if constexpr (K == 4 || K == 3) {
     // An 8 x 8 transpose of 4-byte elements: pairs, quads within halves, then halves.
     __m256i t[8], u[8];
     for (int q = 0; q < 4; ++q) {
@@ -577,9 +589,23 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
       place[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
       place[4 + q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
     }
+    if constexpr (K == 4) {
 #pragma GCC unroll 8
-    for (size_t row = 0; row < rows; ++row) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[row] + at), place[kPlaceOfRow<S, K>[row]]);
+      for (size_t row = 0; row < rows; ++row) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[row] + at), place[kPlaceOfRow<S, K>[row]]);
+      }
+    } else {
+      // Each layer's 3 ids of its 4 bytes, the halves' 12 bytes joined: 24 bytes, stored as 16 and 8.
+      const __m256i squeeze = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1, 0, 1, 2, 4, 5,
+                                               6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
+      const __m256i join = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, 3, 7);
+#pragma GCC unroll 8
+      for (size_t row = 0; row < rows; ++row) {
+        const __m256i chunk =
+            _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(place[kPlaceOfRow<S, K>[row]], squeeze), join);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(to[row] + at), _mm256_castsi256_si128(chunk));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(to[row] + at + 16), _mm256_extracti128_si256(chunk, 1));
+      }
     }
   } else if constexpr (K == 1) {
     // A 16 x 8 transpose of bytes in each 128-bit half at once: layer
@@ -608,7 +634,7 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
       std::memcpy(to[row] + at, &bytes, 8);
     }
   } else {
-    static_assert(K == 2, "the range kernel's top-k: 1, 2, 4, 6 or 8");
+    static_assert(K == 2, "the range kernel's top-k: 1, 2, 3, 4, 6 or 8");
     // An 8 x 8 transpose of 2-byte elements in each 128-bit half at once:
     // half h of c[j] is place 8h + j.
     __m256i a[8], b[8], c[8];
@@ -637,8 +663,8 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
 }
 
 // A range commit's whole tile in one pass over the device rows: rows
-// [first, first + n) of every layer, top-K (1, 2, 4, 6 or 8) int16 or u8 ids
-// clamped to u8 (clamp_block, clamp_block_k6) straight into each row's host-cache row
+// [first, first + n) of every layer, top-K (1, 2, 3, 4, 6 or 8) int16 or u8 ids
+// clamped to u8 (clamp_block, clamp_padded_block) straight into each row's host-cache row
 // (to[r], or `nowhere`, a scratch row, for a row that goes to no slot), and
 // consumed (all ones written back) right after they are read.
 // kLayersPerPass<K> layers at a time, so each host row gets one store per
@@ -990,7 +1016,7 @@ void commit_rows(const CommitParams& p, bool consume) {
   uint8_t* staged_w = scratch.get<uint8_t>(scratch.staged_w, tile * w_row);
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
   uint8_t** to = scratch.get<uint8_t*>(scratch.to, tile);
-  // A range commit of int16 or u8 ids into u8 at top-1, 2, 4, 6 or 8, or of
+  // A range commit of int16 or u8 ids into u8 at top-1, 2, 3, 4, 6 or 8, or of
   // int16 ids into u16 at those widths and 10, without weights: the common
   // decode and prefill commit, with its own one-pass kernels (u8 device ids
   // hold at most 255 experts, their 0xff being "no routing").
@@ -1018,7 +1044,7 @@ void commit_rows(const CommitParams& p, bool consume) {
     const int64_t run_first = std::max<int64_t>(0, p.src_start + first);
     const int64_t run_rows = std::min<int64_t>(p.device_rows, p.src_start + last) - run_first;
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
-    constexpr bool into_u8 = (TopK == 1 || TopK == 2 || TopK == 4 || TopK == 6 || TopK == 8) &&
+    constexpr bool into_u8 = (TopK == 1 || TopK == 2 || TopK == 3 || TopK == 4 || TopK == 6 || TopK == 8) &&
                              (std::is_same_v<S, int16_t> || std::is_same_v<S, uint8_t>) && std::is_same_v<D, uint8_t>;
     constexpr bool into_u16 = TopK > 0 && std::is_same_v<S, int16_t> && std::is_same_v<D, uint16_t>;
     if constexpr (into_u8 || into_u16) {
@@ -1146,6 +1172,7 @@ void commit_by_width(const CommitParams& p, bool consume) {
   switch (p.top_k) {
     case 1: commit_rows<1, S, D>(p, consume); break;
     case 2: commit_rows<2, S, D>(p, consume); break;
+    case 3: commit_rows<3, S, D>(p, consume); break;
     case 4: commit_rows<4, S, D>(p, consume); break;
     case 6: commit_rows<6, S, D>(p, consume); break;
     case 8: commit_rows<8, S, D>(p, consume); break;
