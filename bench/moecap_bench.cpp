@@ -403,11 +403,15 @@ void BM_Commit_AgainstFloor_Top2(benchmark::State& state) { commit_against_floor
 void BM_Commit_AgainstFloor_U16Host(benchmark::State& state) {
   commit_against_floor(state, MOECAP_IDS_AUTO, kTopK, 384);
 }
-// Top-1 of 128 experts (Llama 4 Maverick), top-10 of 512 into u16 host ids
-// (Qwen3-Next), and top-3 of 64 (Step-3 routes to 3 of 48).
+// Top-1 of 128 experts (Llama 4 Maverick), top-10 of 512 (Qwen3-Next) and
+// top-12 of 768 (LongCat-Flash: 512 experts and 256 zero-computation ones)
+// into u16 host ids, and top-3 of 64 (Step-3 routes to 3 of 48).
 void BM_Commit_AgainstFloor_Top1(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 1, 128); }
 void BM_Commit_AgainstFloor_Top10U16Host(benchmark::State& state) {
   commit_against_floor(state, MOECAP_IDS_AUTO, 10, 512);
+}
+void BM_Commit_AgainstFloor_Top12U16Host(benchmark::State& state) {
+  commit_against_floor(state, MOECAP_IDS_AUTO, 12, 768);
 }
 void BM_Commit_AgainstFloor_Top3(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 3, 64); }
 // Routing weights beside the ids, stored as bf16 (2 bytes each).
@@ -567,6 +571,7 @@ BENCHMARK(BM_Commit_AgainstFloor_Top2)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_U16Host)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top1)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top10U16Host)->Apply(top_k_commit_args);
+BENCHMARK(BM_Commit_AgainstFloor_Top12U16Host)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top3)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Bf16Weights)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_Memcpy)->Arg(64)->Arg(512)->Arg(4096);

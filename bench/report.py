@@ -108,13 +108,14 @@ def u8_device_rows(c):
 
 def top_k_rows(c):
     """The commit at top-6 (DeepSeek-V2), top-4 (gpt-oss) and top-2 (Mixtral), at top-8 of 384 experts into
-    u16 host ids (Kimi K2), at top-1 (Llama 4), at top-10 of 512 into u16 (Qwen3-Next), at top-3 of 64 (Step-3),
-    and top-8 with bf16 routing weights, against its floor,
-    paired call by call (int16 device buffer, 48 layers: 288-, 192-, 96-, 768-, 48-, 960- and 144-byte host rows;
+    u16 host ids (Kimi K2), at top-1 (Llama 4), at top-10 of 512 and top-12 of 768 into u16 (Qwen3-Next,
+    LongCat-Flash), at top-3 of 64 (Step-3), and top-8 with bf16 routing weights, against its floor, paired call
+    by call (int16 device buffer, 48 layers: 288-, 192-, 96-, 768-, 48-, 960-, 1152- and 144-byte host rows;
     with weights 384 bytes of ids and 768 of weights)."""
     rows = []
     for case, what in (("Top6", "top-6"), ("Top4", "top-4"), ("Top2", "top-2"), ("U16Host", "top-8 of 384, u16 ids"),
-                       ("Top1", "top-1"), ("Top10U16Host", "top-10 of 512, u16 ids"), ("Top3", "top-3"),
+                       ("Top1", "top-1"), ("Top10U16Host", "top-10 of 512, u16 ids"),
+                       ("Top12U16Host", "top-12 of 768, u16 ids"), ("Top3", "top-3"),
                        ("Bf16Weights", "top-8 with bf16 weights")):
         for n, order, slots in ((4096, 0, SMALL), (512, 0, SMALL), (64, 0, SMALL), (4096, 2, LARGE),
                                 (512, 2, LARGE), (64, 2, LARGE)):

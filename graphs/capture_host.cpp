@@ -1017,7 +1017,7 @@ void commit_rows(const CommitParams& p, bool consume) {
 #ifdef MOECAP_HAVE_RANGE_NARROW_CONSUME
   uint8_t** to = scratch.get<uint8_t*>(scratch.to, tile);
   // A range commit of int16 or u8 ids into u8 at top-1, 2, 3, 4, 6 or 8, or of
-  // int16 ids into u16 at those widths and 10, without weights: the common
+  // int16 ids into u16 at those widths, 10 and 12, without weights: the common
   // decode and prefill commit, with its own one-pass kernels (u8 device ids
   // hold at most 255 experts, their 0xff being "no routing").
   const uint32_t most_experts = std::is_same_v<D, uint16_t> ? 32768u : sizeof(S) == 1 ? 255u : 256u;
@@ -1177,6 +1177,7 @@ void commit_by_width(const CommitParams& p, bool consume) {
     case 6: commit_rows<6, S, D>(p, consume); break;
     case 8: commit_rows<8, S, D>(p, consume); break;
     case 10: commit_rows<10, S, D>(p, consume); break;
+    case 12: commit_rows<12, S, D>(p, consume); break;
     default: commit_rows<0, S, D>(p, consume); break;
   }
 }
