@@ -111,8 +111,9 @@ CommitBesideReference commit_beside_reference(CommitParams p, const std::vector<
   return r;
 }
 
-// Rows of one block of the host range kernel at top-k (kBlockRows).
-int64_t block_rows(int32_t top_k) { return top_k == 6 ? 4 : 32 / top_k; }
+// Rows of one block of the host range kernel at top-k (kBlockRows; at the
+// widths without one, a count of rows as small as a block would be).
+int64_t block_rows(int32_t top_k) { return top_k == 6 ? 4 : top_k == 3 ? 8 : 32 / top_k; }
 
 }  // namespace
 
@@ -310,9 +311,11 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     for (const Pair pair : {Pair{kI16, kU8, 256}, Pair{kI16, kU8, 255}, Pair{kI16, kU8, 9}, Pair{kI32, kI16, 256},
                             Pair{kU16, kU8, 256}, Pair{kU8, kU8, 200}, Pair{kU8, kU8, 255}, Pair{kU8, kU8, 9},
                             Pair{kI16, kU16, 384}, Pair{kI16, kU16, 32768}}) {
-      // The one-pass widths, fixed-width staging (1, 10) and run-time widths
-      // (3, 12, 20: ids of a layer in one 16-byte move or in a sized copy).
-      for (int32_t top_k : {8, 6, 4, 2, 1, 10, 3, 12, 20}) {
+      // The one-pass widths, fixed-width staging (10, 12; and the one-pass
+      // widths with weights, row lists or other dtypes) and run-time widths
+      // (5, 16: ids of a layer of up to 16 bytes in one 16-byte move; 20, and
+      // 16 into u16: in a sized copy).
+      for (int32_t top_k : {8, 6, 4, 3, 2, 1, 10, 12, 5, 16, 20}) {
         for (int32_t layers : {1, 4, 7, 61}) {
           for (const bool row_list : {false, true}) {
             for (const bool weights : {false, true}) {
@@ -401,7 +404,7 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
     }
     allow_host_avx2(before);
   }
-  CHECK(cases == 2 * 10 * 9 * 4 * 2 * 2 * 2);
+  CHECK(cases == 2 * 10 * 11 * 4 * 2 * 2 * 2);
   CHECK(unwritten_rows_seen > 0);
   CHECK(wrong == 0);
 }
@@ -410,8 +413,9 @@ TEST_CASE("commit_and_release_on_host with step stamps writes and consumes what 
 // a bad id in a row that goes to no slot (-1) is consumed but not counted,
 // one in a row that goes to a slot is counted and marks it INVALID_IDS, in
 // a block (in a pass of layers and in the layers after the last pass) and
-// in the rows after the last block, at top-8, 6, 4, 2 and 1 (blocks of 4,
-// 4, 8, 16 and 32 rows) and at widths fixed only at run time (3 and 12,
+// in the rows after the last block, at top-8, 6, 4, 3, 2 and 1 (blocks of
+// 4, 4, 8, 8, 16 and 32 rows), at top-12 (a width fixed at compile time,
+// without a block kernel) and at top-5 (a width fixed only at run time,
 // through the staging tile), with AVX2 and without, from int16 device ids
 // at 200 and 256 experts and from u8 ones at 200, against the per-element
 // operations.
@@ -422,7 +426,7 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
   for (const bool avx2 : {true, false}) {
     const bool before = allow_host_avx2(avx2);
     for (const Source source : {Source{kI16, 200}, Source{kI16, 256}, Source{kU8, 200}, Source{kI16, 384, kU16}}) {
-      for (const int32_t top_k : {8, 6, 4, 2, 1, 3, 12}) {
+      for (const int32_t top_k : {8, 6, 4, 2, 1, 3, 12, 5}) {
         CAPTURE(avx2);
         CAPTURE(source.elem);
         CAPTURE(source.experts);
@@ -476,12 +480,12 @@ TEST_CASE("commit_and_release_on_host counts bad ids only in rows that go to a s
 
 // A range commit where two rows go to one slot keeps the later row, for
 // every pair of positions in and across blocks of rows (4 at top-8 and 6, 8
-// at top-4, 16 at top-2, 32 at top-1; 2 into u16 host ids) and the rows after them,
-// through the passes of layers and the single layers after them, from int16
-// and u8 device ids (whose rows lie in a vector register in different
-// orders) into u8, and from int16 into u16; at top-3 and 12, widths fixed
-// only at run time, whose moves into the staging tile spill into the next
-// layers' places.
+// at top-4 and 3, 16 at top-2, 32 at top-1; 2 into u16 host ids) and the rows
+// after them, through two passes of layers and the single layer after them,
+// from int16 and u8 device ids (whose rows lie in a vector register in
+// different orders) into u8, and from int16 into u16; at top-12, a width
+// without a block kernel, and at top-5, a width fixed only at run time,
+// whose moves into the staging tile spill into the next layers' places.
 TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds the later row") {
   struct Pair {
     int32_t device, host, experts;
@@ -491,8 +495,9 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
     const bool before = allow_host_avx2(avx2);
     for (const Pair pair : {Pair{kI16, kU8, 200}, Pair{kU8, kU8, 200}, Pair{kI16, kU16, 384}}) {
       const int32_t elem = pair.device;
-      for (const int32_t top_k : {8, 6, 4, 2, 1, 3, 12}) {
-        const int32_t layers = 9, experts = pair.experts;
+      for (const int32_t top_k : {8, 6, 4, 2, 1, 3, 12, 5}) {
+        // Two passes of eight layers (of four at top-8 and 6), then one more.
+        const int32_t layers = 17, experts = pair.experts;
         const int64_t count = 2 * block_rows(top_k) + 1, device_rows = count + 7, host_slots = count + 7;
         for (int64_t first = 0; first < count; ++first) {
           for (int64_t second = first + 1; second < count; ++second) {
@@ -518,8 +523,8 @@ TEST_CASE("commit_and_release_on_host: a slot two rows of a range go to holds th
     }
     allow_host_avx2(before);
   }
-  // block_rows is 10 at top-3 and 2 at top-12: 21 and 5 rows.
-  CHECK(cases == 2 * 3 * (9 * 8 + 9 * 8 + 17 * 16 + 33 * 32 + 65 * 64 + 21 * 20 + 5 * 4) / 2);
+  // block_rows is 8 at top-3, 2 at top-12 and 6 at top-5: 17, 5 and 13 rows.
+  CHECK(cases == 2 * 3 * (9 * 8 + 9 * 8 + 17 * 16 + 33 * 32 + 65 * 64 + 17 * 16 + 5 * 4 + 13 * 12) / 2);
   CHECK(wrong == 0);
 }
 
