@@ -94,12 +94,12 @@ def test_a_kernel_writes_the_layer_views_and_commit_reads_them():
         assert torch.equal(cap.read(torch.tensor([10, 11, 12, 13])), routing.transpose(0, 1))
 
 
-@pytest.mark.parametrize("top_k", [8, 6, 4, 2, 1, 10, 3])
+@pytest.mark.parametrize("top_k", [8, 6, 4, 2, 1, 3, 10, 5])
 @pytest.mark.parametrize("device_id_dtype, experts",
                          [("auto", 256), ("u8", 255), ("u8", 9), ("auto", 384), ("auto", 512)])
 def test_a_decode_commit_reads_back_what_was_captured(device_id_dtype, experts, top_k):
-    # The common commit (a row range, no weights) at the top-k of DeepSeek-V3, DeepSeek-V2, gpt-oss, Mixtral
-    # and Llama 4 (the one-pass kernels), of Qwen3-Next and a width fixed only at run time (the staged path),
+    # The common commit (a row range, no weights) at the top-k of DeepSeek-V3, DeepSeek-V2, gpt-oss, Mixtral,
+    # Llama 4 and Step-3 (the one-pass kernels), of Qwen3-Next and a width fixed only at run time (the staged path),
     # into u8 host ids and (384 and 512 experts: Kimi K2's, Qwen3-Next's) u16 ones, with rows and layers
     # enough for the host kernel's passes and blocks and what is left after them.
     layers, rows = 9, 43
