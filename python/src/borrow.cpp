@@ -26,7 +26,7 @@ struct ExchangeApi {
   DLPackVersion version;
   void* prev_api;
   void* managed_tensor_allocator;
-  void* managed_tensor_from_py_object_no_sync;
+  int (*managed_tensor_from_py_object_no_sync)(void* py_object, DLManagedTensorVersioned** out);
   void* managed_tensor_to_py_object_no_sync;
   int (*dltensor_from_py_object_no_sync)(void* py_object, DLTensor* out);
   int (*current_work_stream)(DLDeviceType device_type, int32_t device_id, void** out_stream);
@@ -143,6 +143,25 @@ void copy_dims(const int64_t* shape, const int64_t* strides, Borrowed& out, cons
   out.dl.strides = out.strides;
 }
 
+// A tensor moecap writes into, refused where its producer exports it
+// read-only (torch.utils.dlpack.ReadOnlyTensorWrapper's exchange API, a
+// table of its own). The DLTensor of the fast call carries no flags, so the
+// managed export is asked for them, and released at once: the DLTensor still
+// comes from the fast call.
+void refuse_read_only_export(const ExchangeApi* api, nb::handle obj, const char* name) {
+  if (api->managed_tensor_from_py_object_no_sync == nullptr) return;
+  DLManagedTensorVersioned* managed = nullptr;
+  if (api->managed_tensor_from_py_object_no_sync(obj.ptr(), &managed) != 0 || managed == nullptr) {
+    PyErr_Clear();
+    return;  // the fast call, or a slower path, decides
+  }
+  const bool read_only = (managed->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+  if (managed->deleter != nullptr) managed->deleter(managed);
+  if (read_only) {
+    argument_error(name, "is a " + type_of(obj) + " exported read-only (DLPack's READ_ONLY flag); moecap writes into it");
+  }
+}
+
 bool borrow_exchange(const ExchangeApi* api, nb::handle obj, const char* name, Borrowed& out) {
   DLTensor t{};
   if (api->dltensor_from_py_object_no_sync(obj.ptr(), &t) != 0) {
@@ -161,13 +180,28 @@ int copy_tuple(PyObject* tuple, int64_t* out, const char* name, nb::handle obj) 
   return static_cast<int>(n);
 }
 
+// A torch attribute or method's result: torch's refusal (RuntimeError:
+// sparse and nested tensors have no strides, fake tensors no data,
+// torch.utils.dlpack.ReadOnlyTensorWrapper allows nothing but DLPack)
+// becomes ours, naming the argument and what moecap would do with it
+// (`use`); anything else (KeyboardInterrupt, a subclass's own error) goes on.
+nb::object torch_attribute(PyObject* got, const char* name, const char* use) {
+  if (got == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_RuntimeError) && !PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
+      throw nb::python_error();
+    }
+    nb::python_error refused;
+    argument_error(name, std::string("is a torch tensor moecap cannot ") + use + " in place: " + exception_text(refused));
+  }
+  return nb::steal(got);
+}
+
 void borrow_torch_attributes(nb::handle obj, const char* name, Borrowed& out) {
   static PyObject *data_ptr = PyUnicode_InternFromString("data_ptr"), *shape = PyUnicode_InternFromString("shape"),
                   *stride = PyUnicode_InternFromString("stride"), *dtype = PyUnicode_InternFromString("dtype"),
                   *is_cuda = PyUnicode_InternFromString("is_cuda"), *is_cpu = PyUnicode_InternFromString("is_cpu"),
                   *get_device = PyUnicode_InternFromString("get_device");
-  nb::object dt = nb::steal(PyObject_GetAttr(obj.ptr(), dtype));
-  if (!dt.is_valid()) throw nb::python_error();
+  nb::object dt = torch_attribute(PyObject_GetAttr(obj.ptr(), dtype), name, "borrow");
   const TorchTypes::Dtype* found = nullptr;
   for (int i = 0; i < torch_types.num_dtypes; ++i) {
     if (torch_types.dtypes[i].object == dt.ptr()) found = &torch_types.dtypes[i];
@@ -177,19 +211,7 @@ void borrow_torch_attributes(nb::handle obj, const char* name, Borrowed& out) {
   // Each result is checked before the next call: a sparse or nested tensor
   // raises at stride() or data_ptr(), and a call made with that exception
   // pending would report some other failure.
-  const auto attribute = [&](PyObject* got) {
-    if (got == nullptr) {
-      // torch's refusal (RuntimeError: sparse and nested tensors have no
-      // strides, fake tensors no data) becomes ours, naming the argument;
-      // anything else (KeyboardInterrupt, a subclass's own error) goes on.
-      if (!PyErr_ExceptionMatches(PyExc_RuntimeError) && !PyErr_ExceptionMatches(PyExc_NotImplementedError)) {
-        throw nb::python_error();
-      }
-      nb::python_error refused;
-      argument_error(name, "is a torch tensor moecap cannot borrow in place: " + exception_text(refused));
-    }
-    return nb::steal(got);
-  };
+  const auto attribute = [&](PyObject* got) { return torch_attribute(got, name, "borrow"); };
   nb::object sizes = attribute(PyObject_GetAttr(obj.ptr(), shape));
   nb::object steps = attribute(PyObject_CallMethodNoArgs(obj.ptr(), stride));
   nb::object address = attribute(PyObject_CallMethodNoArgs(obj.ptr(), data_ptr));
@@ -414,20 +436,24 @@ void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out, cons
   out.keep = nb::borrow(obj);
   out.dl.byte_offset = 0;
   PyTypeObject* type = Py_TYPE(obj.ptr());
+  const ExchangeApi* api = use_exchange_api ? exchange_api(type) : nullptr;
+  // torch.Tensor's own exchange API (its subclasses' too, nn.Parameter's)
+  // exports nothing read-only; the flags cost a managed export, 2 us a read.
+  if (writable && api != nullptr && !(torch_ready() && api == torch_types.api)) {
+    refuse_read_only_export(api, obj, name);
+  }
   if (writable && torch_ready() && PyObject_TypeCheck(obj.ptr(), torch_types.tensor)) {
     // Written outside autograd, its version counter unchanged: a backward
     // through it would use the old values. torch refuses to export these.
     static PyObject* requires_grad = PyUnicode_InternFromString("requires_grad");
-    nb::object grad = nb::steal(PyObject_GetAttr(obj.ptr(), requires_grad));
-    if (!grad.is_valid()) throw nb::python_error();
+    const nb::object grad = torch_attribute(PyObject_GetAttr(obj.ptr(), requires_grad), name, "write");
     if (grad.ptr() == Py_True) {
       argument_error(name, "requires grad: moecap writes it outside autograd (pass a tensor without requires_grad, "
                            "or read into a new one)");
     }
   }
-  if (use_exchange_api) {
-    const ExchangeApi* api = exchange_api(type);
-    if (api != nullptr && borrow_exchange(api, obj, name, out)) {
+  if (api != nullptr) {
+    if (borrow_exchange(api, obj, name, out)) {
       out.producer_api = api;
       return;
     }

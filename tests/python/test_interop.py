@@ -333,6 +333,37 @@ def test_a_tensor_that_requires_grad_is_refused_as_an_output():
         assert ids[0, 0].tolist() == [1, 2] and got[0, 0].tolist() == [0.5, 0.25]
 
 
+@pytest.mark.parametrize("exchange_api,torch_attributes", [(True, True), (False, True), (False, False)])
+def test_a_tensor_exported_read_only_is_refused_as_an_output_and_read_as_an_input(exchange_api, torch_attributes):
+    # torch.utils.dlpack.ReadOnlyTensorWrapper: its exchange API's exports say READ_ONLY, and every torch
+    # operation on it but DLPack raises. moecap writes into an output, so it must not take one.
+    wrapper = getattr(torch.utils.dlpack, "ReadOnlyTensorWrapper", None)
+    if wrapper is None:
+        pytest.skip(f"torch {torch.__version__} has no ReadOnlyTensorWrapper")
+    try:
+        _moecap._fast_paths(exchange_api, torch_attributes)
+        with moecap.Capturer(**CONFIG, weight_dtype="f32") as cap:
+            cap.capture(0, np.array([[1, 2]], np.int32), np.array([[0.5, 0.25]], np.float32))
+            cap.commit(np.array([3]))
+            out, weights = torch.zeros(1, 3, 2, dtype=torch.int32), torch.zeros(1, 3, 2)
+            # moecap's own refusal, naming the argument (on the attribute path: torch's refusal, named).
+            expected = "is a .*ReadOnlyTensorWrapper.* exported read-only" if exchange_api else \
+                "is a torch tensor moecap cannot write in place: RuntimeError: ReadOnlyTensorWrapper"
+            with pytest.raises(TypeError, match=f"argument 'out' {expected}"):
+                cap.read(torch.tensor([3]), out=wrapper(out))
+            with pytest.raises(TypeError, match=f"argument 'weights_out' {expected}"):
+                cap.read(torch.tensor([3]), out=out, weights_out=wrapper(weights))
+            assert not out.any() and not weights.any()
+            if exchange_api or not torch_attributes:  # read through DLPack, as the wrapper allows
+                ids, got = cap.read(wrapper(torch.tensor([3])), weights_out=torch.zeros(1, 3, 2))
+                assert ids[0, 0].tolist() == [1, 2] and got[0, 0].tolist() == [0.5, 0.25]
+            else:
+                with pytest.raises(TypeError, match="argument 'slots' is a torch tensor moecap cannot borrow"):
+                    cap.read(wrapper(torch.tensor([3])))
+    finally:
+        _moecap._fast_paths(True, True)
+
+
 def test_outputs_sharing_memory_with_the_slots_or_the_host_cache_are_refused():
     with moecap.Capturer(**CONFIG, weight_dtype="f32") as cap:
         cap.capture(0, np.array([[1, 2], [3, 4]], np.int32), np.full((2, 2), 0.5, np.float32))
