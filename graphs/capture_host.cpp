@@ -534,6 +534,35 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void consume_rows(S* at) {
 template <int K>
 constexpr size_t kLayersPerPass = K == 8 || K == 6 ? 4 : 8;
 
+// Each row's place of a pass of 32-byte places (as store_pass transposed
+// them: top-8 and 4, and the padded widths) stored into its host row, in row
+// order: 32 bytes, or at top-6 and 3 the padding squeezed out of each
+// 128-bit half (12 bytes of ids kept) and the halves joined, 24 bytes stored
+// as 16 and 8.
+template <class S, int K>
+MOECAP_AVX2 inline __attribute__((always_inline)) void store_places(const __m256i* place, uint8_t* const* to,
+                                                                    int64_t at) {
+  if constexpr (!kPaddedRows<K>) {
+#pragma GCC unroll 8
+    for (size_t row = 0; row < kBlockRows<K>; ++row) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[row] + at), place[kPlaceOfRow<S, K>[row]]);
+    }
+  } else {
+    const __m256i squeeze = K == 6 ? _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13, -1, -1, -1, -1, 0, 1, 2, 3,
+                                                      4, 5, 8, 9, 10, 11, 12, 13, -1, -1, -1, -1)
+                                   : _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1, 0, 1, 2, 4,
+                                                      5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
+    const __m256i join = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, 3, 7);
+#pragma GCC unroll 8
+    for (size_t row = 0; row < kBlockRows<K>; ++row) {
+      const __m256i chunk =
+          _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(place[kPlaceOfRow<S, K>[row]], squeeze), join);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(to[row] + at), _mm256_castsi256_si128(chunk));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(to[row] + at + 16), _mm256_extracti128_si256(chunk, 1));
+    }
+  }
+}
+
 // The blocks of kLayersPerPass<K> consecutive layers (`r`, packed) turned
 // into each row's chunk of that pass, written to `to` (the block's rows'
 // host rows, already offset to the pass's first layer) in row order, so a
@@ -553,24 +582,7 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
     const __m256i place[4] = {
         _mm256_permute2x128_si256(lo01, lo23, 0x20), _mm256_permute2x128_si256(hi01, hi23, 0x20),
         _mm256_permute2x128_si256(lo01, lo23, 0x31), _mm256_permute2x128_si256(hi01, hi23, 0x31)};
-    if constexpr (K == 8) {
-#pragma GCC unroll 4
-      for (size_t row = 0; row < rows; ++row) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[row] + at), place[kPlaceOfRow<S, K>[row]]);
-      }
-    } else {
-      // Each layer's 6 ids of its 8 bytes, the halves' 12 bytes joined: 24 bytes, stored as 16 and 8.
-      const __m256i squeeze = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13, -1, -1, -1, -1, 0, 1, 2, 3, 4,
-                                               5, 8, 9, 10, 11, 12, 13, -1, -1, -1, -1);
-      const __m256i join = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, 3, 7);
-#pragma GCC unroll 4
-      for (size_t row = 0; row < rows; ++row) {
-        const __m256i chunk =
-            _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(place[kPlaceOfRow<S, K>[row]], squeeze), join);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(to[row] + at), _mm256_castsi256_si128(chunk));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(to[row] + at + 16), _mm256_extracti128_si256(chunk, 1));
-      }
-    }
+    store_places<S, K>(place, to, at);
   } else if constexpr (K == 4 || K == 3) {
     // An 8 x 8 transpose of 4-byte elements: pairs, quads within halves, then halves.
     __m256i t[8], u[8];
@@ -589,24 +601,7 @@ MOECAP_AVX2 inline __attribute__((always_inline)) void store_pass(const __m256i*
       place[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
       place[4 + q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
     }
-    if constexpr (K == 4) {
-#pragma GCC unroll 8
-      for (size_t row = 0; row < rows; ++row) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to[row] + at), place[kPlaceOfRow<S, K>[row]]);
-      }
-    } else {
-      // Each layer's 3 ids of its 4 bytes, the halves' 12 bytes joined: 24 bytes, stored as 16 and 8.
-      const __m256i squeeze = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1, 0, 1, 2, 4, 5,
-                                               6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
-      const __m256i join = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, 3, 7);
-#pragma GCC unroll 8
-      for (size_t row = 0; row < rows; ++row) {
-        const __m256i chunk =
-            _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(place[kPlaceOfRow<S, K>[row]], squeeze), join);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(to[row] + at), _mm256_castsi256_si128(chunk));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(to[row] + at + 16), _mm256_extracti128_si256(chunk, 1));
-      }
-    }
+    store_places<S, K>(place, to, at);
   } else if constexpr (K == 1) {
     // A 16 x 8 transpose of bytes in each 128-bit half at once: layer
     // pairs, then quads, then all eight, so that qword w of half h of c[j]
