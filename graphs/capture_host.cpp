@@ -367,9 +367,9 @@ constexpr size_t kBlockRows = K == 6 ? 4 : K == 3 ? 8 : 32 / K;
 // Bytes a row's ids of one layer take in a packed block: one place.
 template <int K>
 constexpr int kChunkBytes = K == 6 ? 8 : K == 3 ? 4 : K;
-// The widths whose rows are padded to kChunkBytes<K> in their blocks.
+// The widths whose rows are padded in their blocks (top-6 and top-3).
 template <int K>
-constexpr bool kPaddedRows = K == 6 || K == 3;
+constexpr bool kPaddedRows = kChunkBytes<K> != K;
 // Which place of a packed block holds each of its rows.
 template <class S, int K>
 constexpr std::array<int, kBlockRows<K>> places_of_rows() {

@@ -452,11 +452,9 @@ void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out, cons
                            "or read into a new one)");
     }
   }
-  if (api != nullptr) {
-    if (borrow_exchange(api, obj, name, out)) {
-      out.producer_api = api;
-      return;
-    }
+  if (api != nullptr && borrow_exchange(api, obj, name, out)) {
+    out.producer_api = api;
+    return;
   }
   if (use_torch_attributes && torch_ready() && PyObject_TypeCheck(obj.ptr(), torch_types.tensor)) {
     borrow_torch_attributes(obj, name, out);
