@@ -592,6 +592,8 @@ NB_MODULE(_moecap, m) {
         }
         return b.shape[0];
       },
+      // None too, so that it meets borrow's TypeError naming `slots`.
+      nb::arg("slots").none(),
       "Entries of a read's slots, any 1-D tensor (DLPack producers need not have len()); "
       "MoecapError as moecap_read refuses another ndim.");
   m.def("_fast_paths", &set_fast_paths, nb::arg("exchange_api"), nb::arg("torch_attributes"),

@@ -193,6 +193,8 @@ def test_errors_raise_with_the_message():
         assert "not compact" in str(e.value)
         with pytest.raises(TypeError, match="argument 'topk_ids' must be a tensor"):
             cap.capture(0, [[1, 2]])
+        with pytest.raises(TypeError, match="argument 'slots' must be a tensor"):
+            cap.read(None)  # the output's length is asked of the slots first
         with pytest.raises(TypeError, match="argument 'out' must be a writable tensor"):
             ro = np.zeros((1, 3, 2), dtype=np.int32)
             ro.flags.writeable = False
