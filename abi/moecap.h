@@ -157,7 +157,9 @@ typedef enum {
 
 /* moecap_config.flags */
 #define MOECAP_FLAG_HISTOGRAM 0x1u /* keep a [layers, num_experts] int64 expert-load histogram */
-#define MOECAP_FLAG_GUARDS 0x2u    /* 64 canary bytes after every buffer, checked on host calls */
+#define MOECAP_FLAG_GUARDS 0x2u    /* 64 canary bytes after every buffer, checked by capture,
+                                      commit, invalidate, read, write, synchronize and
+                                      get_errors (not destroy, which frees them) */
 #define MOECAP_FLAG_NO_GUARDS 0x4u /* turn off guards where a build enables them by default */
 /* Side stream (1.1): capture, commit, invalidate and histogram_reset leave
  * the engine's stream. Each call forks: an event recorded on `stream`, a
@@ -274,7 +276,9 @@ MOECAP_API const char* moecap_status_name(moecap_status status);
  * MOECAP_DEVICE_HOST, device 0, next NULL; the model and scheduler fields
  * (num_layers, top_k, num_experts, max_running_requests, host_slots) are 0
  * and must be set. The caller sets struct_size first, and only that many
- * bytes are written:
+ * bytes are written (of a newer caller's bigger struct, the fields this
+ * library knows; struct_size is left as set, so a newer field set afterwards
+ * is refused by moecap_plan / moecap_create with ABI_MISMATCH, not ignored):
  *   moecap_config c = {0}; c.struct_size = sizeof c; moecap_config_init(&c);
  * Any thread. (1.1) */
 MOECAP_API moecap_status moecap_config_init(moecap_config* config);

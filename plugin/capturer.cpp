@@ -209,7 +209,6 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   } else if (weights != nullptr) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is given but config->weight_dtype is MOECAP_WEIGHTS_NONE");
   }
-  if (!recording_) check_guards(on_host());
 
   // Even with no rows the call is enqueued: it starts a step and stamps the
   // layer as holding none of it, so the rows an earlier step left there
@@ -221,6 +220,13 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   p.dst_ids = device_block_ + device_ids_.offset + layer_offset * plan_.device_id_bytes;
   p.dst_weights = weights_elem >= 0 ? device_block_ + device_weights_.offset + layer_offset * plan_.weight_bytes
                                     : nullptr;
+  const bool as_stored = cols == c.top_k;
+  require_outside_device_block(ids, "topk_ids", as_stored && ids_elem == plan_.device_id_elem ? p.dst_ids : nullptr);
+  if (weights_elem >= 0) {
+    require_outside_device_block(weights, "topk_weights",
+                                 as_stored && weights_elem == plan_.weight_elem ? p.dst_weights : nullptr);
+  }
+  if (!recording_) check_guards(on_host());
   p.histogram = plan_.has_histogram() ? reinterpret_cast<unsigned long long*>(device_block_ + histogram_.offset) +
                                             static_cast<int64_t>(layer) * c.num_experts
                                       : nullptr;
@@ -252,6 +258,7 @@ void Capturer::commit(const moecap_commit_args* caller_args, EngineStream stream
     fail(MOECAP_ERROR_CAPACITY, "args->dst_slots has ", count, " entries; device_rows is ", plan_.device_rows);
   }
   const bool slots_on_host = staged_index(slots, "args->dst_slots", graph);
+  require_outside_device_block(slots, "args->dst_slots", nullptr);  // the rows it reads are consumed as it goes
 
   int32_t rows_elem = kI64;
   bool rows_on_host = false;
@@ -268,6 +275,7 @@ void Capturer::commit(const moecap_commit_args* caller_args, EngineStream stream
     rows_elem = check_tensor(rows, {"args->src_rows", {kI32, kI64}, 1});
     check_dim(rows, "args->src_rows", 0, count, "entries of args->dst_slots");
     rows_on_host = staged_index(rows, "args->src_rows", graph);
+    require_outside_device_block(rows, "args->src_rows", nullptr);
     if (!graph && Backend::host_can_read(rows->device)) {
       check_host_slots(rows, "args->src_rows", false, plan_.device_rows);
     }
@@ -521,6 +529,14 @@ HostView Capturer::host_view(const DLTensor* t, const char* name, EngineStream s
   return v;
 }
 
+void Capturer::require_outside_device_block(const DLTensor* t, const char* name, const void* own) const {
+  if (t == nullptr || (own != nullptr && tensor_data(t) == own)) return;
+  if (overlaps(t, device_block_, step_word_.offset + step_word_.bytes)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " lies in the capturer's device buffer (an exported device_ids, ",
+         "device_weights or layer view) other than as the layer's own rows in their dtype; pass a copy");
+  }
+}
+
 void Capturer::require_outside_host_cache(const DLTensor* t, const char* name) const {
   if (t == nullptr) return;
   const size_t cache_bytes = host_states_.offset + host_states_.bytes;
@@ -620,6 +636,7 @@ moecap_error_counts Capturer::errors(bool clear, std::unique_lock<std::mutex>* l
   const LockHold hold(lock);
   require_not_recording();
   backend_->commits_done(true, nullptr, lock);
+  check_guards(true);  // before the counters are taken (and, with clear, reset)
   const ErrorWord word = backend_->take_errors(reinterpret_cast<ErrorWord*>(device_block_ + error_word_.offset), clear);
   moecap_error_counts out{};
   out.struct_size = sizeof out;

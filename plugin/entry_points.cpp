@@ -103,7 +103,12 @@ const char* moecap_status_name(moecap_status status) {
 moecap_status moecap_config_init(moecap_config* config) {
   return guarded("moecap_config_init", [&] {
     moecap::require_out_struct(config, MOECAP_CONFIG_SIZE_1_0, "config");
+    // The caller's struct_size stays: a newer caller's fields past this
+    // library's, set after this call, must reach moecap_plan/moecap_create's
+    // check (ABI_MISMATCH), not be dropped by a struct_size cut to ours.
+    const size_t caller_size = config->struct_size;
     moecap::write_struct(config, moecap::default_config());
+    config->struct_size = caller_size;
   });
 }
 

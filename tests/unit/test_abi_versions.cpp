@@ -84,13 +84,25 @@ TEST_CASE("moecap_config_init fills every default and writes only struct_size by
   for (size_t i = 0; i < sizeof(moecap_config) - MOECAP_CONFIG_SIZE_1_0; ++i) REQUIRE(tail[i] == 0x5a);
   CHECK(old.fence_intact());
 
-  // A newer caller's bigger struct: the known part is filled, struct_size says how much.
+  // A newer caller's bigger struct: the known part is filled and struct_size
+  // kept, so a newer field set after init is refused, not silently dropped.
   NewerConfig newer{};
   newer.known.struct_size = sizeof newer;
-  newer.future_field = 42;
   REQUIRE(moecap_config_init(&newer.known) == MOECAP_OK);
-  CHECK(newer.known.struct_size == sizeof(moecap_config));
-  CHECK(newer.future_field == 42);
+  CHECK(newer.known.struct_size == sizeof newer);
+  CHECK(newer.known.dp_size == 1);
+  CHECK(newer.future_field == 0);
+  newer.known.num_layers = 2;
+  newer.known.top_k = 2;
+  newer.known.num_experts = 8;
+  newer.known.max_running_requests = 4;
+  newer.known.host_slots = 16;
+  moecap_plan_info info{};
+  info.struct_size = sizeof info;
+  CHECK(moecap_plan(&newer.known, &info) == MOECAP_OK);  // its newer field left 0: the default
+  newer.future_field = 42;
+  CHECK(moecap_plan(&newer.known, &info) == MOECAP_ERROR_ABI_MISMATCH);
+  CHECK(error_has("a field this library"));
 
   moecap_config unset{};
   CHECK(moecap_config_init(&unset) == MOECAP_ERROR_ABI_MISMATCH);

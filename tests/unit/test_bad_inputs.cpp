@@ -287,6 +287,56 @@ TEST_CASE("read and write refuse tensors sharing memory with each other or with 
   CHECK(moecap_read(f.h, slots.get(), out.get(), wout.get(), 0, nullptr) == MOECAP_OK);
 }
 
+TEST_CASE("capture and commit refuse tensors in the device buffer, but for a layer's own rows") {
+  moecap_config c = small_config();
+  c.device_id_dtype = MOECAP_IDS_I32;  // the dtype capture takes, so a layer view can be passed to it
+  moecap_capturer* h = nullptr;
+  REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
+  DLManagedTensorVersioned* layer0 = nullptr;
+  REQUIRE(moecap_export(h, MOECAP_BUFFER_LAYER_IDS, 0, &layer0) == MOECAP_OK);
+  auto* view = static_cast<int32_t*>(layer0->dl_tensor.data);
+  for (int i = 0; i < 4 * c.top_k; ++i) view[i] = 6 + i % 2;  // a top-k kernel wrote rows 0-3 of layer 0
+  int64_t shape[2] = {4, c.top_k};
+  DLTensor own = layer0->dl_tensor;
+  own.shape = shape;
+  own.strides = nullptr;
+  auto refused = [&](const char* needle, const std::function<moecap_status()>& call) {
+    CAPTURE(needle);
+    const std::vector<uint8_t> before = snapshot(h);
+    CHECK(call() == MOECAP_ERROR_INVALID_ARGUMENT);
+    CHECK_MESSAGE(std::string(moecap_last_error()).find(needle) != std::string::npos, moecap_last_error());
+    CHECK(snapshot(h) == before);
+  };
+  // Shifted by a row, the copy would read rows it has just written.
+  DLTensor shifted = own;
+  shifted.byte_offset = 4 * static_cast<uint64_t>(c.top_k);
+  refused("topk_ids lies in the capturer's device buffer", [&] { return moecap_capture(h, 0, &shifted, nullptr, nullptr); });
+  refused("topk_ids lies in the capturer's device buffer", [&] { return moecap_capture(h, 1, &own, nullptr, nullptr); });
+  DLTensor slots = own;  // slot numbers planted in the device rows the commit consumes
+  slots.ndim = 1;
+  refused("args->dst_slots lies in the capturer's device buffer", [&] {
+    moecap_commit_args a{sizeof a, 0, nullptr, &slots};
+    return moecap_commit(h, &a, nullptr);
+  });
+  // The layer's own rows, as they are stored, are copied onto themselves.
+  REQUIRE(moecap_capture(h, 0, &own, nullptr, nullptr) == MOECAP_OK);
+  HostTensor ids({4, c.top_k}, i32());
+  ids.fill<int32_t>({1, 2, 3, 4, 5, 6, 7, 0});
+  for (int32_t l = 1; l < c.num_layers; ++l) REQUIRE(moecap_capture(h, l, ids.get(), nullptr, nullptr) == MOECAP_OK);
+  HostTensor to({4}, i32());
+  to.fill<int32_t>({10, 11, 12, 13});
+  moecap_commit_args a{sizeof a, 0, nullptr, to.get()};
+  REQUIRE(moecap_commit(h, &a, nullptr) == MOECAP_OK);
+  HostTensor out({4, c.num_layers, c.top_k}, i32());
+  REQUIRE(moecap_read(h, to.get(), out.get(), nullptr, MOECAP_READ_STRICT, nullptr) == MOECAP_OK);
+  for (int64_t r = 0; r < 4; ++r) {
+    CHECK(out.as<int32_t>()[r * c.num_layers * c.top_k] == 6);
+    CHECK(out.as<int32_t>()[r * c.num_layers * c.top_k + 1] == 7);
+  }
+  layer0->deleter(layer0);
+  moecap_destroy(h);
+}
+
 TEST_CASE("export, histogram_reset, get_errors, get_plan and graphs refuse bad input") {
   Fixture f;
   DLManagedTensorVersioned* v = nullptr;
@@ -360,8 +410,15 @@ TEST_CASE("guard canaries report the region something wrote past") {
   end[3] ^= 0xff;
   CHECK(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_ERROR_CORRUPTION);
   CHECK(std::string(moecap_last_error()).find("host ids") != std::string::npos);
+  // The error counts are no way around it: get_errors reports it too, and clears nothing.
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  CHECK(moecap_get_errors(h, &e, MOECAP_ERRORS_CLEAR) == MOECAP_ERROR_CORRUPTION);
+  CHECK(std::string(moecap_last_error()).find("host ids") != std::string::npos);
+  CHECK(moecap_synchronize(h) == MOECAP_ERROR_CORRUPTION);
   end[3] ^= 0xff;
   CHECK(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
+  CHECK(moecap_get_errors(h, &e, 0) == MOECAP_OK);
   v->deleter(v);
   moecap_destroy(h);
 }
