@@ -279,7 +279,15 @@ bool borrow_buffer(nb::handle obj, const char* name, bool writable, Borrowed& ou
 
 template <class Array>
 void borrow_ndarray(const Array& a, Borrowed& out, const char* name, nb::handle obj) {
-  out.dl.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  // nanobind folds byte_offset into data(), wrapping past the address
+  // space's end unchecked; such a capsule describes no memory at all.
+  uintptr_t first = 0;
+  if (__builtin_add_overflow(reinterpret_cast<uintptr_t>(a.data_handle()), a.byte_offset(), &first)) {
+    raise_error(MOECAP_ERROR_INVALID_ARGUMENT, std::string(name) + "'s DLPack byte_offset is " +
+                                                   std::to_string(a.byte_offset()) +
+                                                   "; data + byte_offset wraps around the address space");
+  }
+  out.dl.data = reinterpret_cast<void*>(first);
   out.dl.ndim = static_cast<int32_t>(a.ndim());
   auto dt = a.dtype();
   out.dl.dtype = DLDataType{dt.code, dt.bits, dt.lanes};

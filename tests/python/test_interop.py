@@ -33,6 +33,37 @@ def capsule_flags(capsule):
     return ctypes.c_uint64.from_address(_get_pointer(capsule, b"dltensor_versioned") + 24).value
 
 
+class WrappingOffset:
+    """A producer of `array` (a view into a bigger buffer) whose legacy capsule's
+    byte_offset is 2^64 - 8: data + byte_offset wraps around to 8 bytes before
+    the view, memory the capsule does not describe."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __dlpack__(self, **_):
+        capsule = self.array.__dlpack__()  # legacy: DLTensor first, byte_offset at 40
+        ctypes.c_uint64.from_address(_get_pointer(capsule, b"dltensor") + 40).value = 2**64 - 8
+        return capsule
+
+
+def test_a_byte_offset_wrapping_around_the_address_space_is_refused():
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.write(np.array([0]), np.ones((1, 3, 2), dtype=np.int32))
+        buffer = np.full(8, 77, dtype=np.int32)
+        with pytest.raises(moecap.MoecapError, match="out's DLPack byte_offset is 18446744073709551608; data \\+ "
+                                                     "byte_offset wraps around the address space"):
+            cap.read(np.array([0]), out=WrappingOffset(buffer[2:8].reshape(1, 3, 2)))
+        assert (buffer == 77).all()
+        source = np.array([5, 5, 1, 2], dtype=np.int32)
+        with pytest.raises(moecap.MoecapError, match="topk_ids's DLPack byte_offset"):
+            cap.capture(0, WrappingOffset(source[2:].reshape(1, 2)))
+        assert (np.from_dlpack(cap.export("layer_ids", layer=0)) == -1).all()
+
+
 @needs_numpy_2
 def test_numpy_view_sees_commits_zero_copy():
     with moecap.Capturer(**CONFIG) as cap:
