@@ -407,3 +407,68 @@ def test_payloads_naming_more_layers_than_any_model_are_refused_before_a_layer_l
             formats.decode(payload, 8)
     with pytest.raises(ValueError, match="layers and top_k must be >= 1"):
         formats.decode("nrlre1:int8:1x3x0:", 8)  # a routing of no experts per token
+
+
+def test_decoders_refuse_ids_no_expert_could_have_and_non_integer_payloads():
+    """No trainer format but NeMo-RL's whole -1 rows has a value for 'no
+    routing': a -1 id would be replayed (Megatron's gather fails on it, verl
+    and slime pad with real experts), and a float would truncate to an expert."""
+    r = routing(np.random.default_rng(15), tokens=3)
+    rows = engine_rows(r, np.int32)  # [3, HIDDEN, TOP_K], dense layers 0
+    holed = rows.copy()
+    holed[1, LAYERS[0], :] = -1
+    per_layer = [torch.from_numpy(holed[:, layer].copy()) for layer in LAYERS]
+    decoders = {
+        "slime": lambda a: slime.decode(a, 8, HIDDEN, TOP_K, num_tokens=4, layers=LAYERS),
+        "verl": lambda a: verl.decode(np.concatenate([a, np.zeros_like(a[:1])]), 8, prompt_len=2, num_tokens=4,
+                                      layers=LAYERS),
+        "Megatron's RouterReplay": lambda layers: formats.megatron.decode(layers, 8, layers=LAYERS, num_hidden_layers=HIDDEN),
+    }
+    for consumer, decode in decoders.items():
+        megatron = consumer.startswith("Megatron")
+        given = per_layer if megatron else holed
+        with pytest.raises(ValueError, match=f"the {consumer} payload holds id -1; {consumer} has no value for"):
+            decode(given)
+        floats = [t.double() + 0.7 for t in per_layer] if megatron else rows + 0.7
+        with pytest.raises(ValueError, match=f"the {consumer} payload is float64; expert ids are integers"):
+            decode(floats)
+    past = rows.astype(np.uint64)
+    past[0, LAYERS[0], 0] = 2**64 - 1  # as int64 this would read -1
+    with pytest.raises(ValueError, match=f"holds id {2**64 - 1}; expected ids in \\[0, num_experts = 8\\)"):
+        slime.decode(past, 8, HIDDEN, TOP_K, num_tokens=4, layers=LAYERS)
+    assert slime.decode(rows, 8, HIDDEN, TOP_K, num_tokens=4, layers=LAYERS) == r
+    sky_holed = dict(r.to_skyrl(), dtype="int16", data=base64.b64encode(holed.astype(np.int16).tobytes()).decode())
+    with pytest.raises(ValueError, match="the SkyRL payload holds id -1"):
+        skyrl.decode(sky_holed, 8, layers=LAYERS)
+
+
+def test_decoders_refuse_malformed_dicts_and_envelopes_with_value_errors():
+    r = routing(np.random.default_rng(16), tokens=3)
+    for encode, decode, consumer in ((r.to_prime_rl, prime_rl.decode, "prime-rl"), (r.to_skyrl, skyrl.decode, "SkyRL")):
+        payload = encode()
+        for shape in ([3.0, HIDDEN, TOP_K], [-1, -3, TOP_K], ["3", HIDDEN, TOP_K], [True, HIDDEN, TOP_K], [3, HIDDEN]):
+            with pytest.raises(ValueError, match=f"the {consumer} payload's shape .* is not 3 non-negative integers"):
+                decode(dict(payload, shape=shape), 8, layers=LAYERS)
+        for data in (None, 12, ["AAAA"]):
+            with pytest.raises(ValueError, match="data has a .*; expected base64 text"):
+                decode(dict(payload, data=data), 8, layers=LAYERS)
+        with pytest.raises(ValueError, match="data has no valid base64"):
+            decode(dict(payload, data="A"), 8, layers=LAYERS)
+        with pytest.raises(ValueError, match="dtype \\['uint8'\\]"):
+            decode(dict(payload, dtype=["uint8"]), 8, layers=LAYERS)
+        assert decode(payload, 8, layers=LAYERS) == r
+    # A shape whose element count overflows int64 is a size mismatch, not a wrapped-around 0.
+    with pytest.raises(ValueError, match="envelope holds 0 bytes; int8 \\[4294967296, 4294967296, 1\\] takes "
+                                         f"{2**64}"):
+        nemo_rl.decode("nrlre1:int8:4294967296x4294967296x1:", 8)
+
+
+def test_prime_rl_trainer_array_is_none_without_a_forwarded_row():
+    """verifiers copies the last forwarded row for the final position; with no
+    row (every position from start cached but the last) it attaches none, so
+    the sample carries no routing rather than a zero row replayed as expert 0."""
+    empty = RoutedExperts(np.zeros((0, len(LAYERS), TOP_K), dtype=np.int64), 8, start=8, layers=LAYERS,
+                          num_hidden_layers=HIDDEN)
+    payload = empty.to_prime_rl(num_tokens=9)
+    assert payload["shape"] == [0, HIDDEN, TOP_K]
+    assert verifiers_node_rows(payload, 8, 1) is None and prime_rl.trainer_array(empty, num_tokens=9) is None

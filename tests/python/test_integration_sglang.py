@@ -751,6 +751,19 @@ def test_sglang_payload_from_a_start_and_empty():
     assert (len(clamped.ids), clamped.start) == (0, 4) and clamped.to_sglang(num_tokens=5) == ""
 
 
+def test_sglext_with_other_fields_keeps_an_empty_routed_experts():
+    # SGLang's serving code builds SglExt when any of its fields is set; an
+    # empty routed_experts string then goes out as "".
+    SglExt = pytest.importorskip("sglang.srt.entrypoints.openai.protocol").SglExt
+    empty = routing(tokens=0, start=3)
+    for other in ({"input_ids": [1, 2]}, {"output_ids": [[3]]}):
+        theirs = SglExt(routed_experts=empty.to_sglang(), **other).model_dump(exclude_none=True)
+        assert sglang_format.sglext(empty, other_fields=True) == {"routed_experts": theirs["routed_experts"]} == {
+            "routed_experts": ""}
+    r = routing()
+    assert sglang_format.sglext(r, other_fields=True) == sglang_format.sglext(r) == {"routed_experts": r.to_sglang()}
+
+
 def test_sglang_payload_refuses_tokens_without_routing_unless_told():
     r = routing(valid=[True, True, False, True, True, True])
     with pytest.raises(ValueError, match="first at position 2"):

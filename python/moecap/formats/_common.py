@@ -3,6 +3,8 @@
 without routing where a format has no value for them, and the way back from
 an all-layer array to a RoutedExperts."""
 import base64
+import binascii
+import math
 
 import numpy as np
 
@@ -65,15 +67,46 @@ def fits(ids, dtype, consumer):
     return ids.astype(np.dtype(dtype).newbyteorder("<"))
 
 
+def dimensions(shape, consumer):
+    """A payload's [S, L, K] shape as three non-negative ints (a bool or a
+    float is not one, as the consumers' JSON readers would refuse it)."""
+    dims = tuple(shape)
+    if len(dims) != 3 or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in dims):
+        raise ValueError(f"the {consumer} payload's shape {list(dims)} is not 3 non-negative integers")
+    return tuple(int(d) for d in dims)
+
+
 def array_from_base64(data, dtype, shape, holds):
     """The [S, L, K] array a payload's base64 field holds, its size checked
     against the shape it names; `holds` begins the error ("data has")."""
     dtype = np.dtype(dtype)
-    raw = base64.b64decode(data, validate=True)
-    expected = int(np.prod(shape)) * dtype.itemsize
+    if not isinstance(data, (str, bytes)):
+        raise ValueError(f"{holds} a {type(data).__name__}; expected base64 text")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except binascii.Error as e:
+        raise ValueError(f"{holds} no valid base64 ({e})") from None
+    expected = math.prod(shape) * dtype.itemsize  # Python ints: a huge shape cannot wrap to a small size
     if len(raw) != expected:
         raise ValueError(f"{holds} {len(raw)} bytes; {dtype.name} {list(shape)} takes {expected}")
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def require_expert_ids(ids, num_experts, consumer):
+    """Integer ids in [0, num_experts), checked before any cast (a float would
+    truncate to an expert; a uint64 past int64 would wrap to -1). The payloads
+    have no value for 'no routing' in a row (NeMo-RL's all -1 rows are taken
+    out before), so a negative id is refused, not read as one."""
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"the {consumer} payload is {ids.dtype}; expert ids are integers")
+    if ids.size == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0:
+        raise ValueError(f"the {consumer} payload holds id {low}; {consumer} has no value for 'no routing', "
+                         "and expert ids are >= 0")
+    if high >= int(num_experts):
+        raise ValueError(f"the {consumer} payload holds id {high}; expected ids in [0, num_experts = {num_experts})")
 
 
 def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start=0, valid=None):
@@ -84,6 +117,7 @@ def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start
     ids = np.asarray(ids)
     if ids.ndim != 3:
         raise ValueError(f"{consumer} payload has shape {ids.shape}; expected [tokens, layers, top_k]")
+    require_expert_ids(ids, num_experts, consumer)  # dense layers' 0 included
     width = ids.shape[1]
     if width > MAX_LAYERS:  # before a layer list that long is built for a payload that may hold no routing
         raise ValueError(f"the {consumer} payload has {width} layers; a RoutedExperts holds at most {MAX_LAYERS}")

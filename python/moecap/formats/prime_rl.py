@@ -9,7 +9,8 @@ routed_experts_prompt_start (``start``) to T-1; the layer axis is every model
 layer, dense layers 0, which prime-rl's trainer models index with the global
 layer number. verifiers (its rollout graph, ``_attribute_routed_experts``)
 gives the turn's last node a copy of the last forwarded row for the final
-position, which no forward reached, so a sequence has len(token_ids) rows; the
+position, which no forward reached, so a sequence has len(token_ids) rows (with
+no row to copy it attaches none, and the sample has no routing); the
 orchestrator aligns to that length (its zero padding of a shorter tail is a
 backstop that then never runs) and hands ``[batch, seq, layers, top_k]`` to
 the trainer, whose MoE router gathers its scores at those ids.
@@ -21,7 +22,7 @@ import base64
 
 import numpy as np
 
-from ._common import array_from_base64, from_layer_axis, moe_rows, require_routing, sequence_length
+from ._common import array_from_base64, dimensions, from_layer_axis, moe_rows, require_routing, sequence_length
 
 CONSUMER = "prime-rl"
 _DTYPES = {"uint8": np.dtype("u1"), "uint16": np.dtype("<u2")}
@@ -43,12 +44,15 @@ def encode(routed, num_tokens=None):
 def trainer_array(routed, num_tokens=None):
     """[T-start, L, K] of the payload's dtype, what prime-rl's trainer receives
     per sample: the rows, and for the last token verifiers' copy of the last
-    row (the orchestrator's zero row where there is no row to copy)."""
+    row. None where there is no row to copy (no token from start was
+    forwarded): verifiers then leaves the node without routing, so the
+    sample has none, and no zero row is replayed as experts 0."""
     payload = encode(routed, num_tokens)
     rows = np.frombuffer(base64.b64decode(payload["data"]), dtype=_DTYPES[payload["dtype"]])
     rows = rows.reshape(payload["shape"])
-    last = rows[-1:] if rows.shape[0] else np.zeros((1, *rows.shape[1:]), dtype=rows.dtype)
-    return np.concatenate([rows, last])
+    if rows.shape[0] == 0:
+        return None
+    return np.concatenate([rows, rows[-1:]])
 
 
 def decode(payload, num_experts, layers=None, num_hidden_layers=None):
@@ -59,9 +63,9 @@ def decode(payload, num_experts, layers=None, num_hidden_layers=None):
         start = int(payload.get("start", 0))
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"not a prime-rl routed_experts dict ({{data, shape, start, dtype}}): {e}") from None
-    if name not in _DTYPES:
+    if not isinstance(name, str) or name not in _DTYPES:
         raise ValueError(f"dtype {name!r}; prime-rl's are {sorted(_DTYPES)}")
-    if len(shape) != 3 or start < 0:
-        raise ValueError(f"shape {list(shape)} / start {start}: expected 3 dimensions and start >= 0")
-    ids = array_from_base64(data, _DTYPES[name], shape, "data has")
+    if start < 0:
+        raise ValueError(f"start is {start}; a position in a sequence is >= 0")
+    ids = array_from_base64(data, _DTYPES[name], dimensions(shape, CONSUMER), "data has")
     return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=start)

@@ -69,11 +69,14 @@ def meta_info(routed, num_tokens=None, invalid="raise"):
     return {"routed_experts": b64(encode(routed, num_tokens, invalid))}
 
 
-def sglext(routed, num_tokens=None, invalid="raise"):
+def sglext(routed, num_tokens=None, invalid="raise", other_fields=False):
     """The OpenAI endpoints' response-level ``sglext`` dict: routed_experts, or
-    nothing when the string is empty (SGLang leaves the field out then)."""
+    nothing when the string is empty, where SGLang then leaves the field out;
+    other_fields: the response's sglext carries another field (cached-token or
+    speculative details, input or output ids), so SGLang builds it and sends
+    the empty string."""
     s = b64(encode(routed, num_tokens, invalid))
-    return {"routed_experts": s} if s else {}
+    return {"routed_experts": s} if s or other_fields else {}
 
 
 def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None, num_tokens=None):
@@ -106,7 +109,5 @@ def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None,
         if rows != max(0, int(num_tokens) - 1 - start):
             raise ValueError(f"the SGLang payload has {rows} rows; a {num_tokens}-token sequence from position "
                              f"{start} has {max(0, int(num_tokens) - 1 - start)} (T-1-start_len)")
-    if (flat < 0).any():
-        raise ValueError("the SGLang payload holds negative ids; SGLang sends none")
     return from_layer_axis(flat.reshape(rows, int(num_hidden_layers), int(top_k)), num_experts, layers,
                            int(num_hidden_layers), CONSUMER, start=int(start))

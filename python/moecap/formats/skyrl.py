@@ -18,7 +18,8 @@ import base64
 
 import numpy as np
 
-from ._common import array_from_base64, from_layer_axis, moe_rows, require_routing, sequence_length
+from ._common import (array_from_base64, dimensions, from_layer_axis, moe_rows, require_expert_ids, require_routing,
+                      sequence_length)
 
 CONSUMER = "SkyRL"
 _DTYPES = {"uint8": np.dtype("u1"), "int16": np.dtype("<i2"), "int32": np.dtype("<i4")}
@@ -48,13 +49,10 @@ def decode(payload, num_experts, layers=None, num_hidden_layers=None):
         name, shape, data = payload["dtype"], tuple(payload["shape"]), payload["data"]
     except (KeyError, TypeError) as e:
         raise ValueError(f"not a SkyRL routed_experts dict ({{data, shape, dtype}}): {e}") from None
-    if name not in _DTYPES:
+    if not isinstance(name, str) or name not in _DTYPES:
         raise ValueError(f"dtype {name!r}; SkyRL's are {sorted(_DTYPES)}")
-    if len(shape) != 3 or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
-        raise ValueError(f"shape {list(shape)} is not 3 non-negative dimensions")
-    ids = array_from_base64(data, _DTYPES[name], shape, "data has")
-    if ids.size and int(ids.min()) < 0:
-        raise ValueError("SkyRL's routed experts are non-negative; this payload holds a negative id")
+    ids = array_from_base64(data, _DTYPES[name], dimensions(shape, CONSUMER), "data has")
+    require_expert_ids(ids, num_experts, CONSUMER)  # before the dtype's check, which reads the largest id
     if canonical_dtype(ids) != _DTYPES[name]:
         raise ValueError(f"dtype {name} is not canonical for these ids; SkyRL expects {canonical_dtype(ids).name}")
     return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER)

@@ -90,6 +90,4 @@ def decode(payload, num_experts, start=0, layers=None, num_hidden_layers=None, n
     if num_tokens is not None and ids.shape[0] != max(0, int(num_tokens) - 1 - int(start)):
         raise ValueError(f"the vLLM payload has {ids.shape[0]} rows; a {num_tokens}-token sequence from position "
                          f"{start} has {max(0, int(num_tokens) - 1 - int(start))} (T-1-prompt_start)")
-    if (ids.astype(np.int64) < 0).any():
-        raise ValueError("the vLLM payload holds negative ids; vLLM sends none")
     return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=int(start))
