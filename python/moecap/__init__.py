@@ -81,7 +81,6 @@ WeightDtypeLike = Union[None, str, WeightDtype, Any]
 # NumPy's and torch's names of the dtypes moecap stores, and the keyword's name for each.
 _DTYPE_NAMES = {"uint8": "u8", "uint16": "u16", "int16": "i16", "int32": "i32",
                 "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-_DTYPES_BY_NAME = {short: full for full, short in _DTYPE_NAMES.items()}
 
 
 def abi_version() -> tuple[int, int]:
@@ -416,8 +415,9 @@ class Capturer(_moecap.Capturer):
         """The rows of ``slots`` (host memory, any DLPack producer) as ``[T, num_layers, top_k]``.
 
         Without ``out``, allocates one like ``slots`` (a torch tensor for torch
-        slots, else NumPy) of ``dtype`` (default int32; moecap's names ``"u8"``,
-        ``"u16"``, ``"i16"``, ``"i32"`` as in Config). ``out`` may be a CUDA
+        slots, else NumPy) of ``dtype`` (default int32; uint8, int8, uint16, int16,
+        int32 or int64, also by moecap's names ``"u8"``, ``"i8"``, ``"u16"``,
+        ``"i16"``, ``"i32"``, ``"i64"``: ``"i8"`` is int8). ``out`` may be a CUDA
         tensor on the capturer's GPU: it is filled on ``stream``. Returns out,
         or (out, weights_out) when weights_out is given.
 
@@ -426,15 +426,19 @@ class Capturer(_moecap.Capturer):
         at capture; ``strict=True`` raises MoecapError(NO_ROUTING) instead and
         writes nothing. ``slot_states`` says which slots hold routing."""
         if out is None:
-            # moecap's own names mean what they mean in Config: "u8" is uint8 (NumPy would read uint64).
-            dtype = _DTYPES_BY_NAME.get(dtype, dtype) if isinstance(dtype, str) else dtype
+            name = _read_dtype_name(dtype)
             shape = (_moecap.read_slots_length(slots), self.config.num_layers, self.config.top_k)
             torch = _torch_if_imported()
             if torch is not None and isinstance(slots, torch.Tensor):
-                out = torch.empty(shape, dtype=_torch_dtype(torch, dtype or torch.int32))
+                out = torch.empty(shape, dtype=getattr(torch, name))
             else:
                 import numpy as np
-                out = np.empty(shape, dtype=_numpy_dtype(torch, dtype or np.int32))
+                out = np.empty(shape, dtype=name)
+        elif dtype is not None:
+            have = str(getattr(out, "dtype", "")).removeprefix("torch.")
+            if have and have != _read_dtype_name(dtype):
+                raise ValueError(f"dtype is {dtype!r} but out is {have}; dtype is the dtype of an output read "
+                                 "allocates (out= brings its own)")
         self.read_into(slots, out, weights_out, _checked_flag("nonblocking", nonblocking),
                        _checked_flag("strict", strict), stream)
         return out if weights_out is None else (out, weights_out)
@@ -531,22 +535,30 @@ def _torch_if_imported() -> Any:
     return sys.modules.get("torch")
 
 
-def _torch_dtype(torch: Any, dtype: Any) -> Any:
-    """``dtype`` (a torch dtype, or a NumPy dtype or its name) as torch's."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    import numpy as np
-    try:
-        return getattr(torch, np.dtype(dtype).name)
-    except (TypeError, AttributeError):
-        raise TypeError(f"dtype {dtype!r} has no torch equivalent for a read into a torch tensor") from None
+# The ids dtypes a read writes (moecap_read's ids_out), by moecap's short names: "u8" is uint8 and "i8"
+# int8, where NumPy would read uint64 and int64.
+_READ_DTYPES = {"u8": "uint8", "i8": "int8", "u16": "uint16", "i16": "int16", "i32": "int32", "i64": "int64"}
 
 
-def _numpy_dtype(torch: Any, dtype: Any) -> Any:
-    """``dtype`` (a NumPy dtype or its name, or a torch dtype) as NumPy takes it."""
+def _read_dtype_name(dtype: Any) -> str:
+    """A read's ``dtype`` (None: int32; a short name, a NumPy or torch dtype, or NumPy's name) as NumPy's name."""
+    if dtype is None:
+        return "int32"
+    if isinstance(dtype, str) and dtype in _READ_DTYPES:
+        return _READ_DTYPES[dtype]
+    torch = _torch_if_imported()
     if torch is not None and isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    return dtype
+        name = str(dtype).removeprefix("torch.")
+    else:
+        import numpy as np
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
+    if name not in _READ_DTYPES.values():
+        raise TypeError(f"dtype {dtype!r} is not one read writes ids in: {', '.join(_READ_DTYPES.values())} "
+                        f"(or {', '.join(repr(k) for k in _READ_DTYPES)})")
+    return name
 
 
 # The consumers' layer (engine-step helpers, the routing record, transformers models) is

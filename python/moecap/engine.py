@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 import numpy as np
 
 from ._errors import MoecapError, Status
-from .record import RoutedExperts
+from .record import RoutedExperts, _integer
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
@@ -126,8 +126,11 @@ class RequestTable:
         """A new request whose first captured token sits at `position`."""
         if rid in self._slots:
             raise KeyError(f"request {rid!r} is already running")
+        position = _integer("position", position)
+        if position < 0:  # refused now: finish() would refuse it at every call, and the request never end
+            raise ValueError(f"position is {position}; a position in a sequence is >= 0")
         self._slots[rid] = []
-        self._start[rid] = int(position)
+        self._start[rid] = position
 
     def append(self, rid: Any, slots: ArrayLike) -> None:
         """The slots of the request's next tokens (in order)."""

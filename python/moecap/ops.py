@@ -29,6 +29,7 @@ buffers and pays nothing.
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -194,13 +195,22 @@ class CapturerOps:
         plain torch writes in compiled code: a view of device_ids, so the compiler orders a
         commit after those writes (a separate ``torch.from_dlpack(cap.export("layer_ids"))``
         tensor shares no storage with it, so nothing would)."""
-        return self.device_ids[layer]
+        return self.device_ids[self._layer("layer_ids", layer)]
 
     def layer_weights(self, layer: int) -> torch.Tensor:
         """Layer ``layer`` of device_weights, as layer_ids (needs weight_dtype)."""
         if self.device_weights is None:
             raise MoecapError(Status.INVALID_ARGUMENT, "layer_weights: the capturer keeps no weights (weight_dtype=None)")
-        return self.device_weights[layer]
+        return self.device_weights[self._layer("layer_weights", layer)]
+
+    def _layer(self, caller: str, layer: int) -> int:
+        """layer as capture checks it: Python's negative indexing would hand out another layer's rows."""
+        layers = self.device_ids.shape[0]
+        index = None if isinstance(layer, bool) or not hasattr(layer, "__index__") else operator.index(layer)
+        if index is None or not 0 <= index < layers:
+            raise MoecapError(Status.OUT_OF_RANGE, f"{caller}: layer is {layer!r}; it must be in [0, num_layers = "
+                              f"{layers})")
+        return index
 
     def capture(self, layer: int, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor] = None) -> None:
         torch.ops.moecap.capture(self.device_ids, self.device_weights, self.id, layer, topk_ids, topk_weights,

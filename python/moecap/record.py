@@ -76,6 +76,17 @@ LayerMap = collections.namedtuple("LayerMap", "layers num_hidden_layers")
 #: a header or payload naming more, with no routing behind it (0 tokens), is refused before a layer map or
 #: an all-layer payload the size of that number is built.
 MAX_LAYERS = 1 << 16
+#: The most ids a token holds over its layers (layers x top_k, and num_hidden_layers x top_k for the
+#: all-layer payloads): DeepSeek-V3's 61 x 8 is 488. A header naming a top_k past it with 0 tokens would
+#: otherwise have the converters allocate an all-layer row of that width.
+MAX_IDS_PER_TOKEN = 1 << 20
+
+
+def _integer(name, value):
+    """value as an int: a float, a bool or a string is refused, never truncated (2.7 is not position 2)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    return int(value)
 
 
 def _layer_map(moe_layers, layers, num_hidden_layers):
@@ -101,7 +112,7 @@ def _layer_map(moe_layers, layers, num_hidden_layers):
     least = layers[-1] + 1 if layers else 0
     if num_hidden_layers is None:
         num_hidden_layers = least
-    num_hidden_layers = int(num_hidden_layers)
+    num_hidden_layers = _integer("num_hidden_layers", num_hidden_layers)
     if num_hidden_layers < least:
         raise ValueError(f"num_hidden_layers is {num_hidden_layers}; layers names model layer {least - 1}")
     if num_hidden_layers > MAX_LAYERS:
@@ -136,12 +147,12 @@ class RoutedExperts:
             raise ValueError(f"ids must be an integer [tokens, layers, top_k] array, not {ids.dtype} {ids.shape}")
         if ids.shape[1] < 1 or ids.shape[2] < 1:
             raise ValueError(f"ids has shape {ids.shape}; layers and top_k must be >= 1")
-        num_experts = int(num_experts)
+        num_experts = _integer("num_experts", num_experts)
         if not 1 <= num_experts < 2**31:  # the record's limit; the ids' int32 holds no more
             raise ValueError(f"num_experts is {num_experts}; must be in [1, 2^31)")
-        start = int(start)
-        if start < 0:
-            raise ValueError(f"start is {start}; a position in a sequence is >= 0")
+        start = _integer("start", start)
+        if not 0 <= start < 2**63:  # the record's signed 64-bit start_position
+            raise ValueError(f"start is {start}; a position in a sequence is in [0, 2^63)")
         # Unsigned ids are checked as given: as int64, a uint64 2**64 - 1 would pass for -1.
         unsigned = ids.dtype.kind == "u"
         ids = ids if unsigned else ids.astype(np.int64)
@@ -164,6 +175,9 @@ class RoutedExperts:
         self.valid = v
         self.start = start
         self.layers, self.num_hidden_layers = _layer_map(ids.shape[1], layers, num_hidden_layers)
+        if self.num_hidden_layers * ids.shape[2] > MAX_IDS_PER_TOKEN:  # num_hidden_layers >= the ids' layers
+            raise ValueError(f"ids has top_k {ids.shape[2]} over num_hidden_layers {self.num_hidden_layers}; a token "
+                             f"holds at most {MAX_IDS_PER_TOKEN} ids over its layers")
 
     @classmethod
     def from_read(cls, ids: ArrayLike, num_experts: int, weights: Optional[ArrayLike] = None, start: int = 0, *,
@@ -207,7 +221,10 @@ class RoutedExperts:
                                  f"parts[0] has {first.num_experts}, {first.layer_map}, top_k {first.shape[2]}")
             at += len(p)
         keep_weights = all(p.weights is not None for p in parts)
-        weights = np.concatenate([p.weights.astype(np.float32) for p in parts]) if keep_weights else None
+        # float16 kept where every piece holds it (as the constructor keeps it), else float32.
+        half = keep_weights and all(p.weights.dtype == np.float16 for p in parts)
+        weights = np.concatenate([p.weights.astype(np.float16 if half else np.float32) for p in parts]) \
+            if keep_weights else None
         return cls(np.concatenate([p.ids for p in parts]), first.num_experts, weights=weights,
                    valid=np.concatenate([p.valid for p in parts]), start=first.start, layers=first.layers,
                    num_hidden_layers=first.num_hidden_layers)
@@ -283,6 +300,9 @@ class RoutedExperts:
         if info["num_layers"] > MAX_LAYERS:
             raise RecordError(Status.INVALID_ARGUMENT, f"record num_layers is {info['num_layers']}; a RoutedExperts "
                               f"holds at most {MAX_LAYERS}")
+        if info["num_layers"] * info["top_k"] > MAX_IDS_PER_TOKEN:
+            raise RecordError(Status.INVALID_ARGUMENT, f"record num_layers x top_k is {info['num_layers']} x "
+                              f"{info['top_k']}; a token of a RoutedExperts holds at most {MAX_IDS_PER_TOKEN} ids")
         shape = (info["num_tokens"], info["num_layers"], info["top_k"])
         ids = np.empty(shape, dtype=signed_dtype(info["num_experts"]))
         weights = None

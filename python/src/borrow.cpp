@@ -527,8 +527,13 @@ void* resolve_stream(nb::handle stream, int32_t device_type, int32_t device_id, 
     attribute = stream.attr("cuda_stream");
     value = attribute.ptr();
   }
-  unsigned long long handle = PyLong_AsUnsignedLongLong(value);
-  if (PyErr_Occurred()) throw nb::python_error();
+  const unsigned long long handle = PyLong_AsUnsignedLongLong(value);
+  if (PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_OverflowError)) throw nb::python_error();
+    PyErr_Clear();  // negative, or past 64 bits: no stream handle
+    raise_error(MOECAP_ERROR_INVALID_ARGUMENT, "stream is " + nb::cast<std::string>(nb::str(nb::handle(value))) +
+                                                   "; a CUstream handle is in [0, 2^64)");
+  }
   return reinterpret_cast<void*>(static_cast<uintptr_t>(handle));
 }
 

@@ -590,6 +590,10 @@ NB_MODULE(_moecap, m) {
           raise_error(MOECAP_ERROR_INVALID_ARGUMENT,
                       "moecap_read: slots has ndim " + std::to_string(b.dl.ndim) + "; expected 1");
         }
+        if (b.shape[0] < 0) {
+          raise_error(MOECAP_ERROR_INVALID_ARGUMENT,
+                      "moecap_read: slots.shape[0] is " + std::to_string(b.shape[0]) + "; must be >= 0");
+        }
         return b.shape[0];
       },
       // None too, so that it meets borrow's TypeError naming `slots`.

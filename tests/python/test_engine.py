@@ -94,6 +94,13 @@ def test_slots_that_are_not_integers_are_refused_never_truncated():
         write_routed(cap, [0.5], RoutedExperts(np.zeros((1, LAYERS, TOP_K), dtype=np.int32), EXPERTS))
     with pytest.raises(moecap.MoecapError, match="slots holds 18446744073709551615, past int64"):
         commit_batch(cap, np.array([2 ** 64 - 1], dtype=np.uint64))  # not slot -1
+    # A start no sequence has is refused at start(), where finish() would refuse it forever.
+    with pytest.raises(ValueError, match="position is -3; a position in a sequence is >= 0"):
+        table.start("s", -3)
+    with pytest.raises(TypeError, match="position must be an int, not float"):
+        table.start("s", 2.5)
+    assert "s" not in table
+    table.start("s", 2)
     # An empty list is no slots, whatever NumPy's default dtype for it.
     assert commit_batch(cap, []) == (0, 0, 0)
 

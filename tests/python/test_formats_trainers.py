@@ -457,6 +457,12 @@ def test_decoders_refuse_malformed_dicts_and_envelopes_with_value_errors():
         with pytest.raises(ValueError, match="dtype \\['uint8'\\]"):
             decode(dict(payload, dtype=["uint8"]), 8, layers=LAYERS)
         assert decode(payload, 8, layers=LAYERS) == r
+    with pytest.raises(ValueError, match="start must be an int, not float"):
+        prime_rl.decode(dict(r.to_prime_rl(), start=2.9), 8, layers=LAYERS)
+    for decode in (lambda: RoutedExperts.from_sglang(b"", 8, -1, -2),
+                   lambda: slime.decode(b"", 8, HIDDEN, 0, num_tokens=1)):
+        with pytest.raises(ValueError, match="a payload's rows need both >= 1"):
+            decode()
     # A shape whose element count overflows int64 is a size mismatch, not a wrapped-around 0.
     with pytest.raises(ValueError, match="envelope holds 0 bytes; int8 \\[4294967296, 4294967296, 1\\] takes "
                                          f"{2**64}"):

@@ -33,35 +33,46 @@ def capsule_flags(capsule):
     return ctypes.c_uint64.from_address(_get_pointer(capsule, b"dltensor_versioned") + 24).value
 
 
-class WrappingOffset:
-    """A producer of `array` (a view into a bigger buffer) whose legacy capsule's
-    byte_offset is 2^64 - 8: data + byte_offset wraps around to 8 bytes before
-    the view, memory the capsule does not describe."""
+class Forged:
+    """A producer of `array` whose legacy capsule (a DLTensor first) says
+    another byte_offset (at byte 40) or first extent (shape, a pointer at 24)."""
 
-    def __init__(self, array):
-        self.array = array
+    def __init__(self, array, byte_offset=None, first_extent=None):
+        self.array, self.byte_offset, self.first_extent = array, byte_offset, first_extent
 
     def __dlpack_device__(self):
         return (1, 0)
 
     def __dlpack__(self, **_):
-        capsule = self.array.__dlpack__()  # legacy: DLTensor first, byte_offset at 40
-        ctypes.c_uint64.from_address(_get_pointer(capsule, b"dltensor") + 40).value = 2**64 - 8
+        capsule = self.array.__dlpack__()
+        tensor = _get_pointer(capsule, b"dltensor")
+        if self.byte_offset is not None:
+            ctypes.c_uint64.from_address(tensor + 40).value = self.byte_offset
+        if self.first_extent is not None:
+            ctypes.c_int64.from_address(ctypes.c_void_p.from_address(tensor + 24).value).value = self.first_extent
         return capsule
 
 
 def test_a_byte_offset_wrapping_around_the_address_space_is_refused():
+    """2^64 - 8 wraps data + byte_offset around to 8 bytes before the view,
+    memory the capsule does not describe (here the buffer's own first two)."""
     with moecap.Capturer(**CONFIG) as cap:
         cap.write(np.array([0]), np.ones((1, 3, 2), dtype=np.int32))
         buffer = np.full(8, 77, dtype=np.int32)
         with pytest.raises(moecap.MoecapError, match="out's DLPack byte_offset is 18446744073709551608; data \\+ "
                                                      "byte_offset wraps around the address space"):
-            cap.read(np.array([0]), out=WrappingOffset(buffer[2:8].reshape(1, 3, 2)))
+            cap.read(np.array([0]), out=Forged(buffer[2:8].reshape(1, 3, 2), byte_offset=2**64 - 8))
         assert (buffer == 77).all()
         source = np.array([5, 5, 1, 2], dtype=np.int32)
         with pytest.raises(moecap.MoecapError, match="topk_ids's DLPack byte_offset"):
-            cap.capture(0, WrappingOffset(source[2:].reshape(1, 2)))
+            cap.capture(0, Forged(source[2:].reshape(1, 2), byte_offset=2**64 - 8))
         assert (np.from_dlpack(cap.export("layer_ids", layer=0)) == -1).all()
+
+
+def test_slots_of_a_negative_length_are_refused_before_an_output_is_allocated():
+    with moecap.Capturer(**CONFIG) as cap:
+        with pytest.raises(moecap.MoecapError, match="slots.shape\\[0\\] is -5; must be >= 0"):
+            cap.read(Forged(np.array([0, 1]), first_extent=-5))
 
 
 @needs_numpy_2

@@ -385,5 +385,25 @@ def test_a_read_takes_its_dtype_from_either_library_whichever_allocates(slots, d
         cap.commit(np.array([5]))
         got = cap.read(slots, dtype=dtype)
         assert got.dtype == expected and got.tolist() == [[[1, 2], [3, 4]]]
-    with pytest.raises(TypeError, match="no torch equivalent"):
-        moecap.Capturer(**CONFIG).read(torch.tensor([5]), dtype=object)
+
+
+def test_a_reads_dtype_names_are_moecaps_and_a_dtype_it_cannot_write_is_refused():
+    with moecap.Capturer(**CONFIG) as cap:
+        slots = np.array([5])
+        # moecap's short names: "u8" is uint8, so "i8" is int8 (NumPy reads both as 8-byte integers).
+        assert cap.read(slots, dtype="i8").dtype == np.int8 and cap.read(slots, dtype="u8").dtype == np.uint8
+        assert cap.read(torch.tensor([5]), dtype="i64").dtype == torch.int64
+        for bad in ("bogus", "bf16", np.float32, object):
+            with pytest.raises(TypeError, match="is not one read writes ids in: uint8, int8, uint16"):
+                cap.read(slots, dtype=bad)
+            with pytest.raises(TypeError, match="is not one read writes ids in"):
+                cap.read(torch.tensor([5]), dtype=bad)
+        out = np.zeros((1, cap.config.num_layers, cap.config.top_k), dtype=np.int32)
+        with pytest.raises(ValueError, match="dtype is 'i64' but out is int32"):
+            cap.read(slots, dtype="i64", out=out)
+        assert cap.read(slots, dtype=torch.int32, out=out) is out
+        with pytest.raises(moecap.MoecapError, match="stream is -1; a CUstream handle is in \\[0, 2\\^64\\)"):
+            cap.capture(0, np.zeros((1, cap.config.top_k), dtype=np.int32), stream=-1)
+        with pytest.raises(moecap.MoecapError, match="layer_ids: layer is -1; it must be in \\[0, num_layers = 2\\)"):
+            cap.ops.layer_ids(-1)  # Python's indexing would hand out the last layer
+        assert cap.ops.layer_ids(np.int64(1)).shape == (cap.plan.device_rows, cap.config.top_k)

@@ -322,7 +322,7 @@ def test_routing_no_sequence_or_record_can_hold_is_refused():
     and a 0-token sequence with rows), num_experts past the record's 2^31 - 1
     (the int32 ids wrapped expert 2^31 to "no expert"), and empty axes."""
     ids = np.array([[[1, 2]], [[3, 0]]])
-    with pytest.raises(ValueError, match="start is -3; a position in a sequence is >= 0"):
+    with pytest.raises(ValueError, match=r"start is -3; a position in a sequence is in \[0, 2\^63\)"):
         RoutedExperts(ids, 4, start=-3)
     with pytest.raises(ValueError, match=r"num_experts is 4294967296; must be in \[1, 2\^31\)"):
         RoutedExperts(np.array([[[2**31, 5]]]), 2**32)
@@ -335,6 +335,40 @@ def test_routing_no_sequence_or_record_can_hold_is_refused():
         RoutedExperts.from_bytes(negative)
     with pytest.raises(moecap.MoecapError, match=r"source\.start_position is -2; must be >= 0"):
         moecap._moecap.record_encode(np.ascontiguousarray(ids, dtype=np.int32), 4, None, None, -2, True, None)
+
+
+def test_counts_and_positions_are_ints_never_truncated():
+    ids = np.array([[[1, 2]]])
+    for keyword, bad in (("num_experts", 8.9), ("num_experts", "8"), ("start", 2.7), ("start", True),
+                         ("num_hidden_layers", 3.0)):
+        with pytest.raises(TypeError, match=f"{keyword} must be an int, not {type(bad).__name__}"):
+            RoutedExperts(ids, **dict(dict(num_experts=8), **{keyword: bad}))
+    with pytest.raises(ValueError, match=r"start is 18446744073709551616; a position in a sequence is in \[0, 2\^63\)"):
+        RoutedExperts(ids, 8, start=2**64)  # the record's start_position is signed 64-bit
+    assert RoutedExperts(ids, np.int64(8), start=np.int32(3)).start == 3
+
+
+def test_a_header_naming_a_top_k_no_token_could_hold_is_refused_before_any_row_is_built():
+    """40 bytes, 0 tokens, 8 layers of top-2^28: every all-layer converter
+    (NeMo-RL's padding, verl's aligned rows) would build a row of 2^31 ids."""
+    from moecap.record import MAX_IDS_PER_TOKEN
+    empty = RoutedExperts(np.zeros((0, 8, 1), dtype=np.int32), 2**29).to_bytes()
+    huge = empty[:16] + (2**28).to_bytes(4, "little") + empty[20:]
+    assert moecap._moecap.record_parse(huge)["top_k"] == 2**28
+    with pytest.raises(RecordError, match=f"num_layers x top_k is 8 x {2**28}; a token of a RoutedExperts holds at "
+                                          f"most {MAX_IDS_PER_TOKEN} ids"):
+        RoutedExperts.from_bytes(huge)
+    with pytest.raises(ValueError, match=f"top_k {2**18} over num_hidden_layers 8; a token holds at most"):
+        RoutedExperts(np.zeros((0, 2, 2**18), dtype=np.int32), 2**29, num_hidden_layers=8)
+    assert RoutedExperts(np.zeros((0, 4, 2**18), dtype=np.int32), 2**29).shape == (0, 4, 2**18)  # at the limit
+
+
+def test_concat_keeps_float16_weights():
+    half = [RoutedExperts(np.array([[[1, 2]]]), 8, weights=np.full((1, 1, 2), 0.5, np.float16), start=s)
+            for s in (0, 1)]
+    assert RoutedExperts.concat(half).weights.dtype == np.float16
+    mixed = [half[0], RoutedExperts(np.array([[[1, 2]]]), 8, weights=np.full((1, 1, 2), 0.5, np.float32), start=1)]
+    assert RoutedExperts.concat(mixed).weights.dtype == np.float32
 
 
 def test_routing_keeps_its_own_copy_of_what_it_was_given():

@@ -67,6 +67,14 @@ def fits(ids, dtype, consumer):
     return ids.astype(np.dtype(dtype).newbyteorder("<"))
 
 
+def row_shape(num_hidden_layers, top_k):
+    """A flat payload's row, [num_hidden_layers, top_k], as the caller names it: both >= 1."""
+    layers, k = int(num_hidden_layers), int(top_k)
+    if layers < 1 or k < 1:
+        raise ValueError(f"num_hidden_layers is {layers} and top_k {k}; a payload's rows need both >= 1")
+    return layers, k
+
+
 def dimensions(shape, consumer):
     """A payload's [S, L, K] shape as three non-negative ints (a bool or a
     float is not one, as the consumers' JSON readers would refuse it)."""

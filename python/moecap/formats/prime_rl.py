@@ -22,6 +22,7 @@ import base64
 
 import numpy as np
 
+from ..record import _integer
 from ._common import array_from_base64, dimensions, from_layer_axis, moe_rows, require_routing, sequence_length
 
 CONSUMER = "prime-rl"
@@ -60,7 +61,7 @@ def decode(payload, num_experts, layers=None, num_hidden_layers=None):
     layers' model indices (dense layers must read 0)."""
     try:
         name, shape, data = payload.get("dtype", "uint8"), tuple(payload["shape"]), payload["data"]
-        start = int(payload.get("start", 0))
+        start = _integer("start", payload.get("start", 0))
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"not a prime-rl routed_experts dict ({{data, shape, start, dtype}}): {e}") from None
     if not isinstance(name, str) or name not in _DTYPES:

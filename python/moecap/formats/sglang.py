@@ -27,7 +27,7 @@ import base64
 
 import numpy as np
 
-from ._common import fits, from_layer_axis, moe_rows, require_routing, routed_tokens, sequence_length
+from ._common import fits, from_layer_axis, moe_rows, require_routing, routed_tokens, row_shape, sequence_length
 
 CONSUMER = "SGLang"
 DTYPE = np.dtype("<i4")
@@ -85,6 +85,7 @@ def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None,
     reshape it, as every SGLang client must; start is the request's
     routed_experts_start_len; num_tokens=T, when given, clamps start to T-1 as
     SGLang does and is checked against the rows; layers: the MoE layers' model indices (dense layers must read 0)."""
+    num_hidden_layers, top_k = row_shape(num_hidden_layers, top_k)
     if hasattr(payload, "detach"):
         payload = payload.detach().cpu().numpy()
     if isinstance(payload, str):
@@ -100,7 +101,7 @@ def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None,
             raise ValueError(f"the SGLang payload is {flat.dtype}; expected int32 ids")
         flat = flat.reshape(-1)
     per_row = int(num_hidden_layers) * int(top_k)
-    if per_row < 1 or flat.size % per_row:
+    if flat.size % per_row:
         raise ValueError(f"the SGLang payload has {flat.size} values, not a whole number of rows of "
                          f"{num_hidden_layers} layers x top-{top_k}")
     rows = flat.size // per_row

@@ -20,7 +20,7 @@ import base64
 
 import numpy as np
 
-from ._common import fits, from_layer_axis, moe_rows, require_routing, sequence_length
+from ._common import fits, from_layer_axis, moe_rows, require_routing, row_shape, sequence_length
 
 CONSUMER = "slime"
 DTYPE = np.int32
@@ -59,6 +59,7 @@ def decode(payload, num_experts, num_hidden_layers, top_k, num_tokens, start=0, 
     """A RoutedExperts from what slime holds: the base64 string, raw bytes, or
     an int32 array of T-1-start rows (flat or shaped). layers: the MoE layers'
     model indices (dense layers must read 0)."""
+    num_hidden_layers, top_k = row_shape(num_hidden_layers, top_k)
     if isinstance(payload, str):
         payload = base64.b64decode(payload.encode("ascii"), validate=True)
     if isinstance(payload, (bytes, bytearray, memoryview)):
