@@ -157,9 +157,10 @@ typedef enum {
 
 /* moecap_config.flags */
 #define MOECAP_FLAG_HISTOGRAM 0x1u /* keep a [layers, num_experts] int64 expert-load histogram */
-#define MOECAP_FLAG_GUARDS 0x2u    /* 64 canary bytes after every buffer, checked by capture,
-                                      commit, invalidate, read, write, synchronize and
-                                      get_errors (not destroy, which frees them) */
+#define MOECAP_FLAG_GUARDS 0x2u    /* 64 canary bytes after every buffer, checked by read, write,
+                                      synchronize and get_errors, and (the host cache's only, on
+                                      CUDA; not while recording) by capture, commit, invalidate;
+                                      not by destroy, which frees them */
 #define MOECAP_FLAG_NO_GUARDS 0x4u /* turn off guards where a build enables them by default */
 /* Side stream (1.1): capture, commit, invalidate and histogram_reset leave
  * the engine's stream. Each call forks: an event recorded on `stream`, a
@@ -335,6 +336,9 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
  *                as -1.
  *   topk_weights NULL, or the same shape, float32/bfloat16/float16; required
  *                iff weight_dtype != NONE. Converted to the stored dtype.
+ * Neither may lie in the capturer's device buffer (an exported device or
+ * layer view: INVALID_ARGUMENT), but for exactly this layer's own rows in
+ * their stored dtype and width, which a top-k kernel may have written there.
  * n <= device_rows, checked here on the host, so a check made at graph
  * capture holds for every replay. With MOECAP_FLAG_HISTOGRAM the same kernel
  * adds each kept id to histogram[layer][id]. Enqueued on `stream`.
@@ -416,7 +420,8 @@ typedef struct moecap_commit_args {
                                 drafts). A slot listed twice gets the row of its
                                 last entry whose row is in range. Host memory,
                                 or device memory on CUDA (in a graph on CUDA:
-                                device memory only, see moecap_commit). */
+                                device memory only, see moecap_commit). Neither
+                                list may lie in the capturer's device buffer. */
 } moecap_commit_args;
 
 #define MOECAP_COMMIT_ARGS_SIZE_1_0 MOECAP_STRUCT_SIZE(moecap_commit_args, dst_slots)

@@ -533,7 +533,9 @@ void Capturer::require_outside_device_block(const DLTensor* t, const char* name,
   if (t == nullptr || (own != nullptr && tensor_data(t) == own)) return;
   if (overlaps(t, device_block_, step_word_.offset + step_word_.bytes)) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " lies in the capturer's device buffer (an exported device_ids, ",
-         "device_weights or layer view) other than as the layer's own rows in their dtype; pass a copy");
+         "device_weights or layer view)",
+         own != nullptr ? " other than exactly the layer's own rows in their stored dtype and width" : "",
+         "; pass a copy");
   }
 }
 

@@ -105,11 +105,13 @@ class Capturer {
   void check_request_rows(const DLTensor* t, const char* name, int64_t rows, const char* rows_from) const;
   // Refuses a caller tensor whose bytes meet the host cache (ids, weights, states).
   void require_outside_host_cache(const DLTensor* t, const char* name) const;
-  // Refuses a caller tensor whose bytes meet the device block (device ids and
-  // weights, histogram, bookkeeping) unless it starts at `own` (non-null):
-  // the very rows a capture writes, of their dtype and width, which a top-k
-  // kernel may have filled through a layer view and each of which is then
-  // copied onto itself. Any other overlap would smear rows as they are copied.
+  // Refuses a caller tensor whose bytes meet the device block: it is
+  // moecap's, and the call writes there (rows, histogram, stamps; a commit
+  // consumes the rows it reads), so such an argument could change under the
+  // call (a layer view shifted by a row smears rows over themselves). The one
+  // exception, for a capture (`own` non-null): a tensor starting at `own`,
+  // the very rows it writes in their stored dtype and width, which a top-k
+  // kernel may have filled through a layer view; each is copied onto itself.
   void require_outside_device_block(const DLTensor* t, const char* name, const void* own) const;
   void require_stream(EngineStream stream);
   // Waits for the commits that may write `slots` (all when nullptr), then

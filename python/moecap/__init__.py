@@ -79,7 +79,7 @@ IdDtypeLike = Union[str, IdDtype, Any]
 WeightDtypeLike = Union[None, str, WeightDtype, Any]
 
 # NumPy's and torch's names of the dtypes moecap stores, and the keyword's name for each.
-_DTYPE_NAMES = {"uint8": "u8", "uint16": "u16", "int16": "i16", "int32": "i32",
+_DTYPE_NAMES = {"uint8": "u8", "int8": "i8", "uint16": "u16", "int16": "i16", "int32": "i32", "int64": "i64",
                 "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
@@ -158,6 +158,17 @@ _INT_FIELD_BITS = {"num_layers": 32, "top_k": 32, "num_experts": 32, "host_slots
                    "max_graph_batch": 64, "max_batch_tokens": 64}
 
 
+def _integer(name: str, value: Any) -> int:
+    """value as an int as Python means one (operator.index: NumPy ints and 0-d integer tensors too); a
+    bool, a float or a str is refused with a TypeError naming it, never truncated (2.7 is not position 2)."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        raise TypeError(f"{name} must be an int, not bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+
+
 def _check_fits(what: str, value: int, bits: int) -> None:
     """Refuses, as the library refuses a bad value (MoecapError INVALID_ARGUMENT naming it), an int that its
     C field (int32 or int64) cannot hold, so that the library's own limits decide the rest."""
@@ -227,13 +238,7 @@ class Config(_Fields):
     def __post_init__(self) -> None:
         set_field = object.__setattr__  # frozen: normalizing happens once, here
         for name, bits in _INT_FIELD_BITS.items():
-            value = getattr(self, name)
-            if isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, not bool")
-            try:
-                value = operator.index(value)
-            except TypeError:
-                raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+            value = _integer(name, getattr(self, name))
             _check_fits(f"config: {name}", value, bits)
             set_field(self, name, value)
         set_field(self, "id_dtype", _checked_dtype("id_dtype", self.id_dtype, ID_DTYPES))
@@ -435,10 +440,10 @@ class Capturer(_moecap.Capturer):
                 import numpy as np
                 out = np.empty(shape, dtype=name)
         elif dtype is not None:
-            have = str(getattr(out, "dtype", "")).removeprefix("torch.")
-            if have and have != _read_dtype_name(dtype):
-                raise ValueError(f"dtype is {dtype!r} but out is {have}; dtype is the dtype of an output read "
-                                 "allocates (out= brings its own)")
+            wanted, have = _read_dtype_name(dtype), _dtype_name(getattr(out, "dtype", None))
+            if have in _READ_ID_DTYPES and _NUMPY_NAMES[have] != wanted:  # a dtype we cannot name is out's to judge
+                raise ValueError(f"dtype is {dtype!r} but out is {_NUMPY_NAMES[have]}; dtype is the dtype of an "
+                                 "output read allocates (out= brings its own)")
         self.read_into(slots, out, weights_out, _checked_flag("nonblocking", nonblocking),
                        _checked_flag("strict", strict), stream)
         return out if weights_out is None else (out, weights_out)
@@ -535,30 +540,20 @@ def _torch_if_imported() -> Any:
     return sys.modules.get("torch")
 
 
-# The ids dtypes a read writes (moecap_read's ids_out), by moecap's short names: "u8" is uint8 and "i8"
-# int8, where NumPy would read uint64 and int64.
-_READ_DTYPES = {"u8": "uint8", "i8": "int8", "u16": "uint16", "i16": "int16", "i32": "int32", "i64": "int64"}
+# The ids dtypes a read writes (moecap_read's ids_out), by moecap's names: "u8" is uint8 and "i8" int8,
+# where NumPy would read 8-byte integers.
+_READ_ID_DTYPES = ("u8", "i8", "u16", "i16", "i32", "i64")
+_NUMPY_NAMES = {short: full for full, short in _DTYPE_NAMES.items()}
 
 
 def _read_dtype_name(dtype: Any) -> str:
-    """A read's ``dtype`` (None: int32; a short name, a NumPy or torch dtype, or NumPy's name) as NumPy's name."""
-    if dtype is None:
-        return "int32"
-    if isinstance(dtype, str) and dtype in _READ_DTYPES:
-        return _READ_DTYPES[dtype]
-    torch = _torch_if_imported()
-    if torch is not None and isinstance(dtype, torch.dtype):
-        name = str(dtype).removeprefix("torch.")
-    else:
-        import numpy as np
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            name = None
-    if name not in _READ_DTYPES.values():
-        raise TypeError(f"dtype {dtype!r} is not one read writes ids in: {', '.join(_READ_DTYPES.values())} "
-                        f"(or {', '.join(repr(k) for k in _READ_DTYPES)})")
-    return name
+    """A read's ``dtype`` (None: int32; moecap's name, an IdDtype, a NumPy or torch dtype or NumPy's name)
+    as NumPy's name."""
+    name = "i32" if dtype is None else _dtype_name(dtype)
+    if name not in _READ_ID_DTYPES:
+        raise TypeError(f"dtype {dtype!r} is not one read writes ids in: "
+                        f"{', '.join(_NUMPY_NAMES[n] for n in _READ_ID_DTYPES)} (or {', '.join(map(repr, _READ_ID_DTYPES))})")
+    return _NUMPY_NAMES[name]
 
 
 # The consumers' layer (engine-step helpers, the routing record, transformers models) is

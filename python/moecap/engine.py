@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 import numpy as np
 
 from ._errors import MoecapError, Status
-from .record import RoutedExperts, _integer
+from . import _integer
+from .record import RoutedExperts
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike

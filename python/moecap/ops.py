@@ -29,13 +29,12 @@ buffers and pays nothing.
 """
 from __future__ import annotations
 
-import operator
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from . import BUFFERS, MoecapError, Status, _registry
+from . import BUFFERS, MoecapError, Status, _integer, _registry
 
 if TYPE_CHECKING:
     from . import Capturer
@@ -205,10 +204,9 @@ class CapturerOps:
 
     def _layer(self, caller: str, layer: int) -> int:
         """layer as capture checks it: Python's negative indexing would hand out another layer's rows."""
-        layers = self.device_ids.shape[0]
-        index = None if isinstance(layer, bool) or not hasattr(layer, "__index__") else operator.index(layer)
-        if index is None or not 0 <= index < layers:
-            raise MoecapError(Status.OUT_OF_RANGE, f"{caller}: layer is {layer!r}; it must be in [0, num_layers = "
+        layers, index = self.device_ids.shape[0], _integer("layer", layer)
+        if not 0 <= index < layers:
+            raise MoecapError(Status.OUT_OF_RANGE, f"{caller}: layer is {index}; it must be in [0, num_layers = "
                               f"{layers})")
         return index
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from . import _checked_dtype, _moecap, WEIGHT_DTYPES
+from . import _checked_dtype, _integer, _moecap, WEIGHT_DTYPES
 from ._errors import MoecapError, Status
 from ._moecap import RecordFlag, WeightDtype
 
@@ -80,13 +80,6 @@ MAX_LAYERS = 1 << 16
 #: all-layer payloads): DeepSeek-V3's 61 x 8 is 488. A header naming a top_k past it with 0 tokens would
 #: otherwise have the converters allocate an all-layer row of that width.
 MAX_IDS_PER_TOKEN = 1 << 20
-
-
-def _integer(name, value):
-    """value as an int: a float, a bool or a string is refused, never truncated (2.7 is not position 2)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    return int(value)
 
 
 def _layer_map(moe_layers, layers, num_hidden_layers):

@@ -463,6 +463,8 @@ def test_decoders_refuse_malformed_dicts_and_envelopes_with_value_errors():
                    lambda: slime.decode(b"", 8, HIDDEN, 0, num_tokens=1)):
         with pytest.raises(ValueError, match="a payload's rows need both >= 1"):
             decode()
+    with pytest.raises(TypeError, match="num_hidden_layers must be an int, not float"):
+        RoutedExperts.from_sglang(b"", 8, 2.5, 2)  # never truncated to 2 layers
     # A shape whose element count overflows int64 is a size mismatch, not a wrapped-around 0.
     with pytest.raises(ValueError, match="envelope holds 0 bytes; int8 \\[4294967296, 4294967296, 1\\] takes "
                                          f"{2**64}"):

@@ -393,6 +393,7 @@ def test_a_reads_dtype_names_are_moecaps_and_a_dtype_it_cannot_write_is_refused(
         # moecap's short names: "u8" is uint8, so "i8" is int8 (NumPy reads both as 8-byte integers).
         assert cap.read(slots, dtype="i8").dtype == np.int8 and cap.read(slots, dtype="u8").dtype == np.uint8
         assert cap.read(torch.tensor([5]), dtype="i64").dtype == torch.int64
+        assert cap.read(slots, dtype=moecap.IdDtype.U16).dtype == np.uint16  # Config's names and enums alike
         for bad in ("bogus", "bf16", np.float32, object):
             with pytest.raises(TypeError, match="is not one read writes ids in: uint8, int8, uint16"):
                 cap.read(slots, dtype=bad)
@@ -407,3 +408,5 @@ def test_a_reads_dtype_names_are_moecaps_and_a_dtype_it_cannot_write_is_refused(
         with pytest.raises(moecap.MoecapError, match="layer_ids: layer is -1; it must be in \\[0, num_layers = 2\\)"):
             cap.ops.layer_ids(-1)  # Python's indexing would hand out the last layer
         assert cap.ops.layer_ids(np.int64(1)).shape == (cap.plan.device_rows, cap.config.top_k)
+        with pytest.raises(TypeError, match="layer must be an int, not float"):
+            cap.ops.layer_ids(1.0)

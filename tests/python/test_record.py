@@ -346,6 +346,8 @@ def test_counts_and_positions_are_ints_never_truncated():
     with pytest.raises(ValueError, match=r"start is 18446744073709551616; a position in a sequence is in \[0, 2\^63\)"):
         RoutedExperts(ids, 8, start=2**64)  # the record's start_position is signed 64-bit
     assert RoutedExperts(ids, np.int64(8), start=np.int32(3)).start == 3
+    torch = pytest.importorskip("torch")
+    assert RoutedExperts(ids, torch.tensor(8), start=torch.tensor(3)).num_experts == 8  # as Config takes them
 
 
 def test_a_header_naming_a_top_k_no_token_could_hold_is_refused_before_any_row_is_built():

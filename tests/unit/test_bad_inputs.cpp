@@ -290,16 +290,26 @@ TEST_CASE("read and write refuse tensors sharing memory with each other or with 
 TEST_CASE("capture and commit refuse tensors in the device buffer, but for a layer's own rows") {
   moecap_config c = small_config();
   c.device_id_dtype = MOECAP_IDS_I32;  // the dtype capture takes, so a layer view can be passed to it
+  c.weight_dtype = MOECAP_WEIGHTS_F32;
   moecap_capturer* h = nullptr;
   REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
   DLManagedTensorVersioned* layer0 = nullptr;
+  DLManagedTensorVersioned* weights0 = nullptr;
   REQUIRE(moecap_export(h, MOECAP_BUFFER_LAYER_IDS, 0, &layer0) == MOECAP_OK);
+  REQUIRE(moecap_export(h, MOECAP_BUFFER_LAYER_WEIGHTS, 0, &weights0) == MOECAP_OK);
   auto* view = static_cast<int32_t*>(layer0->dl_tensor.data);
-  for (int i = 0; i < 4 * c.top_k; ++i) view[i] = 6 + i % 2;  // a top-k kernel wrote rows 0-3 of layer 0
+  for (int i = 0; i < 4 * c.top_k; ++i) {  // a top-k kernel wrote rows 0-3 of layer 0
+    view[i] = 6 + i % 2;
+    static_cast<float*>(weights0->dl_tensor.data)[i] = 0.5f;
+  }
   int64_t shape[2] = {4, c.top_k};
   DLTensor own = layer0->dl_tensor;
   own.shape = shape;
   own.strides = nullptr;
+  DLTensor own_w = weights0->dl_tensor;
+  own_w.shape = shape;
+  own_w.strides = nullptr;
+  HostTensor w({4, c.top_k}, f32());
   auto refused = [&](const char* needle, const std::function<moecap_status()>& call) {
     CAPTURE(needle);
     const std::vector<uint8_t> before = snapshot(h);
@@ -310,19 +320,29 @@ TEST_CASE("capture and commit refuse tensors in the device buffer, but for a lay
   // Shifted by a row, the copy would read rows it has just written.
   DLTensor shifted = own;
   shifted.byte_offset = 4 * static_cast<uint64_t>(c.top_k);
-  refused("topk_ids lies in the capturer's device buffer", [&] { return moecap_capture(h, 0, &shifted, nullptr, nullptr); });
-  refused("topk_ids lies in the capturer's device buffer", [&] { return moecap_capture(h, 1, &own, nullptr, nullptr); });
-  DLTensor slots = own;  // slot numbers planted in the device rows the commit consumes
+  refused("topk_ids lies in the capturer's device buffer", [&] { return moecap_capture(h, 0, &shifted, w.get(), nullptr); });
+  refused("topk_ids lies in the capturer's device buffer", [&] { return moecap_capture(h, 1, &own, w.get(), nullptr); });
+  DLTensor shifted_w = own_w;
+  shifted_w.byte_offset = 4 * static_cast<uint64_t>(c.top_k);
+  refused("topk_weights lies in the capturer's device buffer", [&] { return moecap_capture(h, 0, &own, &shifted_w, nullptr); });
+  DLTensor slots = own;  // slot (or row) numbers planted in the device rows the commit consumes
   slots.ndim = 1;
   refused("args->dst_slots lies in the capturer's device buffer", [&] {
     moecap_commit_args a{sizeof a, 0, nullptr, &slots};
     return moecap_commit(h, &a, nullptr);
   });
+  HostTensor four({4}, i32());
+  four.fill<int32_t>({10, 11, 12, 13});
+  refused("args->src_rows lies in the capturer's device buffer", [&] {
+    moecap_commit_args a{sizeof a, 0, &slots, four.get()};
+    return moecap_commit(h, &a, nullptr);
+  });
+  CHECK(std::string(moecap_last_error()).find("own rows") == std::string::npos);  // no exemption for a commit
   // The layer's own rows, as they are stored, are copied onto themselves.
-  REQUIRE(moecap_capture(h, 0, &own, nullptr, nullptr) == MOECAP_OK);
+  REQUIRE(moecap_capture(h, 0, &own, &own_w, nullptr) == MOECAP_OK);
   HostTensor ids({4, c.top_k}, i32());
   ids.fill<int32_t>({1, 2, 3, 4, 5, 6, 7, 0});
-  for (int32_t l = 1; l < c.num_layers; ++l) REQUIRE(moecap_capture(h, l, ids.get(), nullptr, nullptr) == MOECAP_OK);
+  for (int32_t l = 1; l < c.num_layers; ++l) REQUIRE(moecap_capture(h, l, ids.get(), w.get(), nullptr) == MOECAP_OK);
   HostTensor to({4}, i32());
   to.fill<int32_t>({10, 11, 12, 13});
   moecap_commit_args a{sizeof a, 0, nullptr, to.get()};
@@ -334,6 +354,7 @@ TEST_CASE("capture and commit refuse tensors in the device buffer, but for a lay
     CHECK(out.as<int32_t>()[r * c.num_layers * c.top_k + 1] == 7);
   }
   layer0->deleter(layer0);
+  weights0->deleter(weights0);
   moecap_destroy(h);
 }
 
@@ -404,6 +425,9 @@ TEST_CASE("guard canaries report the region something wrote past") {
   REQUIRE(moecap_export(h, MOECAP_BUFFER_HOST_IDS, 0, &v) == MOECAP_OK);
   HostTensor slots({1}, i32());
   HostTensor out({1, c.num_layers, c.top_k}, i32());
+  HostTensor outside({1, c.top_k}, i32());
+  outside.fill<int32_t>({99, 1});  // counted in invalid_ids
+  REQUIRE(moecap_capture(h, 0, outside.get(), nullptr, nullptr) == MOECAP_OK);
   REQUIRE(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
   // An engine bug writing one byte past the host cache through the exported view.
   uint8_t* end = static_cast<uint8_t*>(v->dl_tensor.data) + c.host_slots * c.num_layers * c.top_k;
@@ -419,6 +443,7 @@ TEST_CASE("guard canaries report the region something wrote past") {
   end[3] ^= 0xff;
   CHECK(moecap_read(h, slots.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
   CHECK(moecap_get_errors(h, &e, 0) == MOECAP_OK);
+  CHECK(e.invalid_ids == 1);  // the id counted before the damage, not cleared by the refused call
   v->deleter(v);
   moecap_destroy(h);
 }

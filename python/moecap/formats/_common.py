@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from .. import _integer
 from ..record import MAX_LAYERS, RoutedExperts
 
 
@@ -68,8 +69,8 @@ def fits(ids, dtype, consumer):
 
 
 def row_shape(num_hidden_layers, top_k):
-    """A flat payload's row, [num_hidden_layers, top_k], as the caller names it: both >= 1."""
-    layers, k = int(num_hidden_layers), int(top_k)
+    """A flat payload's row, [num_hidden_layers, top_k], as the caller names it: both ints >= 1."""
+    layers, k = _integer("num_hidden_layers", num_hidden_layers), _integer("top_k", top_k)
     if layers < 1 or k < 1:
         raise ValueError(f"num_hidden_layers is {layers} and top_k {k}; a payload's rows need both >= 1")
     return layers, k
@@ -79,9 +80,13 @@ def dimensions(shape, consumer):
     """A payload's [S, L, K] shape as three non-negative ints (a bool or a
     float is not one, as the consumers' JSON readers would refuse it)."""
     dims = tuple(shape)
-    if len(dims) != 3 or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in dims):
+    try:
+        ints = tuple(_integer("a dimension", d) for d in dims)
+    except TypeError:
+        ints = ()
+    if len(ints) != 3 or min(ints) < 0:
         raise ValueError(f"the {consumer} payload's shape {list(dims)} is not 3 non-negative integers")
-    return tuple(int(d) for d in dims)
+    return ints
 
 
 def array_from_base64(data, dtype, shape, holds):

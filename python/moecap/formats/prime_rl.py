@@ -22,7 +22,7 @@ import base64
 
 import numpy as np
 
-from ..record import _integer
+from .. import _integer
 from ._common import array_from_base64, dimensions, from_layer_axis, moe_rows, require_routing, sequence_length
 
 CONSUMER = "prime-rl"

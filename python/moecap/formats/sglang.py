@@ -100,7 +100,7 @@ def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None,
         if flat.dtype.kind not in "iu":
             raise ValueError(f"the SGLang payload is {flat.dtype}; expected int32 ids")
         flat = flat.reshape(-1)
-    per_row = int(num_hidden_layers) * int(top_k)
+    per_row = num_hidden_layers * top_k
     if flat.size % per_row:
         raise ValueError(f"the SGLang payload has {flat.size} values, not a whole number of rows of "
                          f"{num_hidden_layers} layers x top-{top_k}")
@@ -110,5 +110,5 @@ def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None,
         if rows != max(0, int(num_tokens) - 1 - start):
             raise ValueError(f"the SGLang payload has {rows} rows; a {num_tokens}-token sequence from position "
                              f"{start} has {max(0, int(num_tokens) - 1 - start)} (T-1-start_len)")
-    return from_layer_axis(flat.reshape(rows, int(num_hidden_layers), int(top_k)), num_experts, layers,
-                           int(num_hidden_layers), CONSUMER, start=int(start))
+    return from_layer_axis(flat.reshape(rows, num_hidden_layers, top_k), num_experts, layers,
+                           num_hidden_layers, CONSUMER, start=int(start))

@@ -67,10 +67,10 @@ def decode(payload, num_experts, num_hidden_layers, top_k, num_tokens, start=0, 
     else:
         flat = np.asarray(payload).reshape(-1)
     rows = int(num_tokens) - 1 - int(start)
-    expected = rows * int(num_hidden_layers) * int(top_k)
+    expected = rows * num_hidden_layers * top_k
     if rows < 0 or flat.size != expected:
         raise ValueError(f"the slime payload has {flat.size} values; a {num_tokens}-token sequence from position "
                          f"{start} takes {max(expected, 0)} ({max(rows, 0)} rows x {num_hidden_layers} layers x "
                          f"top-{top_k})")
-    return from_layer_axis(flat.reshape(rows, int(num_hidden_layers), int(top_k)), num_experts, layers,
-                           int(num_hidden_layers), CONSUMER, start=int(start))
+    return from_layer_axis(flat.reshape(rows, num_hidden_layers, top_k), num_experts, layers,
+                           num_hidden_layers, CONSUMER, start=int(start))
