@@ -153,7 +153,8 @@ KNOWN = {
                       "hybrid sliding-window layers"),
     "inkling2": "Inkling2TopKRouter: inkling2_text's, in its multimodal wrapper",
     "inkling2_loop_text": ("Inkling2LoopTopKRouter: Inkling 2's top-k of score_fn (sigmoid) + correction bias, "
-                           "renormalized, scaled; looped layers"),
+                           "renormalized, scaled; looped layers (refused where the loop holds MoE layers and "
+                           "runs more than once)"),
     "inkling2_loop": "Inkling2LoopTopKRouter: inkling2_loop_text's, in its multimodal wrapper",
     "kolibri1": ("Kolibri1TopKRouter: top-k of logits + correction bias, sigmoid of those logits (renormalized if "
                  "norm_topk_prob); shared expert; sliding-window layers"),
@@ -341,8 +342,13 @@ def default_selector(router: Any, inputs: Any, output: Any) -> tuple[torch.Tenso
     """The transformers >= 5 router contract: logits, weights and indices
     (or a router's own form, _SCORES_AND_LOGITS)."""
     if _scores_and_logits(router, output):
+        import torch
         scores, logits = output
-        ids = logits.topk(router.top_k, dim=1).indices
+        # The router's own picks, where its scores hold them; inside replay,
+        # which forces the scores only, the experts the scores hold (by weight).
+        own = logits.topk(router.top_k, dim=1).indices
+        held = (scores.gather(1, own) != 0).all(dim=1, keepdim=True)
+        ids = torch.where(held, own, scores.topk(router.top_k, dim=1).indices)
         return ids, scores.gather(1, ids)
     _, weights, ids = _router_output_order(router, output)
     if type(router).__name__.startswith(_WITH_SKIP_EXPERT):
@@ -375,7 +381,10 @@ def _skip_picks_masked(router: Any, ids: Any, weights: Any) -> tuple[Any, Any]:
 # Routers that return (scores [n, num_experts], logits [n, num_experts]), the
 # scores the sigmoid of the top-k logits and 0 elsewhere: Llama 4's. The ids
 # are the top-k of the logits, taken again as the router took them (the same
-# tensor, the same call, so the same experts in the same order).
+# tensor, the same call, so the same experts in the same order), where the
+# scores are non-zero there; replay forces only the scores (the logits stay
+# the model's, for its auxiliary loss), so a row whose scores hold other
+# experts records those, in the order of their weights.
 _SCORES_AND_LOGITS = ("Llama4Router",)
 
 
@@ -439,6 +448,7 @@ class MoELayer:
                  model_layer: Optional[int] = None, outer: Optional[torch.nn.Module] = None) -> None:
         self.index = index      # the capturer's layer number
         self.model_layer = model_layer  # its decoder layer in the model (None where attach cannot tell)
+        self.model_layers: Optional[int] = None  # that decoder's num_hidden_layers, where model_layer is known
         self.name = name        # qualified name of the router module
         self.router = router
         self.block = block      # the module that owns the router (the sparse MoE block)
@@ -508,9 +518,32 @@ def find_moe_layers(model: torch.nn.Module, routers: Optional[Routers] = None) -
         raise UnknownArchitecture(f"{type(model).__name__} has no router modules to capture")
     located = _decoder_layers(model, [layer.name for layer in layers])
     if located is not None:
-        for layer, model_layer in zip(layers, located):
-            layer.model_layer = model_layer
+        found, hidden = located
+        for layer, model_layer in zip(layers, found):
+            layer.model_layer, layer.model_layers = model_layer, hidden
+    _refuse_looped_moe_layers(model, layers)
     return layers
+
+
+def _refuse_looped_moe_layers(model: torch.nn.Module, layers: Sequence[MoELayer]) -> None:
+    """Inkling 2-Loop runs decoder layers [loop_layer_index_start,
+    loop_layer_index_end) loop_num_passes times in each forward. A capturer
+    (and every engine's payload) holds one row per token and layer, so each
+    pass of a looped MoE layer would overwrite the one before it and a replay
+    force one pass's experts onto all: refused unless the loop runs once or
+    holds no MoE layer."""
+    config = getattr(model, "config", None)
+    for c in (config, getattr(config, "text_config", None)):
+        passes = getattr(c, "loop_num_passes", None)
+        start, end = getattr(c, "loop_layer_index_start", None), getattr(c, "loop_layer_index_end", None)
+        if not isinstance(passes, int) or passes <= 1 or not isinstance(start, int) or not isinstance(end, int):
+            continue
+        looped = [layer.model_layer for layer in layers if layer.model_layer is None or start <= layer.model_layer < end]
+        if looped:
+            raise ValueError(
+                f"{type(model).__name__} runs decoder layers [{start}, {end}) loop_num_passes = {passes} times per "
+                f"forward, and its MoE layers there ({'unplaced' if None in looped else looped}) route anew in each "
+                "pass: a capturer holds one row per token and layer, so moecap can neither record nor replay them")
 
 
 def num_hidden_layers(model: torch.nn.Module) -> Optional[int]:
@@ -524,26 +557,32 @@ def num_hidden_layers(model: torch.nn.Module) -> Optional[int]:
     return None
 
 
-def _decoder_layers(model: torch.nn.Module, router_names: Sequence[str]) -> Optional[list[int]]:
-    """The decoder layer index of each router: its position in the model's
-    decoder ModuleList (the one with num_hidden_layers entries that holds every
-    router), which is how DeepSeek's first dense layers and Qwen2-MoE's
-    mlp_only_layers show up (no router there). None if no such list holds them."""
-    hidden = num_hidden_layers(model)
-    if hidden is None:
-        return None
-    for list_name, module in model.named_modules():
-        if type(module).__name__ != "ModuleList" or len(module) != hidden:
+def _decoder_layers(model: torch.nn.Module, router_names: Sequence[str]) -> Optional[tuple[list[int], int]]:
+    """The decoder layer index of each router and the decoder's layer count:
+    each router's position in a decoder ModuleList (one with num_hidden_layers
+    entries that holds every router), which is how DeepSeek's first dense
+    layers and Qwen2-MoE's mlp_only_layers show up (no router there). The
+    count is the model's config's, or, for a module without one (a value-head
+    or DataParallel wrapper, Qwen3-Omni's thinker inside its model), that of
+    the first module under it whose config declares one and whose list holds
+    the routers. None if no such list holds them."""
+    owners = [("", model)] + [(n, m) for n, m in model.named_modules() if n and num_hidden_layers(m) is not None]
+    for owner_name, owner in owners:
+        hidden = num_hidden_layers(owner)
+        if hidden is None:
             continue
-        prefix = f"{list_name}." if list_name else ""
-        found = []
-        for name in router_names:
-            head = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
-            if not head.isdigit():
-                break
-            found.append(int(head))
-        if len(found) == len(router_names) and all(b > a for a, b in zip(found, found[1:])):
-            return found
+        for list_name, module in owner.named_modules(prefix=owner_name):
+            if type(module).__name__ != "ModuleList" or len(module) != hidden:
+                continue
+            prefix = f"{list_name}." if list_name else ""
+            found = []
+            for name in router_names:
+                head = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
+                if not head.isdigit():
+                    break
+                found.append(int(head))
+            if len(found) == len(router_names) and all(b > a for a, b in zip(found, found[1:])):
+                return found, hidden
     return None
 
 
@@ -553,10 +592,9 @@ def layer_map(model: torch.nn.Module, layers: Optional[Sequence[MoELayer]] = Non
     routers in the model's decoder layers (routers outside a decoder ModuleList)."""
     from .record import LayerMap
     layers = find_moe_layers(model) if layers is None else layers
-    hidden = num_hidden_layers(model)
-    if hidden is None or any(layer.model_layer is None for layer in layers):
+    if any(layer.model_layer is None for layer in layers):
         return None
-    return LayerMap(tuple(layer.model_layer for layer in layers), hidden)
+    return LayerMap(tuple(layer.model_layer for layer in layers), layers[0].model_layers)
 
 
 class Attached:

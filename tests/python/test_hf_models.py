@@ -333,6 +333,36 @@ def test_layer_map_places_moe_layers_among_dense_ones(model_type):
     assert (full[:, dense] == 0).all()
 
 
+def test_a_wrapped_model_keeps_its_layer_map():
+    """A value-head wrapper (TRL's shape) or nn.DataParallel has no config of
+    its own: the layer count is the wrapped model's, so dense layers stay
+    where they are (here layer 0) rather than every layer taken for MoE."""
+    model = hf_serving.build(config_or_skip("deepseek_v3"))
+
+    class WithValueHead(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.pretrained_model, self.v_head = lm, torch.nn.Linear(8, 1)
+
+    for wrapped in (WithValueHead(model), torch.nn.DataParallel(model)):
+        assert hf.layer_map(wrapped) == LAYER_MAPS["deepseek_v3"]
+
+
+def test_looped_moe_layers_are_refused():
+    """Inkling 2-Loop runs its looped layers several times per forward, each
+    pass routing anew: one row per token and layer cannot hold them."""
+    model = hf_serving.build(config_or_skip("inkling2_loop_text"))
+    config = model.config  # the loop set after the build, which looks at the routers
+    config.loop_layer_index_start, config.loop_layer_index_end, config.loop_num_passes = 0, 3, 2
+    cap = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=16, max_running_requests=1)
+    with pytest.raises(ValueError, match=r"runs decoder layers \[0, 3\) loop_num_passes = 2 times per forward"):
+        hf.attach(model, cap)
+    with pytest.raises(ValueError, match="loop_num_passes = 2"), hf.replay(model, [torch.zeros(1, 2).long()] * 3):
+        pass
+    config.loop_num_passes = 1  # a loop run once is a plain stack of layers
+    hf.attach(model, cap).detach()
+
+
 def test_layer_map_is_none_where_routers_sit_outside_decoder_layers():
     """Routers passed by hand that no decoder ModuleList holds: attach still
     captures, and says it cannot place them (RequestTable keeps the default map)."""
@@ -590,12 +620,13 @@ def test_longcat_zero_experts_are_captured_and_replayed_as_the_ids_its_router_pi
 
 
 @pytest.mark.parametrize("attached_first", [False, True])
-@pytest.mark.parametrize("model_type", ["mixtral", "zaya", "longcat_flash", "dbrx"])
+@pytest.mark.parametrize("model_type", ["mixtral", "zaya", "longcat_flash", "dbrx", "llama4_text"])
 def test_a_capture_inside_replay_records_the_forced_experts(model_type, attached_first):
     """A replayed forward, captured, records the forced ids whatever the
     router itself would pick, whether the capturer was attached before replay
     began (at load, as a trainer keeps it) or inside it; DBRX's experts
-    module, not its router, receives what replay forces. Zaya's forced skip (id 8) as the skip and its
+    module, not its router, receives what replay forces; Llama 4's router
+    keeps its own logits and returns the forced scores. Zaya's forced skip (id 8) as the skip and its
     forced expert 0 as expert 0, LongCat's zero experts as themselves."""
     model = hf_serving.build(config_or_skip(model_type))
     layers = hf.find_moe_layers(model)

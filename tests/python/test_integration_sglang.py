@@ -151,8 +151,9 @@ def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=
     (spec_info.num_tokens_per_req, as SGLang's verify inputs carry it).
     padded_per_rank: the per-rank counts SGLang padded a DP batch to for its
     gather (it writes them to global_num_tokens_padded_cpu and
-    global_num_tokens_cpu both); real_rows: this rank's count before, which
-    it keeps in _original_num_tokens. ragged_tier: a ragged verify graph's
+    global_num_tokens_cpu both); real_rows: this rank's count before it
+    padded (a DP batch, or its own alone), which it keeps in
+    _original_num_tokens. ragged_tier: a ragged verify graph's
     token tier (each rank's rows in the gathered batch)."""
     torch = sgl.torch
     config = types.SimpleNamespace(allow_routed_experts_capture=True)
@@ -173,6 +174,7 @@ def run_forward(sgl, capturers, rows_ids, slots, tokens_per_rank=None, graph_bs=
                 fb.global_num_tokens_cpu = list(tokens_per_rank)
             if padded_per_rank is not None:
                 fb.global_num_tokens_cpu = fb.global_num_tokens_padded_cpu = list(padded_per_rank)
+            if real_rows is not None:
                 fb._original_num_tokens = real_rows
             if verify_width is not None:
                 fb.forward_mode = sgl.ForwardMode.TARGET_VERIFY
@@ -344,6 +346,46 @@ def test_payloads_equal_sglangs_at_dp2(sgl, graph):
             slots = scheds[r].pool.req_to_token[rid, :seqlen - 1].tolist()
             got = RoutedExperts.from_sglang(b, NUM_EXPERTS, NUM_LAYERS, TOP_K, layers=MOE_LAYERS).ids
             assert np.array_equal(got, np.stack([expected[r][s] for s in slots]))  # this rank's own rows
+
+
+def test_a_batch_sglang_padded_outside_dp_attention_commits_its_real_rows(sgl):
+    """Attention-TP scattered input pads a rank's own batch too
+    (_pad_inputs_to_size: slot 0, SGLang's dummy, after the real rows, their
+    count in _original_num_tokens): the padding row goes nowhere, so slot 0,
+    which a never-written req_to_token position reads, holds no routing."""
+    rng = np.random.default_rng(12)
+    rows = rng.integers(0, NUM_EXPERTS, size=(4, len(MOE_LAYERS), TOP_K))
+    with server(sgl):
+        _, ours = create_pair(sgl, num_tokens=100, max_running=4)
+        sched = Scheduler(sgl, 100, 3, rng)
+        sched.reqs[0] = [0, 0, 0]
+        loc = sched.alloc(3)
+        sched.keep(0, loc)
+        run_forward(sgl, [(ours, loc + [0])], rows, loc + [0], real_rows=3)
+        assert ours.capturer.slot_states([0])[0] == moecap.SLOT_EMPTY
+        got = RoutedExperts.from_sglang(payloads(sgl, ours, sched, 0, 4, 0)[0], NUM_EXPERTS, NUM_LAYERS, TOP_K,
+                                        layers=MOE_LAYERS).ids
+        assert np.array_equal(got, rows[:3])
+
+
+@pytest.mark.parametrize("setting, named", [
+    (dict(enable_two_batch_overlap=True), "two-batch overlap"),
+    (dict(speculative_algorithm="EAGLE", speculative_eagle_topk=2, speculative_num_steps=2,
+          speculative_num_draft_tokens=4), "tree speculative decoding")])
+def test_scheduling_no_capturer_can_follow_is_refused_at_create(sgl, setting, named):
+    """Two-batch overlap's child batches each capture from row 0, and tree
+    speculative decoding moves accepted KV to other slots after the commit:
+    SGLang's own capturer sends other tokens' routing as real there. moecap's
+    refuses to start, as for DeepEP."""
+    ctx = sgl.rc.get_context().override_server_args(enable_return_routed_experts=True, device="cpu",
+                                                    chunked_prefill_size=64, disable_overlap_schedule=True, **setting)
+    ctx.install()
+    try:
+        model, config = make_model(sgl)
+        with pytest.raises(NotImplementedError, match=f"cannot record {named}"):
+            create_ours(sgl, model, config, num_tokens=100, max_running=4)
+    finally:
+        ctx.restore()
 
 
 @pytest.mark.parametrize("tokens, padded, graph_bs", [([0, 3], [3, 3], None), ([2, 3], [3, 3], None),

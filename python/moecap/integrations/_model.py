@@ -126,7 +126,10 @@ def moe_layers_from_config(config):
 
 
 def check_layers(layers, num_hidden_layers):
-    layers = tuple(int(x) for x in layers)
+    from .. import _integer
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"moe_layers must be a sequence of model layers (ints), not {type(layers).__name__}")
+    layers = tuple(_integer("moe_layers' entries", x) for x in layers)
     if not layers:
         raise ValueError(f"none of the model's {num_hidden_layers} layers is a MoE layer; pass moe_layers")
     if any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < 0 \

@@ -162,6 +162,10 @@ class MoecapRoutedExpertsCapturer:
         if _scattered_a2a():
             raise NotImplementedError("moecap's SGLang capturer does not gather DeepEP's scattered top-k across "
                                       "attention-TP ranks; run without --moe-a2a-backend deepep or uninstall()")
+        unsupported = _unsupported_schedule()
+        if unsupported:
+            raise NotImplementedError(f"moecap's SGLang capturer cannot record {unsupported} (nor can SGLang's own: "
+                                      "it would send other tokens' routing as real); run without it or uninstall()")
         options = {**_installed_options, **options}
         if "late_layer_start" not in options:
             options["late_layer_start"] = _late_layer_start(model)
@@ -223,6 +227,11 @@ class MoecapRoutedExpertsCapturer:
                 start, count, _ = self.capturer.local_rows(rank, tokens_per_rank, None)
         else:
             start, count = 0, int(forward_batch.out_cache_loc.shape[0])
+            # This rank's batch alone, which SGLang may still pad (attention-TP scattered input,
+            # _pad_inputs_to_size) with slot 0 as its dummy: only the real rows, _original_num_tokens.
+            real = getattr(forward_batch, "_original_num_tokens", None)
+            if real is not None and int(real) < count:
+                padded_rows, count = count, int(real)
         if n > count and n != padded_rows:
             raise ValueError(f"{name} has {n} slots; this rank's batch has {count} rows")
         if self._late:
@@ -305,7 +314,7 @@ class MoecapRoutedExpertsCapturer:
         except ValueError as e:
             if self.invalid == "raise":
                 raise
-            logger.error("routed_experts left out of request %s: %s", req_pool_idx, e)
+            logger.error("routed_experts left out of the request in req_to_token row %s: %s", req_pool_idx, e)
             return None
         return torch.from_numpy(rows.astype(np.int32))
 
@@ -346,6 +355,26 @@ class MoecapRoutedExpertsCapturer:
             return int(self._dp_rank)
         from sglang.srt.layers.dp_attention import dp_slot_in
         return int(dp_slot_in(tokens_per_rank))
+
+
+def _unsupported_schedule():
+    """The scheduling that puts rows where no capturer call can follow them
+    (docs/ENGINES.md): two-batch overlap, whose child batches each capture
+    from row 0, and tree speculative decoding, whose accepted KV is moved to
+    other slots after the commit. Its name, or None."""
+    from sglang.srt import runtime_context as rc
+    try:
+        if getattr(rc.get_exec().overlap, "enable_two_batch_overlap", False):
+            return "two-batch overlap (--enable-two-batch-overlap)"
+    except Exception:  # a context without these settings runs neither
+        pass
+    try:
+        topk = getattr(rc.get_spec(), "speculative_eagle_topk", None)
+        if topk is not None and int(topk) > 1:
+            return f"tree speculative decoding (--speculative-eagle-topk {int(topk)})"
+    except Exception:
+        pass
+    return None
 
 
 def _scattered_a2a():
