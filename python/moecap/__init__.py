@@ -551,8 +551,9 @@ def _read_dtype_name(dtype: Any) -> str:
     as NumPy's name."""
     name = "i32" if dtype is None else _dtype_name(dtype)
     if name not in _READ_ID_DTYPES:
-        raise TypeError(f"dtype {dtype!r} is not one read writes ids in: "
-                        f"{', '.join(_NUMPY_NAMES[n] for n in _READ_ID_DTYPES)} (or {', '.join(map(repr, _READ_ID_DTYPES))})")
+        numpy_names = ", ".join(_NUMPY_NAMES[n] for n in _READ_ID_DTYPES)
+        raise TypeError(f"dtype {dtype!r} is not one read writes ids in: {numpy_names} "
+                        f"(or {', '.join(map(repr, _READ_ID_DTYPES))})")
     return _NUMPY_NAMES[name]
 
 

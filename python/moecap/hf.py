@@ -538,7 +538,8 @@ def _refuse_looped_moe_layers(model: torch.nn.Module, layers: Sequence[MoELayer]
         start, end = getattr(c, "loop_layer_index_start", None), getattr(c, "loop_layer_index_end", None)
         if not isinstance(passes, int) or passes <= 1 or not isinstance(start, int) or not isinstance(end, int):
             continue
-        looped = [layer.model_layer for layer in layers if layer.model_layer is None or start <= layer.model_layer < end]
+        looped = [layer.model_layer for layer in layers
+                  if layer.model_layer is None or start <= layer.model_layer < end]
         if looped:
             raise ValueError(
                 f"{type(model).__name__} runs decoder layers [{start}, {end}) loop_num_passes = {passes} times per "

@@ -422,7 +422,8 @@ def test_decoders_refuse_ids_no_expert_could_have_and_non_integer_payloads():
         "slime": lambda a: slime.decode(a, 8, HIDDEN, TOP_K, num_tokens=4, layers=LAYERS),
         "verl": lambda a: verl.decode(np.concatenate([a, np.zeros_like(a[:1])]), 8, prompt_len=2, num_tokens=4,
                                       layers=LAYERS),
-        "Megatron's RouterReplay": lambda layers: formats.megatron.decode(layers, 8, layers=LAYERS, num_hidden_layers=HIDDEN),
+        "Megatron's RouterReplay": lambda layers: formats.megatron.decode(layers, 8, layers=LAYERS,
+                                                                          num_hidden_layers=HIDDEN),
     }
     for consumer, decode in decoders.items():
         megatron = consumer.startswith("Megatron")
