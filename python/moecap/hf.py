@@ -567,9 +567,8 @@ def _decoder_layers(model: torch.nn.Module, router_names: Sequence[str]) -> Opti
     or DataParallel wrapper, Qwen3-Omni's thinker inside its model), that of
     the first module under it whose config declares one and whose list holds
     the routers. None if no such list holds them."""
-    owners = [("", model)] + [(n, m) for n, m in model.named_modules() if n and num_hidden_layers(m) is not None]
-    for owner_name, owner in owners:
-        hidden = num_hidden_layers(owner)
+    owners = ((name, module, num_hidden_layers(module)) for name, module in model.named_modules())
+    for owner_name, owner, hidden in owners:
         if hidden is None:
             continue
         for list_name, module in owner.named_modules(prefix=owner_name):

@@ -201,17 +201,17 @@ void borrow_torch_attributes(nb::handle obj, const char* name, Borrowed& out) {
                   *stride = PyUnicode_InternFromString("stride"), *dtype = PyUnicode_InternFromString("dtype"),
                   *is_cuda = PyUnicode_InternFromString("is_cuda"), *is_cpu = PyUnicode_InternFromString("is_cpu"),
                   *get_device = PyUnicode_InternFromString("get_device");
-  nb::object dt = torch_attribute(PyObject_GetAttr(obj.ptr(), dtype), name, "borrow");
+  // Each result is checked before the next call: a sparse or nested tensor
+  // raises at stride() or data_ptr(), and a call made with that exception
+  // pending would report some other failure.
+  const auto attribute = [&](PyObject* got) { return torch_attribute(got, name, "borrow"); };
+  nb::object dt = attribute(PyObject_GetAttr(obj.ptr(), dtype));
   const TorchTypes::Dtype* found = nullptr;
   for (int i = 0; i < torch_types.num_dtypes; ++i) {
     if (torch_types.dtypes[i].object == dt.ptr()) found = &torch_types.dtypes[i];
   }
   if (found == nullptr) type_error(name, obj, "has a dtype DLPack cannot describe");
   out.dl.dtype = found->dl;
-  // Each result is checked before the next call: a sparse or nested tensor
-  // raises at stride() or data_ptr(), and a call made with that exception
-  // pending would report some other failure.
-  const auto attribute = [&](PyObject* got) { return torch_attribute(got, name, "borrow"); };
   nb::object sizes = attribute(PyObject_GetAttr(obj.ptr(), shape));
   nb::object steps = attribute(PyObject_CallMethodNoArgs(obj.ptr(), stride));
   nb::object address = attribute(PyObject_CallMethodNoArgs(obj.ptr(), data_ptr));

@@ -66,7 +66,5 @@ def decode(payload, num_experts, layers=None, num_hidden_layers=None):
         raise ValueError(f"not a prime-rl routed_experts dict ({{data, shape, start, dtype}}): {e}") from None
     if not isinstance(name, str) or name not in _DTYPES:
         raise ValueError(f"dtype {name!r}; prime-rl's are {sorted(_DTYPES)}")
-    if start < 0:
-        raise ValueError(f"start is {start}; a position in a sequence is >= 0")
     ids = array_from_base64(data, _DTYPES[name], dimensions(shape, CONSUMER), "data has")
     return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=start)

@@ -2,6 +2,7 @@
 """What an adapter reads from a model's Hugging Face config: the expert
 count, and which model layers are MoE layers (the layer map); and the device
 id dtype that count calls for."""
+from .. import _integer
 
 # What configs call the routed expert count (DeepSeek's n_routed_experts,
 # Qwen's num_experts, Mixtral's num_local_experts, Ernie's moe_num_experts,
@@ -9,7 +10,6 @@ id dtype that count calls for."""
 # top_k_experts, DBRX's moe_top_k).
 EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts", "moe_top_k")
-
 
 def config_int(config, keys, what):
     """The first positive int under one of `keys` in the config or, for a
@@ -126,7 +126,6 @@ def moe_layers_from_config(config):
 
 
 def check_layers(layers, num_hidden_layers):
-    from .. import _integer
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
         raise TypeError(f"moe_layers must be a sequence of model layers (ints), not {type(layers).__name__}")
     layers = tuple(_integer("moe_layers' entries", x) for x in layers)
