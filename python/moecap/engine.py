@@ -68,7 +68,8 @@ def commit_batch(capturer: Capturer, slots: Slots, dp_rank: int = 0, tokens_per_
     n = _length(slots)
     if tokens_per_rank is None:
         tokens_per_rank = [n]
-    tokens_per_rank = [int(t) for t in tokens_per_rank]
+    tokens_per_rank = [_integer(f"tokens_per_rank[{i}]", t) for i, t in enumerate(tokens_per_rank)]
+    dp_rank = _integer("dp_rank", dp_rank)
     if not 0 <= dp_rank < len(tokens_per_rank):
         raise ValueError(f"dp_rank is {dp_rank}; tokens_per_rank has {len(tokens_per_rank)} ranks")
     if tokens_per_rank[dp_rank] != n:
@@ -110,7 +111,7 @@ class RequestTable:
     def __init__(self, capturer: Capturer, num_experts: Optional[int] = None) -> None:
         self.capturer = capturer
         config = getattr(capturer, "config", {})
-        self.num_experts = int(num_experts if num_experts is not None else config["num_experts"])
+        self.num_experts = _integer("num_experts", num_experts if num_experts is not None else config["num_experts"])
         self.num_layers = int(config["num_layers"])
         self.top_k = int(config["top_k"])
         self.weights = config.get("weight_dtype") is not None

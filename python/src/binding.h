@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <vector>
 
 #include "moecap.h"
 
@@ -46,10 +47,31 @@ void check(moecap_status status, std::initializer_list<Rename> renames);
 // `function` and the argument `name`), not by nanobind's TypeError.
 int32_t as_int32(int64_t value, const char* function, const char* name);
 
-// An integer argument taken as a handle (one that may also be None): anything
-// with __index__ (int, NumPy and 0-d torch integers). Another type raises
-// TypeError and a value beyond int64 OUT_OF_RANGE, both naming the argument.
+// An integer argument: taken as an object, so that int_argument (not
+// nanobind's int caster, which takes True as 1 and answers None or 2**64 with
+// a TypeError naming no argument) checks it. `int` in the generated stubs.
+class Index : public nb::object {
+  NB_OBJECT_DEFAULT(Index, nb::object, "int", any_object)
+};
+
+// An integer argument taken as a handle: anything with __index__ (int, NumPy
+// and 0-d torch integers). A bool (Python's, NumPy's or a 0-d torch bool) or
+// another type raises TypeError and a value beyond int64 OUT_OF_RANGE, both
+// naming `function` and the argument `name`.
 int64_t int_argument(nb::handle value, const char* function, const char* name);
+
+// The same, for a C argument of type int32_t (as_int32's range check).
+int32_t int32_argument(nb::handle value, const char* function, const char* name);
+
+// A sequence of integer arguments, checked by int_list.
+class IndexSequence : public nb::object {
+  NB_OBJECT_DEFAULT(IndexSequence, nb::object, "collections.abc.Sequence[int]", any_object)
+};
+
+// A sequence of integer arguments (a list, a tuple, a 1-D NumPy array or
+// tensor), each checked as int_argument checks one and named `name[i]`; None,
+// a str and anything not iterable raise TypeError naming `name`.
+std::vector<int64_t> int_list(nb::handle value, const char* function, const char* name);
 
 // A DLTensor describing a Python tensor's memory in place (no copy). `keep`
 // holds the Python object, so the memory lives at least as long as this.

@@ -335,21 +335,75 @@ int32_t as_int32(int64_t value, const char* function, const char* name) {
   return static_cast<int32_t>(value);
 }
 
-int64_t int_argument(nb::handle value, const char* function, const char* name) {
-  const nb::object index = nb::steal(PyNumber_Index(value.ptr()));
-  if (!index.is_valid()) {
-    PyErr_Clear();
-    throw nb::type_error((std::string(function) + ": " + name + " must be an int, not " + Py_TYPE(value.ptr())->tp_name)
-                             .c_str());
+namespace {
+
+// int_argument for a C type of `bits` (32 or 64) bits: a value past it is
+// OUT_OF_RANGE with that type's range, as as_int32 says it.
+int64_t integer_of_width(nb::handle value, const char* function, const char* name, int bits) {
+  auto refuse = [&](const char* type_name) -> int64_t {
+    throw nb::type_error((std::string(function) + ": " + name + " must be an int, not " + type_name).c_str());
+  };
+  nb::object index;
+  if (PyLong_CheckExact(value.ptr())) {
+    index = nb::borrow(value);
+  } else {
+    // True is an int to Python, and a 0-d torch bool has __index__; neither
+    // is a layer, a row or a count (NumPy's bool has no __index__).
+    if (PyBool_Check(value.ptr())) return refuse("bool");
+    if (nb::hasattr(value, "dtype")) {
+      const nb::object dtype = value.attr("dtype");
+      const nb::object text = nb::steal(PyObject_Str(dtype.ptr()));
+      if (!text.is_valid()) throw nb::python_error();
+      if (std::string_view(PyUnicode_AsUTF8(text.ptr())) == "torch.bool") return refuse("a bool tensor");
+    }
+    index = nb::steal(PyNumber_Index(value.ptr()));
+    if (!index.is_valid()) {
+      if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw nb::python_error();  // KeyboardInterrupt and the like
+      PyErr_Clear();
+      return refuse(Py_TYPE(value.ptr())->tp_name);
+    }
   }
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
-  if (overflow != 0) {
-    raise_error(MOECAP_ERROR_OUT_OF_RANGE, std::string(function) + ": " + name + " is " +
-                                               nb::cast<std::string>(nb::str(index)) +
-                                               "; it must fit in int64 [-9223372036854775808, 9223372036854775807]");
+  if (overflow == 0 && (bits == 64 || (v >= INT32_MIN && v <= INT32_MAX))) return v;
+  raise_error(MOECAP_ERROR_OUT_OF_RANGE,
+              std::string(function) + ": " + name + " is " + nb::cast<std::string>(nb::str(index)) +
+                  (bits == 64 ? "; it must fit in int64 [-9223372036854775808, 9223372036854775807]"
+                              : "; it must fit in int32 [-2147483648, 2147483647]"));
+}
+
+}  // namespace
+
+int64_t int_argument(nb::handle value, const char* function, const char* name) {
+  return integer_of_width(value, function, name, 64);
+}
+
+int32_t int32_argument(nb::handle value, const char* function, const char* name) {
+  return static_cast<int32_t>(integer_of_width(value, function, name, 32));
+}
+
+std::vector<int64_t> int_list(nb::handle value, const char* function, const char* name) {
+  const bool text = PyUnicode_Check(value.ptr()) || PyBytes_Check(value.ptr());
+  nb::object iterator;
+  if (!value.is_none() && !text) {
+    iterator = nb::steal(PyObject_GetIter(value.ptr()));
+    if (!iterator.is_valid()) {
+      if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw nb::python_error();
+      PyErr_Clear();
+    }
   }
-  return v;
+  if (!iterator.is_valid()) {
+    throw nb::type_error((std::string(function) + ": " + name + " must be a sequence of ints, not " +
+                          Py_TYPE(value.ptr())->tp_name)
+                             .c_str());
+  }
+  std::vector<int64_t> values;
+  while (PyObject* item = PyIter_Next(iterator.ptr())) {
+    const nb::object owned = nb::steal(item);
+    values.push_back(int_argument(owned, function, (std::string(name) + "[" + std::to_string(values.size()) + "]").c_str()));
+  }
+  if (PyErr_Occurred()) throw nb::python_error();
+  return values;
 }
 
 namespace {

@@ -113,13 +113,14 @@ class Capturer {
   Capturer& operator=(const Capturer&) = delete;
   ~Capturer() { moecap_destroy(handle_); }
 
-  void capture(int64_t layer, Tensor topk_ids, Tensor topk_weights, nb::handle stream) {
+  void capture(Index layer, Tensor topk_ids, Tensor topk_weights, nb::handle stream) {
+    const int32_t layer_index = int32_argument(layer, "moecap_capture", "layer");
     Borrowed ids, weights;
     const CallStream call{stream, device_type_, device_id_};
     borrow(topk_ids, "topk_ids", false, ids, &call);
     const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights, &call);
     void* s = resolve_stream(stream, device_type_, device_id_, &ids);
-    check(moecap_capture(live(), as_int32(layer, "moecap_capture", "layer"), ids.get(), w, s));
+    check(moecap_capture(live(), layer_index, ids.get(), w, s));
     keep_alive(held(), ids, weights);
   }
 
@@ -159,11 +160,12 @@ class Capturer {
     bool recordable_;
   };
 
-  void commit(Tensor dst_slots, int64_t src_start, Tensor src_rows, nb::handle stream) {
+  void commit(Tensor dst_slots, Index src_start, Tensor src_rows, nb::handle stream) {
+    const int64_t start = int_argument(src_start, "moecap_commit", "src_start");
     Borrowed slots, rows;
     const CallStream call{stream, device_type_, device_id_};
     borrow(dst_slots, "dst_slots", false, slots, &call);
-    moecap_commit_args args{sizeof(moecap_commit_args), src_start,
+    moecap_commit_args args{sizeof(moecap_commit_args), start,
                             borrow_optional(src_rows, "src_rows", false, rows, &call), slots.get()};
     void* s = resolve_stream(stream, device_type_, device_id_, &slots);
     pass_graph_gate();
@@ -272,12 +274,13 @@ class Capturer {
     check(moecap_histogram_reset(live(), resolve_stream(stream, device_type_, device_id_)));
   }
 
-  std::tuple<int64_t, int64_t, int64_t> local_rows(int64_t dp_rank, const std::vector<int64_t>& tokens_per_rank,
-                                                   nb::handle padded_tokens_per_rank) {
+  std::tuple<int64_t, int64_t, int64_t> local_rows(Index dp_rank, IndexSequence tokens_per_rank_arg,
+                                                   Index padded_tokens_per_rank) {
     const bool graph = !padded_tokens_per_rank.is_none();
+    const std::vector<int64_t> tokens_per_rank = int_list(tokens_per_rank_arg, "moecap_local_rows", "tokens_per_rank");
     moecap_batch batch{sizeof(moecap_batch),
                        graph ? MOECAP_BATCH_GRAPH : MOECAP_BATCH_EAGER,
-                       as_int32(dp_rank, "moecap_local_rows", "dp_rank"),
+                       int32_argument(dp_rank, "moecap_local_rows", "dp_rank"),
                        as_int32(static_cast<int64_t>(tokens_per_rank.size()), "moecap_local_rows",
                                 "len(tokens_per_rank)"),
                        0,
@@ -288,10 +291,10 @@ class Capturer {
     return {rows.start, rows.count, rows.total};
   }
 
-  nb::object export_view(int64_t which, int64_t layer) {
+  nb::object export_view(Index which, Index layer) {
     DLManagedTensorVersioned* managed = nullptr;
-    check(moecap_export(live(), as_int32(which, "moecap_export", "which"), as_int32(layer, "moecap_export", "layer"),
-                        &managed));
+    check(moecap_export(live(), int32_argument(which, "moecap_export", "which"),
+                        int32_argument(layer, "moecap_export", "layer"), &managed));
     return make_dlpack_view(managed);
   }
 
@@ -638,7 +641,7 @@ NB_MODULE(_moecap, m) {
            "{'skipped_rows', 'invalid_ids'}: problems found where no status could be returned.")
       .def("histogram_reset", &Capturer::histogram_reset, nb::arg("stream") = nb::none())
       .def("local_rows", &Capturer::local_rows, nb::arg("dp_rank"), nb::arg("tokens_per_rank"),
-           nb::arg("padded_tokens_per_rank") = nb::none(),
+           nb::arg("padded_tokens_per_rank").none() = nb::none(),
            "(start, count, total) of this rank's rows; graph layout when padded_tokens_per_rank is given.")
       .def("export_view", &Capturer::export_view, nb::arg("which"), nb::arg("layer") = 0)
       .def("get_plan", &Capturer::plan)

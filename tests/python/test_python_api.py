@@ -102,6 +102,47 @@ def test_an_int_argument_that_may_be_none_is_checked_like_the_others():
         assert cap.local_rows(0, [3], np.int64(4)) == cap.local_rows(0, [3], torch.tensor(4)) == (0, 3, 4)
 
 
+
+def test_an_int_argument_of_the_extension_refuses_bools_and_floats_naming_itself():
+    # nanobind's own int caster takes True as 1 and a list of bools as counts; a layer, a row or a count is an int.
+    with moecap.Capturer(**CONFIG) as cap:
+        ids = np.array([[1, 2]], dtype=np.int32)
+        refused = [
+            (lambda v: cap.capture(v, ids), "moecap_capture: layer"),
+            (lambda v: cap.commit(np.array([3]), v), "moecap_commit: src_start"),
+            (lambda v: cap.local_rows(v, [1]), "moecap_local_rows: dp_rank"),
+            (lambda v: cap.local_rows(0, [v]), r"moecap_local_rows: tokens_per_rank\[0\]"),
+            (lambda v: cap.export("layer_ids", v), "moecap_export: layer"),
+        ]
+        for call, name in refused:
+            for value, kind in ((True, "bool"), (torch.tensor(True), "a bool tensor"), (1.0, "float"),
+                                (np.float32(1), "numpy.float32"), ("1", "str")):
+                with pytest.raises(TypeError, match=rf"^{name} must be an int, not {kind}$"):
+                    call(value)
+        for value in ("1", 1):
+            with pytest.raises(TypeError, match="moecap_local_rows: tokens_per_rank must be a sequence of ints"):
+                cap.local_rows(0, value)
+        assert cap.read(np.array([3]))[0, 0, 0] == -1  # the refused commit wrote nothing
+        # Integers of NumPy and torch are ints, as anywhere in Python.
+        cap.capture(np.int64(0), ids)
+        cap.capture(torch.tensor(1), ids)
+        assert cap.local_rows(np.int32(0), np.array([1]), torch.tensor(4)) == (0, 1, 4)
+        assert cap.local_rows(0, torch.tensor([1])) == (0, 1, 1)
+        cap.commit(np.array([3]), np.int64(0))
+        assert cap.read(np.array([3]))[0].tolist() == [[1, 2], [1, 2]]
+
+
+def test_the_engine_helpers_refuse_a_float_count_instead_of_truncating_it():
+    from moecap import engine
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.capture(0, np.array([[1, 2]], dtype=np.int32))
+        with pytest.raises(TypeError, match=r"tokens_per_rank\[0\] must be an int, not float"):
+            engine.commit_batch(cap, np.array([3]), tokens_per_rank=[1.7])
+        with pytest.raises(TypeError, match="dp_rank must be an int, not bool"):
+            engine.commit_batch(cap, np.array([3]), dp_rank=False)
+        with pytest.raises(TypeError, match="num_experts must be an int, not float"):
+            engine.RequestTable(cap, num_experts=8.5)
+        assert cap.read(np.array([3]))[0, 0, 0] == -1
 def test_the_pure_python_modules_annotate_their_public_functions():
     """As docs/PYTHON.md says: every public function, method and property of
     moecap, engine, hf, ops and record has its parameters and result typed."""
