@@ -103,7 +103,7 @@ typedef enum {
   MOECAP_ERROR_NO_DEVICE = 4,        /* CUDA asked for: no driver library or no GPU */
   MOECAP_ERROR_DRIVER = 5,           /* the CUDA driver returned an error */
   MOECAP_ERROR_OUT_OF_MEMORY = 6,    /* an allocation failed (at create; on CUDA also an event a call creates) */
-  MOECAP_ERROR_ABI_MISMATCH = 7,     /* struct_size or major ABI version unknown */
+  MOECAP_ERROR_ABI_MISMATCH = 7,     /* struct_size, major ABI version or record version unknown */
   MOECAP_ERROR_NOT_READY = 8,        /* non-blocking read: commits still in flight */
   MOECAP_ERROR_CAPTURE_ILLEGAL = 9,  /* call not allowed while a graph is captured */
   MOECAP_ERROR_INTERNAL = 10,        /* a bug in moecap; please report */

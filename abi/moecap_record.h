@@ -61,7 +61,8 @@ typedef struct moecap_record_source {
   size_t struct_size;      /* sizeof(moecap_record_source) */
   uint32_t flags;          /* 0 or MOECAP_RECORD_PACKED */
   int32_t num_experts;     /* ids are [0, num_experts); >= 1 */
-  int64_t start_position;  /* position in its sequence of the first token (prompt offset); >= 0 */
+  int64_t start_position;  /* position in its sequence of the first token (prompt offset); >= 0,
+                              and the last token's, start_position + tokens - 1, fits in int64 */
   const DLTensor* ids;     /* [tokens, layers, top_k] int8/int16/int32/int64, host memory,
                               compact; every value in [0, num_experts) or -1 ("no expert");
                               layers and top_k >= 1 */
@@ -96,6 +97,15 @@ typedef struct moecap_record_info {
 /* The first size of moecap_record_info (ABI 1.1). */
 #define MOECAP_RECORD_INFO_SIZE_1_1 MOECAP_STRUCT_SIZE(moecap_record_info, bytes)
 
+/* Statuses of the four functions below: INVALID_ARGUMENT for a malformed
+ * source or record (a wrong magic, header size, flag, width, count or
+ * position, a code that is neither an id nor the sentinel, an invalid token
+ * holding an expert or weight bytes other than 0) or a bad output tensor;
+ * OUT_OF_RANGE for a source id outside [0, num_experts) other than -1 in a
+ * valid token; ABI_MISMATCH for a record version or a struct_size this
+ * library does not read; CAPACITY from encode, below. Nothing is written
+ * unless the status is MOECAP_OK; moecap_last_error says which field. */
+
 /* Bytes moecap_record_encode will write for `source` (checks it fully). */
 MOECAP_API moecap_status moecap_record_size(const moecap_record_source* source, uint64_t* bytes);
 
@@ -108,7 +118,8 @@ MOECAP_API moecap_status moecap_record_encode(const moecap_record_source* source
 
 /* Checks that data[0, bytes) is exactly one well-formed record of a version
  * this library reads (header, sizes, every code a valid id or the
- * sentinel, invalid tokens all sentinel) and describes it. */
+ * sentinel, invalid tokens all sentinel with weight bytes 0) and
+ * describes it. */
 MOECAP_API moecap_status moecap_record_parse(const void* data, uint64_t bytes, moecap_record_info* out);
 
 /* Decodes a record into caller tensors (host memory, compact):

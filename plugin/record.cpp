@@ -109,6 +109,14 @@ struct Source {
   bool token_valid(int64_t t) const { return valid == nullptr || valid[t] != 0; }
 };
 
+// Every token's position, start + t, is an int64 (as a reader computes it).
+void check_last_position(int64_t start, int64_t tokens, const char* name) {
+  if (tokens > 0 && start > INT64_MAX - (tokens - 1)) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " is ", start, " with ", tokens,
+         " tokens; the last token's position must be below 2^63");
+  }
+}
+
 Source check_source(const moecap_record_source* caller) {
   Source out;
   out.args = read_struct(caller, MOECAP_RECORD_SOURCE_SIZE_1_1, "source");
@@ -124,6 +132,7 @@ Source check_source(const moecap_record_source* caller) {
   out.id_elem = check_tensor(s->ids, {"source->ids", {kI8, kI16, kI32, kI64}, 3});
   require_host(s->ids, "source->ids");
   l.tokens = s->ids->shape[0];
+  check_last_position(s->start_position, l.tokens, "source->start_position");
   l.layers = s->ids->shape[1];
   l.top_k = s->ids->shape[2];
   if (l.layers < 1 || l.top_k < 1 || l.layers > INT32_MAX || l.top_k > INT32_MAX) {
@@ -239,6 +248,7 @@ Layout parse_header(const uint8_t* p, uint64_t bytes) {
   l.tokens = static_cast<int64_t>(tokens);
   l.start = static_cast<int64_t>(get_le(p + 32, 8));
   if (l.start < 0) fail(MOECAP_ERROR_INVALID_ARGUMENT, "record start_position is ", l.start, "; must be >= 0");
+  check_last_position(l.start, l.tokens, "record start_position");
   const int32_t want_bits = l.packed() ? packed_bits(l.num_experts) : plain_bits(l.num_experts);
   if (l.id_bits != want_bits) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, "record id_bits is ", l.id_bits, "; ", l.packed() ? "packed" : "plain",
@@ -271,8 +281,11 @@ void check_contents(const uint8_t* p, const Layout& l) {
     if (code >= static_cast<uint64_t>(l.num_experts) && code != l.sentinel()) {
       fail(MOECAP_ERROR_INVALID_ARGUMENT, "record id ", i, " is ", code, "; expected [0, ", l.num_experts, ") or ", l.sentinel());
     }
-    if (!valid && (code != l.sentinel() || (wbytes && get_le(p + l.weights_at + i * wbytes, wbytes) != 0))) {
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "record token ", t, " is invalid but holds routing");
+    if (!valid && code != l.sentinel()) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "record token ", t, " is invalid but holds expert ", code);
+    }
+    if (!valid && wbytes && get_le(p + l.weights_at + i * wbytes, wbytes) != 0) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "record token ", t, " is invalid but its weight bytes are not all 0");
     }
   }
   const uint64_t used_bits = l.codes * l.width();

@@ -146,14 +146,23 @@ class RoutedExperts:
         start = _integer("start", start)
         if not 0 <= start < 2**63:  # the record's signed 64-bit start_position
             raise ValueError(f"start is {start}; a position in a sequence is in [0, 2^63)")
-        # Unsigned ids are checked as given: as int64, a uint64 2**64 - 1 would pass for -1.
+        if start + ids.shape[0] - 1 >= 2**63:  # and every token's position after it
+            raise ValueError(f"start is {start} with {ids.shape[0]} tokens; the last token's position must be "
+                             "below 2^63")
+        v = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(_to_numpy(valid)).astype(bool)
+        if v.shape != (ids.shape[0],):
+            raise ValueError(f"valid has shape {v.shape}; expected ({ids.shape[0]},)")
+        # Unsigned ids are checked as given: as int64, a uint64 2**64 - 1 would pass for -1. An invalid token's
+        # ids are not routing: it holds no expert whatever was given there, as the record stores it.
         unsigned = ids.dtype.kind == "u"
         ids = ids if unsigned else ids.astype(np.int64)
         out_of_range = ids >= num_experts if unsigned else (ids < -1) | (ids >= num_experts)
+        out_of_range &= v[:, None, None]
         if out_of_range.any():
             bad = tuple(int(i) for i in np.argwhere(out_of_range)[0])
             raise ValueError(f"ids[{', '.join(map(str, bad))}] is {ids[bad]}; expected [0, {num_experts}) or -1")
-        self.ids = ids.astype(signed_dtype(num_experts))
+        all_valid = bool(v.all())
+        self.ids = (ids if all_valid else np.where(v[:, None, None], ids, -1)).astype(signed_dtype(num_experts))
         self.num_experts = num_experts
         w = _to_numpy(weights)
         if w is not None:
@@ -161,10 +170,9 @@ class RoutedExperts:
                 raise ValueError(f"weights has shape {w.shape}; ids has {ids.shape}")
             # A copy: the caller's read buffers are the next request's.
             w = np.array(w, dtype=w.dtype if w.dtype in (np.float32, np.float16) else np.float32)
+            if not all_valid:
+                w[~v] = 0
         self.weights = w
-        v = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(_to_numpy(valid)).astype(bool)
-        if v.shape != (ids.shape[0],):
-            raise ValueError(f"valid has shape {v.shape}; expected ({ids.shape[0]},)")
         self.valid = v
         self.start = start
         self.layers, self.num_hidden_layers = _layer_map(ids.shape[1], layers, num_hidden_layers)
@@ -272,15 +280,16 @@ class RoutedExperts:
         held), None (leave out), or the dtype to store them in ("f32", "bf16",
         "f16", or the NumPy / torch dtype), converted by the library."""
         stored: Optional[WeightDtype] = None
+        keep = isinstance(weights, str) and weights == "keep"
+        if weights is not None and not keep:  # checked whether or not this routing holds weights
+            names = {k: v for k, v in WEIGHT_DTYPES.items() if k is not None}
+            try:
+                stored = WEIGHT_DTYPES[_checked_dtype("weights", weights, names)]
+            except ValueError:
+                raise ValueError(f"weights must be 'keep', None, 'f32', 'bf16' or 'f16', not {weights!r}") from None
         w = None
         if self.weights is not None and weights is not None:
             w = np.ascontiguousarray(self.weights)
-            if not (isinstance(weights, str) and weights == "keep"):
-                names = {k: v for k, v in WEIGHT_DTYPES.items() if k is not None}
-                try:
-                    stored = WEIGHT_DTYPES[_checked_dtype("weights", weights, names)]
-                except ValueError:
-                    raise ValueError(f"weights must be 'keep', None, 'f32', 'bf16' or 'f16', not {weights!r}") from None
         valid = None if self.valid.all() else self.valid.view(np.uint8)
         return _codec(_moecap.record_encode, np.ascontiguousarray(self.ids), self.num_experts, w, valid, self.start,
                       bool(packed), stored)

@@ -392,3 +392,51 @@ def test_routing_keeps_its_own_copy_of_what_it_was_given():
 def torch_or_skip_tensor(array):
     torch = pytest.importorskip("torch")
     return torch.from_numpy(array)
+
+
+def test_an_invalid_tokens_ids_are_no_routing_whatever_was_given_there():
+    """The record stores an invalid token as "no expert" and weight 0 whatever its
+    input held (RECORD_FORMAT.md); RoutedExperts takes the same input and holds
+    the same: what the C encoder accepts, Python accepts, and both write the same bytes."""
+    ids = np.array([[[1, 2]], [[9, -5]]], dtype=np.int64)
+    valid = np.array([1, 0], dtype=np.uint8)
+    r = RoutedExperts(ids, 5, weights=np.full((2, 1, 2), 0.5, dtype=np.float32), valid=valid.astype(bool))
+    assert r.ids[1].tolist() == [[-1, -1]] and r.weights[1].tolist() == [[0.0, 0.0]]
+    assert r.ids[0].tolist() == [[1, 2]] and ids[1].tolist() == [[9, -5]]  # the caller's array is not touched
+    assert r.to_bytes(weights=None) == moecap._moecap.record_encode(ids, 5, None, valid, 0, True, None)
+    back = RoutedExperts.from_bytes(r.to_bytes())
+    assert back == r and back.valid.tolist() == [True, False]
+    with pytest.raises(ValueError, match=r"ids\[0, 0, 0\] is 9"):  # a valid token's ids are still checked
+        RoutedExperts(ids[::-1], 5, valid=[True, False])
+
+
+def test_a_weights_choice_is_checked_whether_or_not_the_routing_holds_weights():
+    r = RoutedExperts(np.zeros((1, 1, 1), dtype=np.int64), 3)
+    for bad in ("garbage", "i32", np.int32):
+        with pytest.raises(ValueError, match="weights must be 'keep', None, 'f32', 'bf16' or 'f16'"):
+            r.to_bytes(weights=bad)
+    assert r.to_bytes(weights="bf16") == r.to_bytes() == r.to_bytes(weights=None)  # nothing to store
+
+
+def test_every_tokens_position_must_fit_in_the_records_int64():
+    ids = np.zeros((3, 1, 1), dtype=np.int32)
+    last = 2**63 - 3  # tokens at 2^63 - 3, - 2, - 1
+    assert RoutedExperts(ids, 4, start=last).start == last
+    with pytest.raises(ValueError, match=r"start is 9223372036854775806 with 3 tokens; the last token's position"):
+        RoutedExperts(ids, 4, start=last + 1)
+    with pytest.raises(moecap.MoecapError, match=r"source\.start_position is 9223372036854775806 with 3 tokens"):
+        moecap._moecap.record_encode(ids, 4, None, None, last + 1, True, None)
+    good = RoutedExperts(ids, 4, start=last).to_bytes()
+    past = good[:32] + (last + 1).to_bytes(8, "little") + good[40:]
+    with pytest.raises(RecordError, match="record start_position is 9223372036854775806 with 3 tokens"):
+        RoutedExperts.from_bytes(past)
+    empty = RoutedExperts(np.zeros((0, 1, 1), dtype=np.int32), 4, start=2**63 - 1)  # no token, no position past it
+    assert RoutedExperts.from_bytes(empty.to_bytes()).start == 2**63 - 1
+
+
+def test_an_invalid_token_with_weight_bytes_is_refused_naming_its_weights():
+    r = RoutedExperts(np.array([[[1]], [[2]]]), 4, weights=np.ones((2, 1, 1), np.float32), valid=[True, False])
+    negative_zero = bytearray(r.to_bytes(weights="f32"))
+    negative_zero[-4:] = np.array([-0.0], dtype="<f4").tobytes()  # encoders write +0.0's bytes
+    with pytest.raises(RecordError, match="record token 1 is invalid but its weight bytes are not all 0"):
+        RoutedExperts.from_bytes(bytes(negative_zero))

@@ -156,6 +156,13 @@ TEST_CASE("bad sources are refused, naming the argument, and nothing is written"
   s.start_position = -1;
   CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_INVALID_ARGUMENT);
   CHECK(std::strstr(moecap_last_error(), "source->start_position is -1; must be >= 0") != nullptr);
+  s.start_position = INT64_MAX;  // two tokens: the second's position would be 2^63
+  CHECK(moecap_record_encode(&s, out.data(), out.size(), &written) == MOECAP_ERROR_INVALID_ARGUMENT);
+  CHECK(std::strstr(moecap_last_error(), "source->start_position is 9223372036854775807 with 2 tokens") != nullptr);
+  uint64_t size = 0;
+  CHECK(moecap_record_size(&s, &size) == MOECAP_ERROR_INVALID_ARGUMENT);
+  s.start_position = INT64_MAX - 1;  // positions 2^63 - 2 and 2^63 - 1
+  CHECK(moecap_record_size(&s, &size) == MOECAP_OK);
   s.start_position = 0;
   CHECK(moecap_record_encode(&s, out.data(), out.size(), reinterpret_cast<uint64_t*>(out.data() + 8)) ==
         MOECAP_ERROR_INVALID_ARGUMENT);  // the size would land in the record's header
@@ -282,7 +289,13 @@ TEST_CASE("malformed records are refused before anything is decoded") {
   refused(std::vector<uint8_t>(good.begin(), good.end() - 1), MOECAP_ERROR_INVALID_ARGUMENT, "header says");
   refused(std::vector<uint8_t>(good.begin(), good.begin() + 12), MOECAP_ERROR_INVALID_ARGUMENT, "at least 40");
   refused(with(40, 0x0D), MOECAP_ERROR_INVALID_ARGUMENT, "padding");            // bit 3: a fourth token
-  refused(with(40, 0x03), MOECAP_ERROR_INVALID_ARGUMENT, "invalid but holds");  // token 1 invalid but routing
+  refused(with(40, 0x03), MOECAP_ERROR_INVALID_ARGUMENT, "invalid but holds expert");  // token 1 invalid but routed
+  {
+    auto last_past = good;  // start 2^63 - 1 with three tokens
+    std::fill(last_past.begin() + 32, last_past.begin() + 39, uint8_t{0xFF});
+    last_past[39] = 0x7F;
+    refused(last_past, MOECAP_ERROR_INVALID_ARGUMENT, "start_position is 9223372036854775807 with 3 tokens");
+  }
   // 9 experts in 4 bits: codes 9..14 are neither experts nor the sentinel.
   refused(with(41, static_cast<uint8_t>((good[41] & 0xF0) | 0x0C)), MOECAP_ERROR_INVALID_ARGUMENT, "record id 0 is 12");
   const auto many = [&] {
