@@ -36,9 +36,6 @@ inline void set_device_kind(DLDevice& device, int32_t kind) {
   static_assert(sizeof kind == sizeof device.device_type, "DLDeviceType is 32 bits");
   std::memcpy(&device.device_type, &kind, sizeof kind);
 }
-// The largest device type the checks accept as one (kDLMAIA in DLPack 1.0);
-// an accepted type moecap cannot read still fails, as on the wrong device.
-constexpr int32_t kMaxDeviceType = 17;
 
 struct TensorRules {
   const char* name;                     // "topk_ids", "dst_slots", ...

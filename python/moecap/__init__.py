@@ -434,15 +434,18 @@ class Capturer(_moecap.Capturer):
         reads -1 for every id and 0 weights, as does an id that was out of range
         at capture; ``strict=True`` raises MoecapError(NO_ROUTING) instead and
         writes nothing. ``slot_states`` says which slots hold routing."""
+        torch = _torch_if_imported()
+        caller_outputs = out is not None or weights_out is not None
         if out is None:
             name = _read_dtype_name(dtype)
-            shape = (_moecap.read_slots_length(slots), self.config.num_layers, self.config.top_k)
-            torch = _torch_if_imported()
+            length, once = _moecap.read_slots(slots)  # a producer's capsule is asked for once
+            shape = (length, self.config.num_layers, self.config.top_k)
             if torch is not None and isinstance(slots, torch.Tensor):
                 out = torch.empty(shape, dtype=getattr(torch, name))
             else:
                 import numpy as np
                 out = np.empty(shape, dtype=name)
+            slots = once
         elif dtype is not None:
             wanted, have = _read_dtype_name(dtype), _dtype_name(getattr(out, "dtype", None))
             if have in _READ_ID_DTYPES and _NUMPY_NAMES[have] != wanted:  # a dtype we cannot name is out's to judge
@@ -450,6 +453,12 @@ class Capturer(_moecap.Capturer):
                                  "output read allocates (out= brings its own)")
         self.read_into(slots, out, weights_out, _checked_flag("nonblocking", nonblocking),
                        _checked_flag("strict", strict), stream)
+        if caller_outputs:
+            # Written outside torch's ops: its version counter tells autograd, as an in-place op would, so a
+            # backward that saved the tensor raises instead of using the new values.
+            written = [t for t in (out, weights_out) if torch is not None and isinstance(t, torch.Tensor)]
+            if written:
+                torch.autograd.graph.increment_version(written)
         return out if weights_out is None else (out, weights_out)
 
     def slot_states(self, slots: Union[DLPackArray, list[int], tuple[int, ...]]) -> Any:

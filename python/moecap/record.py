@@ -152,10 +152,10 @@ class RoutedExperts:
         v = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(_to_numpy(valid)).astype(bool)
         if v.shape != (ids.shape[0],):
             raise ValueError(f"valid has shape {v.shape}; expected ({ids.shape[0]},)")
-        # Unsigned ids are checked as given: as int64, a uint64 2**64 - 1 would pass for -1. An invalid token's
-        # ids are not routing: it holds no expert whatever was given there, as the record stores it.
+        # Checked in their own dtype (NumPy 2 compares with any Python int exactly): no int64 copy, and a uint64
+        # 2**64 - 1 does not pass for -1. An invalid token's ids are not routing: it holds no expert whatever was
+        # given there, as the record stores it.
         unsigned = ids.dtype.kind == "u"
-        ids = ids if unsigned else ids.astype(np.int64)
         out_of_range = ids >= num_experts if unsigned else (ids < -1) | (ids >= num_experts)
         out_of_range &= v[:, None, None]
         if out_of_range.any():

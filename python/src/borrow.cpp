@@ -32,19 +32,25 @@ struct ExchangeApi {
   int (*current_work_stream)(DLDeviceType device_type, int32_t device_id, void** out_stream);
 };
 
-// Types seen, with their exchange API or nullptr. Types are never freed while
-// instances exist, and a type the cache keeps is one the process imported.
+// Types seen, with their exchange API or nullptr. Each entry holds a weak
+// reference to its type: a class freed and another made at its address must
+// not inherit the entry, and a strong one would keep the class's module (and
+// everything it holds) alive until exit.
 struct TypeCache {
   static constexpr int kSize = 16;
   PyTypeObject* type[kSize]{};
+  PyObject* alive[kSize]{};  // a weakref to type[i]; dead once the type is freed
   const ExchangeApi* api[kSize]{};
   int used = 0;
 };
 TypeCache type_cache;
 
 const ExchangeApi* exchange_api(PyTypeObject* type) {
+  int stale = -1;
   for (int i = 0; i < type_cache.used; ++i) {
-    if (type_cache.type[i] == type) return type_cache.api[i];
+    const bool live = PyWeakref_GetObject(type_cache.alive[i]) == reinterpret_cast<PyObject*>(type_cache.type[i]);
+    if (live && type_cache.type[i] == type) return type_cache.api[i];
+    if (!live && stale < 0) stale = i;
   }
   const ExchangeApi* api = nullptr;
   PyObject* capsule = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), "__dlpack_c_exchange_api__");
@@ -56,11 +62,18 @@ const ExchangeApi* exchange_api(PyTypeObject* type) {
     if (table != nullptr && table->version.major == 1 && table->dltensor_from_py_object_no_sync != nullptr) api = table;
     Py_DECREF(capsule);  // the table lives as long as the process (per the spec)
   }
-  if (type_cache.used < TypeCache::kSize) {
-    type_cache.type[type_cache.used] = type;
-    type_cache.api[type_cache.used] = api;
-    ++type_cache.used;
+  const int slot = stale >= 0 ? stale : (type_cache.used < TypeCache::kSize ? type_cache.used : -1);
+  if (slot < 0) return api;
+  PyObject* ref = PyWeakref_NewRef(reinterpret_cast<PyObject*>(type), nullptr);
+  if (ref == nullptr) {
+    PyErr_Clear();  // not cached: asked again next time
+    return api;
   }
+  Py_XDECREF(type_cache.alive[slot]);
+  type_cache.type[slot] = type;
+  type_cache.alive[slot] = ref;
+  type_cache.api[slot] = api;
+  if (slot == type_cache.used) ++type_cache.used;
   return api;
 }
 
@@ -446,50 +459,111 @@ bool is_jax_array(PyTypeObject* type) {
   return name.substr(0, 4) == "jax." || name.substr(0, 7) == "jaxlib." || name == "jax" || name == "jaxlib";
 }
 
-// A CUDA array's capsule, asked for the call's stream: under the array API
-// the producer makes that stream wait for the array's pending work, where
+// The producer's capsule, asked for here rather than by nanobind so that it
+// is checked (check_capsule) before anything reads it. An output is asked
+// for with copy=False: under the array API a producer may otherwise hand out
+// a copy, which moecap would fill while the caller's array kept its old
+// values. `stream` (non-None for a CUDA call) is the array API's stream=
+// value. Producers predating copy= or max_version= raise TypeError and are
+// asked without them. Invalid when `obj` has no __dlpack__ or the producer
+// refuses for another reason (nanobind then asks as usual and reports it).
+nb::object ask_capsule(nb::handle obj, const char* name, bool writable, nb::handle stream) {
+  nb::object dlpack = nb::getattr(obj, "__dlpack__", nb::none());
+  if (dlpack.is_none()) return {};
+  const nb::object version = nb::make_tuple(1, 0);
+  const auto ask = [&](bool with_version, bool without_copy) {
+    nb::kwargs kwargs;
+    if (!stream.is_none()) kwargs["stream"] = stream;
+    if (with_version) kwargs["max_version"] = version;
+    if (without_copy) kwargs["copy"] = false;
+    return dlpack(**kwargs);
+  };
+  const auto predates = [](nb::python_error& e) {
+    if (!e.matches(PyExc_TypeError)) throw;
+  };
+  try {
+    if (writable) {
+      try {
+        return ask(true, true);
+      } catch (nb::python_error& e) {
+        if (e.matches(PyExc_BufferError)) {
+          argument_error(name, "is a " + type_of(obj) + " its producer cannot export without a copy (" +
+                                   exception_text(e) + "); moecap would write into the copy");
+        }
+        predates(e);
+      }
+    }
+    try {
+      return ask(true, false);
+    } catch (nb::python_error& e) {
+      predates(e);
+    }
+    return ask(false, false);
+  } catch (nb::python_error& e) {
+    if (!e.matches(PyExc_Exception)) throw;  // KeyboardInterrupt and the like go on
+    return {};
+  }
+}
+
+// DLPack's rules for a versioned capsule, which nanobind's import does not
+// check: another major version may lay out every field after `version`
+// otherwise, so it is refused unread (its capsule, unconsumed, calls the
+// deleter); and an output exported as a copy (IS_COPIED) is refused, moecap
+// would fill the copy. A legacy capsule says neither.
+void check_capsule(nb::handle capsule, const char* name, bool writable) {
+  if (!PyCapsule_IsValid(capsule.ptr(), "dltensor_versioned")) return;
+  const auto* managed =
+      static_cast<const DLManagedTensorVersioned*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor_versioned"));
+  if (managed->version.major != 1) {
+    argument_error(name, "is a DLPack " + std::to_string(managed->version.major) + "." +
+                             std::to_string(managed->version.minor) +
+                             " tensor; moecap reads DLPack 1.x (another major version may lay out its fields "
+                             "otherwise)");
+  }
+  if (writable && (managed->flags & DLPACK_FLAG_BITMASK_IS_COPIED) != 0) {
+    argument_error(name, "was exported as a copy (DLPack's IS_COPIED flag); moecap would write into the copy, "
+                         "not into the array");
+  }
+}
+
+// The array API's stream= value for a CUDA array of the call's GPU: under
+// it the producer makes that stream wait for the array's pending work, where
 // nanobind's own request (no stream=) would mean the legacy default stream,
 // which moecap never enqueues on unless told to and which an engine's
-// capture may not touch. Invalid where there is no CUDA call, the producer
-// reports its array elsewhere, or it refuses (nanobind then asks as usual
-// and reports the refusal).
-nb::object capsule_for_call(nb::handle obj, const CallStream* call) {
-  if (call == nullptr || call->device_type != MOECAP_DEVICE_CUDA) return {};
+// capture may not touch. None where there is no CUDA call or the producer
+// reports its array elsewhere (on another GPU the call refuses it after the
+// borrow; its producer is not asked to order work for ours).
+nb::object stream_for_call(nb::handle obj, const CallStream* call) {
+  if (call == nullptr || call->device_type != MOECAP_DEVICE_CUDA) return nb::none();
   nb::object dlpack_device = nb::getattr(obj, "__dlpack_device__", nb::none());
-  if (dlpack_device.is_none()) return {};
-  // Only Exception subclasses are a producer's refusal; KeyboardInterrupt and the like go on.
-  const auto refused = [](nb::python_error& e) {
-    if (!e.matches(PyExc_Exception)) throw;
-  };
+  if (dlpack_device.is_none()) return nb::none();
   int kind = -1, id = -1;
   try {
     nb::object device = dlpack_device();
     kind = nb::cast<int>(device[0]);
     id = nb::cast<int>(device[1]);
   } catch (nb::python_error& e) {
-    refused(e);
-    return {};
+    if (!e.matches(PyExc_Exception)) throw;  // KeyboardInterrupt and the like go on
+    return nb::none();
   } catch (nb::cast_error&) {
-    return {};
+    return nb::none();
   }
-  // On another GPU the call refuses it after the borrow; its producer is not asked to order work for ours.
-  if ((kind != kDLCUDA && kind != kDLCUDAManaged) || id != call->device_id) return {};
+  if ((kind != kDLCUDA && kind != kDLCUDAManaged) || id != call->device_id) return nb::none();
   // Without a stream (no stream=, no torch) this fails as the call would after the borrow.
   void* stream = resolve_stream(call->stream, call->device_type, call->device_id);
   // The array API's values: 1 is the legacy default stream (0 is not allowed).
-  const unsigned long long value = stream == nullptr ? 1ull : reinterpret_cast<uintptr_t>(stream);
-  try {
-    nb::object dlpack = obj.attr("__dlpack__");
-    try {
-      return dlpack(nb::arg("stream") = value, nb::arg("max_version") = nb::make_tuple(1, 0));
-    } catch (nb::python_error& e) {
-      if (!e.matches(PyExc_TypeError)) throw;  // TypeError: it predates max_version
-    }
-    return dlpack(nb::arg("stream") = value);
-  } catch (nb::python_error& e) {
-    refused(e);
-    return {};
-  }
+  return nb::int_(stream == nullptr ? 1ull : static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(stream)));
+}
+
+// What nanobind imports: a capsule given as the argument, or the producer's,
+// checked; else the object itself (nanobind's buffer-protocol and to_dlpack
+// paths, and its report of a producer's refusal).
+nb::object import_source(nb::handle obj, const char* name, bool writable, const CallStream* call) {
+  nb::object capsule = PyCapsule_CheckExact(obj.ptr()) ? nb::borrow(obj)
+                                                       : ask_capsule(obj, name, writable, stream_for_call(obj, call));
+  if (!capsule.is_valid()) return nb::borrow(obj);
+  check_capsule(capsule, name, writable);
+  return capsule;
 }
 
 }  // namespace
@@ -532,15 +606,13 @@ void borrow(nb::handle obj, const char* name, bool writable, Borrowed& out, cons
                             "then jax.numpy.asarray)");
     }
     nb::ndarray<> array;
-    const nb::object capsule = capsule_for_call(obj, call);
-    if (!nb::try_cast(capsule.is_valid() ? nb::handle(capsule) : obj, array, false)) {
+    if (!nb::try_cast(import_source(obj, name, true, call), array, false)) {
       not_a_tensor(name, obj, "must be a writable tensor (NumPy, PyTorch, CuPy or any DLPack producer)");
     }
     borrow_ndarray(array, out, name, obj);
     out.array = nb::ndarray<nb::ro>(array);
   } else {
-    const nb::object capsule = capsule_for_call(obj, call);
-    if (!nb::try_cast(capsule.is_valid() ? nb::handle(capsule) : obj, out.array, false)) {
+    if (!nb::try_cast(import_source(obj, name, false, call), out.array, false)) {
       not_a_tensor(name, obj, "must be a tensor (NumPy, PyTorch, JAX, CuPy or any DLPack producer)");
     }
     borrow_ndarray(out.array, out, name, obj);

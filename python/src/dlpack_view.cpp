@@ -122,9 +122,14 @@ class DLPackView {
   std::pair<int, int> dlpack_device() const { return {static_cast<int>(device_.device_type), device_.device_id}; }
 
   nb::capsule dlpack(nb::handle stream, nb::handle max_version, nb::handle dl_device, nb::handle copy) {
-    (void)stream;  // moecap's buffers are written in the engine's stream order; the caller syncs it
     // Every keyword is converted before the view is looked at: a conversion
     // can run Python code (__index__, __bool__), which may consume this view.
+    // The stream is only checked: moecap's buffers are written in the engine's
+    // stream order, which the consumer already follows (PYTHON.md).
+    long long stream_value = 0;
+    if (!stream.is_none() && (PyBool_Check(stream.ptr()) || !nb::try_cast(stream, stream_value))) {
+      throw nb::type_error("moecap: DLPackView.__dlpack__: stream must be None or an int");
+    }
     std::pair<int, int> wanted{}, version{};
     if (!dl_device.is_none() && !nb::try_cast(dl_device, wanted)) {
       throw nb::type_error("moecap: DLPackView.__dlpack__: dl_device must be a (device_type, device_id) pair of ints");
@@ -137,6 +142,16 @@ class DLPackView {
       throw nb::type_error("moecap: DLPackView.__dlpack__: copy must be None, True or False");
     }
     if (managed_ == nullptr) throw nb::buffer_error("moecap: this DLPackView was already consumed (export again)");
+    const bool cuda = device_.device_type == kDLCUDA || device_.device_type == kDLCUDAManaged;
+    if (!stream.is_none() && !cuda) {  // the array API: a device without streams takes None only
+      throw nb::buffer_error(("moecap: the view lives on device type " + std::to_string(device_.device_type) +
+                              ", which has no streams; stream must be None, not " + std::to_string(stream_value))
+                                 .c_str());
+    }
+    if (!stream.is_none() && stream_value == 0) {
+      throw nb::buffer_error("moecap: stream=0 is ambiguous and the array API refuses it (1 is the legacy default "
+                             "stream, 2 the per-thread one)");
+    }
     if (!dl_device.is_none()) {
       if (wanted.first != static_cast<int>(device_.device_type) || wanted.second != device_.device_id) {
         throw nb::buffer_error(("moecap: the view lives on device (" + std::to_string(device_.device_type) + ", " +

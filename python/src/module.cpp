@@ -585,7 +585,7 @@ NB_MODULE(_moecap, m) {
       },
       "The layout for a config, without allocating.");
   m.def(
-      "read_slots_length",
+      "read_slots",
       [](Tensor tensor) {
         Borrowed b;
         borrow(tensor, "slots", false, b);
@@ -597,12 +597,15 @@ NB_MODULE(_moecap, m) {
           raise_error(MOECAP_ERROR_INVALID_ARGUMENT,
                       "moecap_read: slots.shape[0] is " + std::to_string(b.shape[0]) + "; must be >= 0");
         }
-        return b.shape[0];
+        // A producer's capsule is used up here (and some producers export
+        // once): the read then borrows nanobind's array of it, not the producer.
+        nb::object again = b.array.is_valid() ? nb::cast(b.array, nb::rv_policy::reference) : nb::object(tensor);
+        return nb::make_tuple(b.shape[0], again);
       },
       // None too, so that it meets borrow's TypeError naming `slots`.
       nb::arg("slots").none(),
-      "Entries of a read's slots, any 1-D tensor (DLPack producers need not have len()); "
-      "MoecapError as moecap_read refuses another ndim.");
+      "(entries, the slots to pass on to read_into) of a read's slots, any 1-D tensor (DLPack producers need not "
+      "have len(), and are asked for their capsule once); MoecapError as moecap_read refuses another ndim.");
   m.def("_fast_paths", &set_fast_paths, nb::arg("exchange_api"), nb::arg("torch_attributes"),
         "Test hook: which tensor-description fast paths borrow() tries.");
   bind_constants(m);

@@ -507,3 +507,101 @@ def test_a_producers_refusal_is_reported_and_an_interrupt_is_not_turned_into_one
             cap.capture(0, Refuses(ValueError("not today")))
         with pytest.raises(KeyboardInterrupt):
             cap.capture(0, Refuses(KeyboardInterrupt()))
+
+
+class _Exporting:
+    """A producer that copies unless told copy=False (as the array API lets it), or
+    whose versioned capsules claim another DLPack major version."""
+
+    def __init__(self, array, copies=False, major=None, takes_copy=True):
+        self.array, self.copies, self.major, self.takes_copy = array, copies, major, takes_copy
+        self.asked = []
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if copy is not None and not self.takes_copy:
+            raise TypeError("__dlpack__() got an unexpected keyword argument 'copy'")
+        self.asked.append(copy)
+        if self.copies and copy is False:
+            raise BufferError("this array is exported as a copy")
+        capsule = self.array.__dlpack__(max_version=max_version, copy=True if self.copies else None)
+        if self.major is not None:
+            ctypes.c_uint32.from_address(_get_pointer(capsule, b"dltensor_versioned")).value = self.major
+        return capsule
+
+
+@needs_numpy_2
+def test_an_output_is_asked_for_without_a_copy_and_a_copy_is_refused():
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.capture(0, np.array([[1, 2], [3, 4]], dtype=np.int32))
+        cap.commit(np.array([1, 2]))
+        out = np.zeros((2, 3, 2), dtype=np.int32)
+        with pytest.raises(TypeError, match="'out' is a .*cannot export without a copy.*moecap would write into the copy"):
+            cap.read(np.array([1, 2]), out=_Exporting(out, copies=True))
+        # A producer that predates copy= and hands out a copy says so in the capsule's flags.
+        with pytest.raises(TypeError, match="'out' was exported as a copy \\(DLPack's IS_COPIED flag\\)"):
+            cap.read(np.array([1, 2]), out=_Exporting(out, copies=True, takes_copy=False))
+        assert not out.any()
+        producer = _Exporting(out)
+        cap.read(np.array([1, 2]), out=producer)
+        assert producer.asked == [False] and out[:, 0].tolist() == [[1, 2], [3, 4]]
+        # An input may be a copy: moecap only reads it, and asks without copy=.
+        slots = _Exporting(np.array([2, 1]), copies=True)
+        assert cap.read(slots)[:, 0].tolist() == [[3, 4], [1, 2]] and slots.asked == [None]
+
+
+@needs_numpy_2
+@pytest.mark.parametrize("major", [0, 2])
+def test_a_capsule_of_another_dlpack_major_version_is_refused_unread(major):
+    with moecap.Capturer(**CONFIG) as cap:
+        out = np.zeros((1, 3, 2), dtype=np.int32)
+        with pytest.raises(TypeError, match=f"'out' is a DLPack {major}.0 tensor; moecap reads DLPack 1.x"):
+            cap.read(np.array([1]), out=_Exporting(out, major=major))
+        with pytest.raises(TypeError, match=f"'slots' is a DLPack {major}.0 tensor"):
+            cap.read(_Exporting(np.array([1]), major=major))
+        with pytest.raises(TypeError, match=f"'topk_ids' is a DLPack {major}.0 tensor"):
+            cap.capture(0, _Exporting(np.array([[1, 2]], dtype=np.int32), major=major))
+        assert cap.read(np.array([1]))[0, 0].tolist() == [-1, -1]
+
+
+def test_a_read_asks_a_producer_for_its_slots_once():
+    class OneShot(OnlyDLPack):
+        def __dlpack__(self, **kwargs):
+            assert not getattr(self, "used", False), "asked twice"
+            self.used = True
+            return super().__dlpack__(**kwargs)
+
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.capture(0, np.array([[5, 6]], dtype=np.int32))
+        cap.commit(np.array([7]))
+        assert cap.read(OneShot(np.array([7])))[0, 0].tolist() == [5, 6]
+
+
+
+def test_a_host_view_takes_no_stream_as_the_array_api_says_and_stays_unconsumed():
+    with moecap.Capturer(**CONFIG) as cap:
+        view = cap.export("host_ids")
+        for stream in (1, 0, -1, 12345):
+            with pytest.raises(BufferError, match="has no streams; stream must be None"):
+                view.__dlpack__(stream=stream)
+        for stream in ("1", 1.0, True):
+            with pytest.raises(TypeError, match="stream must be None or an int"):
+                view.__dlpack__(stream=stream)
+        assert not view.consumed
+        assert torch.from_dlpack(view).shape == (32, 3, 2)  # torch asks a CPU producer without a stream
+
+
+def test_a_torch_output_read_into_tells_autograd_it_was_written():
+    with moecap.Capturer(**CONFIG) as cap:
+        cap.capture(0, np.array([[1, 2]], dtype=np.int32))
+        cap.commit(np.array([3]))
+        index = torch.zeros(1, 3, 2, dtype=torch.int64)
+        source = torch.arange(8.0, requires_grad=True)
+        gathered = source[index.flatten()]  # saves index for backward
+        before = index._version
+        cap.read(np.array([3]), out=index)
+        assert index._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            gathered.sum().backward()
