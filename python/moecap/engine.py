@@ -29,16 +29,19 @@ Slots = Union["DLPackArray", Sequence[int], np.ndarray]
 
 
 def _ints(values: Any, name: str) -> np.ndarray:
-    """values as a flat int64 array; floats, bools and strings are refused, as
-    the capturer refuses them, never truncated (3.9 is not slot 3)."""
+    """values as a 1-D int64 array; floats, bools, strings and other shapes are
+    refused, as the capturer refuses them, never truncated (3.9 is not slot 3)
+    or flattened (a [ranks, rows] array is not one rank's slots)."""
     array = np.asarray(values)
+    if array.ndim != 1:
+        raise MoecapError(Status.INVALID_ARGUMENT, f"{name} has ndim {array.ndim}; expected 1")
     if array.size == 0:
         return np.empty(0, dtype=np.int64)
     if array.dtype.kind not in "iu":
         raise MoecapError(Status.INVALID_ARGUMENT, f"{name} has dtype {array.dtype}; expected integers")
     if array.dtype == np.uint64 and array.max() > np.iinfo(np.int64).max:  # as int64 it would wrap to a slot
         raise MoecapError(Status.OUT_OF_RANGE, f"{name} holds {int(array.max())}, past int64")
-    return np.ascontiguousarray(array.astype(np.int64, copy=False).reshape(-1))
+    return np.ascontiguousarray(array.astype(np.int64, copy=False))
 
 
 def _index_array(slots: Any) -> Any:
@@ -115,6 +118,7 @@ class RequestTable:
         self.num_layers = int(config["num_layers"])
         self.top_k = int(config["top_k"])
         self.weights = config.get("weight_dtype") is not None
+        self.host_slots = config.get("host_slots")
         self._slots: dict[Any, list[np.ndarray]] = {}
         self._start: dict[Any, int] = {}
 
@@ -135,9 +139,15 @@ class RequestTable:
         self._start[rid] = position
 
     def append(self, rid: Any, slots: ArrayLike) -> None:
-        """The slots of the request's next tokens (in order)."""
+        """The slots of the request's next tokens (in order), each in [0, host_slots)."""
+        slots = _ints(slots, "slots")
+        outside = np.flatnonzero((slots < 0) | (slots >= self.host_slots)) if self.host_slots is not None else ()
+        if len(outside):  # refused now: finish() and abort() would refuse it at every call, and the request never end
+            i = int(outside[0])
+            raise MoecapError(Status.OUT_OF_RANGE, f"slots[{i}] is {slots[i]}; a token's KV slot is in "
+                              f"[0, host_slots = {self.host_slots})")
         # A copy: engines reuse their slot buffers from step to step.
-        self._slots[rid].append(np.array(_ints(slots, "slots")))
+        self._slots[rid].append(np.array(slots))
 
     def slots(self, rid: Any) -> np.ndarray:
         parts = self._slots[rid]

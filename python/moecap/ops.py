@@ -25,7 +25,15 @@ device buffer is copied into moecap's memory before the C call (and back out
 after capture and commit, which consumes its rows). A copy of the host cache
 is refused (MoecapError INVALID_ARGUMENT): backends that functionalize without re-inplacing
 (aot_eager) would copy the whole cache per step. Inductor hands the real
-buffers and pays nothing.
+buffers and pays nothing, as long as the compiled code leaves the host
+buffers (host_ids, host_weights, host_states) to the ops: a write to one, or a
+clone of one taken before a commit, makes Inductor hand the op a copy too.
+
+Inductor (torch 2.14) also orders a read of device_ids, or of a layer view,
+that a commit follows in the same compiled code after the commit: the read
+sees the consumed rows (-1). Read the routing after the commit from the host
+cache (or read() it), or clone device_ids whole before the commit, which
+Inductor keeps in order.
 """
 from __future__ import annotations
 
@@ -100,8 +108,9 @@ def _refuse_host_copy(op: str, name: str, handed: Optional[torch.Tensor], real: 
         raise MoecapError(Status.INVALID_ARGUMENT,
                           f"moecap::{op} was handed a copy of the capturer's {name} ({handed.numel()} elements), "
                           "not its memory: the torch.compile backend functionalizes without re-inplacing "
-                          "(aot_eager does); compile with backend='inductor', or call the capturer's "
-                          f"{op} outside the compiled code")
+                          "(aot_eager does, and Inductor too where the compiled code also writes or keeps a "
+                          f"clone of {name}); compile with backend='inductor' and leave the host buffers to the "
+                          f"ops there, or call the capturer's {op} outside the compiled code")
 
 
 def _through_device_buffers(cap: Capturer, device_ids: torch.Tensor, device_weights: Optional[torch.Tensor],
@@ -211,15 +220,37 @@ class CapturerOps:
         return index
 
     def capture(self, layer: int, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor] = None) -> None:
+        _refuse_bool("layer", layer)
+        _refuse_meta("capture", topk_ids=topk_ids, topk_weights=topk_weights)
         torch.ops.moecap.capture(self.device_ids, self.device_weights, self.id, layer, topk_ids, topk_weights,
                                  self.histogram)
 
     def commit(self, dst_slots: torch.Tensor, src_start: int = 0, src_rows: Optional[torch.Tensor] = None) -> None:
+        _refuse_bool("src_start", src_start)
+        _refuse_meta("commit", dst_slots=dst_slots, src_rows=src_rows)
         torch.ops.moecap.commit(self.host_ids, self.host_weights, self.host_states, self.device_ids,
                                 self.device_weights, self.id, dst_slots, src_start, src_rows)
 
     def invalidate(self, slots: torch.Tensor) -> None:
+        _refuse_meta("invalidate", slots=slots)
         torch.ops.moecap.invalidate(self.host_states, self.id, slots)
+
+
+# Checks the methods above make before the op, in terms Dynamo folds to constants (a traced int may be a
+# SymInt, which _integer would specialize; a fake tensor reports the device it stands for).
+def _refuse_bool(name: str, value: Any) -> None:
+    """The ops' int schema takes True as 1, where the capturer's calls refuse it."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not bool")
+
+
+def _refuse_meta(caller: str, **tensors: Optional[torch.Tensor]) -> None:
+    """A meta tensor has no memory: the dispatcher would send it to the fake implementation, and the
+    call would do nothing; the capturer's own calls refuse it as on the wrong device."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device.type == "meta":
+            raise MoecapError(Status.INVALID_ARGUMENT, f"moecap_{caller}: {name} is a meta tensor; it has no "
+                              "memory to read")
 
 
 __all__ = ["BUFFERS", "CapturerOps", "capture", "commit", "invalidate"]

@@ -153,16 +153,14 @@ class RoutedExperts:
         if v.shape != (ids.shape[0],):
             raise ValueError(f"valid has shape {v.shape}; expected ({ids.shape[0]},)")
         # Checked in their own dtype (NumPy 2 compares with any Python int exactly): no int64 copy, and a uint64
-        # 2**64 - 1 does not pass for -1. An invalid token's ids are not routing: it holds no expert whatever was
-        # given there, as the record stores it.
+        # 2**64 - 1 does not pass for -1. An invalid token's ids are checked too: they are kept (a token whose
+        # slot lacks one layer still shows the others), though a record stores such a token as no expert.
         unsigned = ids.dtype.kind == "u"
         out_of_range = ids >= num_experts if unsigned else (ids < -1) | (ids >= num_experts)
-        out_of_range &= v[:, None, None]
         if out_of_range.any():
             bad = tuple(int(i) for i in np.argwhere(out_of_range)[0])
             raise ValueError(f"ids[{', '.join(map(str, bad))}] is {ids[bad]}; expected [0, {num_experts}) or -1")
-        all_valid = bool(v.all())
-        self.ids = (ids if all_valid else np.where(v[:, None, None], ids, -1)).astype(signed_dtype(num_experts))
+        self.ids = ids.astype(signed_dtype(num_experts))
         self.num_experts = num_experts
         w = _to_numpy(weights)
         if w is not None:
@@ -170,8 +168,6 @@ class RoutedExperts:
                 raise ValueError(f"weights has shape {w.shape}; ids has {ids.shape}")
             # A copy: the caller's read buffers are the next request's.
             w = np.array(w, dtype=w.dtype if w.dtype in (np.float32, np.float16) else np.float32)
-            if not all_valid:
-                w[~v] = 0
         self.weights = w
         self.valid = v
         self.start = start

@@ -221,3 +221,34 @@ def test_a_record_from_a_prefill_instance_lands_in_the_decode_instances_slots():
         write_routed(decode, [60, 61, 62, 63], RoutedExperts.from_bytes(wire))
     assert decode.slot_states([60]).tolist() == [moecap.SLOT_EMPTY]
     write_routed(decode, [60, 61, 62, 63], RoutedExperts.from_bytes(wire).with_layer_map(range(1, LAYERS + 1)))
+
+
+def test_slots_of_another_shape_are_refused_never_flattened():
+    # A [ranks, rows] array flattened would commit other ranks' rows to this rank's slots.
+    cap = capturer(dp_size=2)
+    capture_rows(cap, 4)
+    with pytest.raises(moecap.MoecapError, match="slots has ndim 2; expected 1") as e:
+        commit_batch(cap, np.array([[10, 11], [12, 13]]), dp_rank=0, tokens_per_rank=[2, 2])
+    assert e.value.status == moecap.Status.INVALID_ARGUMENT
+    assert (cap.slot_states([10, 11, 12, 13]) == 0).all()
+    table = RequestTable(cap)
+    table.start("r")
+    with pytest.raises(moecap.MoecapError, match="slots has ndim 2"):
+        table.append("r", [[1, 2]])
+    with pytest.raises(moecap.MoecapError, match="slots has ndim 0"):
+        table.append("r", 3)
+
+
+def test_a_request_takes_only_slots_it_could_finish_with():
+    cap = capturer()
+    table = RequestTable(cap)
+    table.start("r")
+    for bad, at in (([3, 64], "slots\\[1\\] is 64"), ([-1], "slots\\[0\\] is -1")):
+        with pytest.raises(moecap.MoecapError, match=f"{at}; a token's KV slot is in \\[0, host_slots = 64\\)") as e:
+            table.append("r", bad)
+        assert e.value.status == moecap.Status.OUT_OF_RANGE
+    table.append("r", [3, 63])
+    capture_rows(cap, 2)
+    cap.commit(np.array([3, 63]))
+    assert table.finish("r").shape == (2, LAYERS, TOP_K)  # the refused appends left nothing behind
+    assert "r" not in table

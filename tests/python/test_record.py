@@ -394,22 +394,6 @@ def torch_or_skip_tensor(array):
     return torch.from_numpy(array)
 
 
-def test_an_invalid_tokens_ids_are_no_routing_whatever_was_given_there():
-    """The record stores an invalid token as "no expert" and weight 0 whatever its
-    input held (RECORD_FORMAT.md); RoutedExperts takes the same input and holds
-    the same: what the C encoder accepts, Python accepts, and both write the same bytes."""
-    ids = np.array([[[1, 2]], [[9, -5]]], dtype=np.int64)
-    valid = np.array([1, 0], dtype=np.uint8)
-    r = RoutedExperts(ids, 5, weights=np.full((2, 1, 2), 0.5, dtype=np.float32), valid=valid.astype(bool))
-    assert r.ids[1].tolist() == [[-1, -1]] and r.weights[1].tolist() == [[0.0, 0.0]]
-    assert r.ids[0].tolist() == [[1, 2]] and ids[1].tolist() == [[9, -5]]  # the caller's array is not touched
-    assert r.to_bytes(weights=None) == moecap._moecap.record_encode(ids, 5, None, valid, 0, True, None)
-    back = RoutedExperts.from_bytes(r.to_bytes())
-    assert back == r and back.valid.tolist() == [True, False]
-    with pytest.raises(ValueError, match=r"ids\[0, 0, 0\] is 9"):  # a valid token's ids are still checked
-        RoutedExperts(ids[::-1], 5, valid=[True, False])
-
-
 def test_a_weights_choice_is_checked_whether_or_not_the_routing_holds_weights():
     r = RoutedExperts(np.zeros((1, 1, 1), dtype=np.int64), 3)
     for bad in ("garbage", "i32", np.int32):

@@ -311,3 +311,23 @@ def test_ops_record_into_torch_cuda_graph_on_the_current_stream():
     want = []
     model(tokens, positions, lambda layer, ids, weights: want.append(ids.cpu()))
     assert torch.equal(got, torch.stack(want, dim=1))
+
+
+def test_the_ops_refuse_what_the_capturers_calls_refuse_before_the_dispatcher_sees_it():
+    cap = make()
+    ops = cap.ops
+    ids = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    with pytest.raises(TypeError, match="layer must be an int, not bool"):
+        ops.capture(True, ids, torch.ones(1, TOP_K))  # the op's int schema would take it as layer 1
+    with pytest.raises(TypeError, match="src_start must be an int, not bool"):
+        ops.commit(torch.tensor([5]), True)
+    meta = torch.empty(1, TOP_K, dtype=torch.int32, device="meta")
+    for call, name in ((lambda: ops.capture(0, meta, torch.ones(1, TOP_K)), "moecap_capture: topk_ids"),
+                       (lambda: ops.commit(torch.tensor([5], device="meta")), "moecap_commit: dst_slots"),
+                       (lambda: ops.invalidate(torch.tensor([5], device="meta")), "moecap_invalidate: slots")):
+        with pytest.raises(moecap.MoecapError, match=f"{name} is a meta tensor"):
+            call()  # the dispatcher would run the fake implementation: nothing done, no error
+    assert cap.read(torch.tensor([5]))[0, 0, 0] == -1
+    ops.capture(0, ids, torch.ones(1, TOP_K))
+    ops.commit(torch.tensor([5]))
+    assert cap.read(torch.tensor([5]))[0, 0].tolist() == [1, 2, 3, 4]

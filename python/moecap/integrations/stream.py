@@ -13,6 +13,7 @@ position: ``chunk.to_sglang()`` is what SGLang sends for a request with
 from ``routed_experts_prompt_start = chunk.start``, and
 ``RoutedExperts.concat`` of the chunks is the whole routing.
 """
+from .. import _integer
 
 
 class RoutingStream:
@@ -20,16 +21,17 @@ class RoutingStream:
     adapter's read of those tokens' KV slots); start: the first position to send."""
 
     def __init__(self, read_rows, start=0):
-        if int(start) < 0:
+        start = _integer("start", start)  # a position: 2.7 is no token, True no count
+        if start < 0:
             raise ValueError(f"start is {start}; positions start at 0")
         self._read_rows = read_rows
-        self.sent = int(start)
+        self.sent = start
 
     def next(self, forwarded):
         """The routing of positions [sent, forwarded), then sent = forwarded.
         forwarded: how many of the request's tokens went through a forward
         (T - 1 for a sequence of T tokens: the last sampled one has not)."""
-        forwarded = int(forwarded)
+        forwarded = _integer("forwarded", forwarded)
         if forwarded < self.sent:
             raise ValueError(f"forwarded is {forwarded}; positions up to {self.sent} were already sent")
         chunk = self._read_rows(self.sent, forwarded)
