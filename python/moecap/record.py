@@ -132,6 +132,9 @@ class RoutedExperts:
              the layer axis of every all-layer payload (SGLang, vLLM, verl, ...)
     """
 
+    # WeightDtype.BF16 where from_bytes read bfloat16 weights (held as float32): what to_bytes keeps.
+    _bfloat16_weights: Optional[WeightDtype] = None
+
     def __init__(self, ids: ArrayLike, num_experts: int, weights: Optional[ArrayLike] = None,
                  valid: Optional[ArrayLike] = None, start: int = 0, *, layers: Optional[Sequence[int]] = None,
                  num_hidden_layers: Optional[int] = None) -> None:
@@ -196,8 +199,10 @@ class RoutedExperts:
     def with_layer_map(self, layers: Sequence[int], num_hidden_layers: Optional[int] = None) -> RoutedExperts:
         """The same routing placed at model layers `layers` (e.g. a record read
         back with from_bytes, which does not carry the map)."""
-        return type(self)(self.ids, self.num_experts, weights=self.weights, valid=self.valid, start=self.start,
-                          layers=layers, num_hidden_layers=num_hidden_layers)
+        placed = type(self)(self.ids, self.num_experts, weights=self.weights, valid=self.valid, start=self.start,
+                            layers=layers, num_hidden_layers=num_hidden_layers)
+        placed._bfloat16_weights = self._bfloat16_weights
+        return placed
 
     @classmethod
     def concat(cls, parts: Iterable[RoutedExperts]) -> RoutedExperts:
@@ -273,8 +278,10 @@ class RoutedExperts:
     def to_bytes(self, packed: bool = True, weights: Any = "keep") -> bytes:
         """The routing record (moecap_record_encode). packed: ids at
         ceil(log2(num_experts + 1)) bits (else 8/16/32). weights: "keep" (as
-        held), None (leave out), or the dtype to store them in ("f32", "bf16",
-        "f16", or the NumPy / torch dtype), converted by the library."""
+        held: float32 or float16, or bfloat16 where from_bytes read a bfloat16
+        record, so a record read and written again is the same bytes), None
+        (leave out), or the dtype to store them in ("f32", "bf16", "f16", or the
+        NumPy / torch dtype), converted by the library."""
         stored: Optional[WeightDtype] = None
         keep = isinstance(weights, str) and weights == "keep"
         if weights is not None and not keep:  # checked whether or not this routing holds weights
@@ -283,6 +290,8 @@ class RoutedExperts:
                 stored = WEIGHT_DTYPES[_checked_dtype("weights", weights, names)]
             except ValueError:
                 raise ValueError(f"weights must be 'keep', None, 'f32', 'bf16' or 'f16', not {weights!r}") from None
+        elif keep:
+            stored = self._bfloat16_weights
         w = None
         if self.weights is not None and weights is not None:
             w = np.ascontiguousarray(self.weights)
@@ -308,7 +317,10 @@ class RoutedExperts:
             weights = np.empty(shape, dtype=np.float16 if info["weight_dtype"] == WeightDtype.F16 else np.float32)
         valid = np.empty(shape[0], dtype=np.uint8)
         _codec(_moecap.record_decode, data, ids, weights, valid)
-        return cls(ids, info["num_experts"], weights=weights, valid=valid.astype(bool), start=info["start_position"])
+        routed = cls(ids, info["num_experts"], weights=weights, valid=valid.astype(bool), start=info["start_position"])
+        if info["weight_dtype"] == WeightDtype.BF16:  # NumPy has no bfloat16: held as float32, written back as read
+            routed._bfloat16_weights = WeightDtype.BF16
+        return routed
 
     # --- what consumers take ----------------------------------------------------
 

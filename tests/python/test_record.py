@@ -424,3 +424,17 @@ def test_an_invalid_token_with_weight_bytes_is_refused_naming_its_weights():
     negative_zero[-4:] = np.array([-0.0], dtype="<f4").tobytes()  # encoders write +0.0's bytes
     with pytest.raises(RecordError, match="record token 1 is invalid but its weight bytes are not all 0"):
         RoutedExperts.from_bytes(bytes(negative_zero))
+
+
+def test_a_record_read_and_written_again_is_the_same_bytes_bfloat16_weights_too():
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 64, size=(5, 2, 4))
+    weights = rng.random((5, 2, 4), dtype=np.float32)
+    r = RoutedExperts(ids, 64, weights=weights)
+    for stored in ("f32", "bf16", "f16", None):
+        record = r.to_bytes(weights=stored)
+        back = RoutedExperts.from_bytes(record)
+        assert back.to_bytes() == record, stored
+        assert back.with_layer_map([1, 3], num_hidden_layers=4).to_bytes() == record, stored
+    assert len(RoutedExperts.from_bytes(r.to_bytes(weights="bf16")).to_bytes(weights="f32")) > \
+        len(r.to_bytes(weights="bf16"))  # asked for float32, written as float32
