@@ -7,7 +7,8 @@ without copies, through a native extension (``moecap._moecap``). Buffers come
 back as zero-copy ``DLPackView`` objects that ``numpy.from_dlpack``,
 ``torch.from_dlpack`` and ``jax.dlpack.from_dlpack`` consume. A failed call
 raises ``MoecapError`` (``.status``, and a message naming the argument and the
-limit). For CUDA capturers ``stream=None`` means torch's current stream.
+limit). For CUDA capturers ``stream=None`` means the current stream of the
+tensor's producer (through its DLPack exchange API), else torch's current stream.
 
 In code that ``torch.compile`` traces, call ``capturer.ops.capture(...)`` /
 ``.commit(...)``: torch.library custom ops (``moecap.ops``) with fake

@@ -27,6 +27,23 @@ class Tensor : public nb::object {
   NB_OBJECT_DEFAULT(Tensor, nb::object, "moecap.DLPackArray", any_object)
 };
 
+// Releases the GIL for a call that does not touch Python objects, as
+// nb::gil_scoped_release does, except where the interpreter is finalizing
+// when the call returns: Python (<= 3.13) ends a daemon thread that takes
+// the GIL back then with pthread_exit, whose unwinding through a destructor
+// (noexcept) aborts the process. That thread waits instead for the process to
+// exit, as Python 3.14 makes such threads wait.
+class GilRelease {
+ public:
+  GilRelease() : state_(PyEval_SaveThread()) {}
+  ~GilRelease();
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
 // Raises moecap.MoecapError(status, message).
 [[noreturn]] void raise_error(moecap_status status, const std::string& message);
 

@@ -10,9 +10,13 @@
 //     CUDA graph is captured);
 //  3. the buffer protocol (NumPy and anything like it), read-only when allowed;
 //  4. nanobind's ndarray import: any other __dlpack__ producer (JAX, CuPy, ...).
+#include <cxxabi.h>
+
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <thread>
 
 #include "binding.h"
 #include "plugin/tensor_args.h"
@@ -312,6 +316,26 @@ void borrow_ndarray(const Array& a, Borrowed& out, const char* name, nb::handle 
 }
 
 }  // namespace
+
+GilRelease::~GilRelease() {
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing();
+#else
+  const bool finalizing = _Py_IsFinalizing();
+#endif
+  const auto park = [] {
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  };
+  if (finalizing) park();
+  // Finalizing can also begin while this thread waits for the GIL: Python
+  // then ends it from inside the wait with pthread_exit, whose unwinding is
+  // caught here (before it reaches a noexcept frame) and never completed.
+  try {
+    PyEval_RestoreThread(state_);
+  } catch (abi::__forced_unwind&) {
+    park();
+  }
+}
 
 void Borrowed::release_buffer() {
   if (has_buffer) PyBuffer_Release(&buffer);
@@ -641,8 +665,9 @@ void* resolve_stream(nb::handle stream, int32_t device_type, int32_t device_id, 
       return reinterpret_cast<void*>(static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(current.ptr())));
     }
     throw nb::value_error(
-        "moecap: stream=None on a CUDA capturer means torch's current stream, and torch (with CUDA) is not "
-        "imported: pass stream= (a CUstream as int, or an object with .cuda_stream)");
+        "moecap: stream=None on a CUDA capturer means the current stream of the tensor's producer (its DLPack "
+        "exchange API gives none here), else torch's, and torch (with CUDA) is not imported: pass stream= (a "
+        "CUstream as int, or an object with .cuda_stream)");
   }
   PyObject* value = stream.ptr();
   nb::object attribute;

@@ -111,7 +111,10 @@ class Capturer {
   }
   Capturer(const Capturer&) = delete;
   Capturer& operator=(const Capturer&) = delete;
-  ~Capturer() { moecap_destroy(handle_); }
+  ~Capturer() {
+    abandon_recording();
+    moecap_destroy(handle_);
+  }
 
   void capture(Index layer, Tensor topk_ids, Tensor topk_weights, nb::handle stream) {
     const int32_t layer_index = int32_argument(layer, "moecap_capture", "layer");
@@ -173,7 +176,7 @@ class Capturer {
     moecap_status status;
     {
       InFlight busy(*this, true);
-      nb::gil_scoped_release unlocked;
+      GilRelease unlocked;
       status = moecap_commit(h, &args, s);
     }
     check(status, {{"args->", ""}});
@@ -192,7 +195,7 @@ class Capturer {
     moecap_status status;
     {
       InFlight busy(*this);
-      nb::gil_scoped_release unlocked;
+      GilRelease unlocked;
       const uint32_t flags = (nonblocking ? MOECAP_READ_NONBLOCKING : 0u) | (strict ? MOECAP_READ_STRICT : 0u);
       status = moecap_read(h, s.get(), ids.get_mut(), w, flags, st);
     }
@@ -211,7 +214,7 @@ class Capturer {
     moecap_status status;
     {
       InFlight busy(*this);
-      nb::gil_scoped_release unlocked;
+      GilRelease unlocked;
       status = moecap_write(h, s.get(), i.get(), wp, st);
     }
     check(status);
@@ -228,7 +231,7 @@ class Capturer {
     {
       // With host slots, it may wait for a snapshot-ring entry in use.
       InFlight busy(*this, true);
-      nb::gil_scoped_release unlocked;
+      GilRelease unlocked;
       status = moecap_invalidate(h, s.get(), st);
     }
     check(status);
@@ -247,7 +250,7 @@ class Capturer {
     moecap_status status;
     {
       InFlight busy(*this);
-      nb::gil_scoped_release unlocked;
+      GilRelease unlocked;
       status = moecap_synchronize(h);
     }
     check(status);
@@ -260,7 +263,7 @@ class Capturer {
     {
       // It waits for every commit: a monitoring thread must not stall the engine's.
       InFlight busy(*this);
-      nb::gil_scoped_release unlocked;
+      GilRelease unlocked;
       status = moecap_get_errors(h, &e, clear ? MOECAP_ERRORS_CLEAR : 0u);
     }
     check(status);
@@ -327,7 +330,7 @@ class Capturer {
   static void wait_until(Done done) {
     while (!done()) {
       {
-        nb::gil_scoped_release unlocked;
+        GilRelease unlocked;
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
       if (PyErr_CheckSignals() != 0) throw nb::python_error();
@@ -377,8 +380,21 @@ class Capturer {
       throw;
     }
     closing_ = false;
-    check(moecap_destroy(handle_));  // refused while recording a graph: the handle stays live
+    abandon_recording();
+    check(moecap_destroy(handle_));
     handle_ = nullptr;
+  }
+
+  // moecap_destroy is refused while a graph is recorded, which left a
+  // capturer dropped (or closed, or left by an exception out of its `with`)
+  // mid-recording alive and unreachable: the recording is ended and its graph
+  // freed first (on CUDA that also ends the stream capture graph_begin began).
+  void abandon_recording() {
+    if (!recording_on_ || handle_ == nullptr) return;
+    moecap_graph* graph = nullptr;
+    if (moecap_graph_end(handle_, &graph) == MOECAP_OK) moecap_graph_destroy(graph);
+    recording_ = nb::list();
+    recording_on_ = false;
   }
 
   bool is_closed() const { return handle_ == nullptr; }
@@ -393,6 +409,7 @@ class Capturer {
     return 0;
   }
   void clear() {
+    abandon_recording();
     if (handle_ != nullptr && moecap_destroy(handle_) == MOECAP_OK) handle_ = nullptr;
     recording_ = nb::list();
     recording_on_ = false;
@@ -650,7 +667,8 @@ NB_MODULE(_moecap, m) {
       .def("get_plan", &Capturer::plan)
       .def("graph_begin", &Capturer::graph_begin, nb::arg("stream") = nb::none())
       .def("graph_end", &Capturer::graph_end, nb::rv_policy::take_ownership)
-      .def("close", &Capturer::close, "Release the handle (views and graphs keep the memory alive). Waits for calls in progress on "
+      .def("close", &Capturer::close, "Release the handle (views and graphs keep the memory alive; a graph being recorded is abandoned). "
+           "Waits for calls in progress on "
            "other threads (a signal during the wait raises and leaves it open); later calls raise ValueError.")
       .def_prop_ro("closed", &Capturer::is_closed)
       .def_prop_ro("device_type", &Capturer::device_type)

@@ -110,7 +110,7 @@ nb::bytes record_encode(Tensor ids, int32_t num_experts, Tensor weights, Tensor 
   nb::bytes result = nb::steal<nb::bytes>(out);
   moecap_status status;
   {
-    nb::gil_scoped_release unlocked;  // the inputs are held by i, w, v; the bytes are ours alone
+    GilRelease unlocked;  // the inputs are held by i, w, v; the bytes are ours alone
     status = moecap_record_encode(&source, PyBytes_AS_STRING(out), size, nullptr);
   }
   check(status);
@@ -123,7 +123,7 @@ nb::dict record_parse(nb::handle data) {
   info.struct_size = sizeof info;
   moecap_status status;
   {
-    nb::gil_scoped_release unlocked;
+    GilRelease unlocked;
     status = moecap_record_parse(buffer.data(), buffer.size(), &info);
   }
   check(status);
@@ -149,7 +149,7 @@ void record_decode(nb::handle data, Tensor ids_out, Tensor weights_out, Tensor v
   DLTensor* vp = const_cast<DLTensor*>(borrow_optional(valid_out, "valid_out", true, v));
   moecap_status status;
   {
-    nb::gil_scoped_release unlocked;
+    GilRelease unlocked;
     status = moecap_record_decode(buffer.data(), buffer.size(), i.get_mut(), wp, vp);
   }
   check(status);

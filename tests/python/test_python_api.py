@@ -336,6 +336,43 @@ def test_close_waits_for_calls_in_progress_on_other_threads():
     assert len(outcomes) == 600 and "closed" in outcomes
 
 
+def test_a_capturer_closed_or_left_while_it_records_a_graph_is_released_and_keeps_the_callers_exception():
+    # moecap_destroy is refused while recording; the capturer used to stay alive and unreachable.
+    cap = moecap.Capturer(**CONFIG)
+    cap.graph_begin()
+    cap.capture(0, np.array([[1, 2]], dtype=np.int32))
+    cap.close()
+    assert cap.closed
+    with pytest.raises(KeyError, match="engine failed mid-capture"):
+        with moecap.Capturer(**CONFIG) as inside:
+            inside.graph_begin()
+            raise KeyError("engine failed mid-capture")
+    assert inside.closed
+
+
+def test_a_daemon_thread_inside_a_call_when_the_interpreter_exits_does_not_abort_it():
+    # Python <= 3.13 ends such a thread with pthread_exit when it takes the GIL back; unwinding through the
+    # binding's GIL release aborted the process (rc 134).
+    import subprocess
+    import sys
+
+    script = """if True:
+        import threading, time, numpy as np, moecap
+        cap = moecap.Capturer(num_layers=2, top_k=2, num_experts=8, host_slots=64, max_running_requests=8)
+        def monitor():
+            slots = np.array([1, 2])
+            while True:
+                cap.errors()
+                cap.read(slots)
+        threading.Thread(target=monitor, daemon=True).start()
+        time.sleep(0.05)
+        print("exits")
+    """
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout == "exits\n", done.stderr[-500:]
+
+
 def test_every_enum_and_flag_set_of_the_extension_is_public():
     import enum
 
