@@ -439,7 +439,7 @@ class Capturer(_moecap.Capturer):
         caller_outputs = out is not None or weights_out is not None
         if out is None:
             name = _read_dtype_name(dtype)
-            length, once = _moecap.read_slots(slots)  # a producer's capsule is asked for once
+            length, once = _moecap.slots_for_read(slots)  # a producer's capsule is asked for once
             shape = (length, self.config.num_layers, self.config.top_k)
             if torch is not None and isinstance(slots, torch.Tensor):
                 out = torch.empty(shape, dtype=getattr(torch, name))
@@ -457,9 +457,11 @@ class Capturer(_moecap.Capturer):
         if caller_outputs:
             # Written outside torch's ops: its version counter tells autograd, as an in-place op would, so a
             # backward that saved the tensor raises instead of using the new values.
-            written = [t for t in (out, weights_out) if torch is not None and isinstance(t, torch.Tensor)]
-            if written:
-                torch.autograd.graph.increment_version(written)
+            # One tensor a call (torch < 2.5 takes no list); an inference tensor has no counter (torch < 2.6
+            # raised for one).
+            for t in (out, weights_out):
+                if torch is not None and isinstance(t, torch.Tensor) and not t.is_inference():
+                    torch.autograd.graph.increment_version(t)
         return out if weights_out is None else (out, weights_out)
 
     def slot_states(self, slots: Union[DLPackArray, list[int], tuple[int, ...]]) -> Any:

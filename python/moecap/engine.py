@@ -29,12 +29,14 @@ Slots = Union["DLPackArray", Sequence[int], np.ndarray]
 
 
 def _ints(values: Any, name: str) -> np.ndarray:
-    """values as a 1-D int64 array; floats, bools, strings and other shapes are
-    refused, as the capturer refuses them, never truncated (3.9 is not slot 3)
-    or flattened (a [ranks, rows] array is not one rank's slots)."""
+    """values (a sequence, or one int) as a 1-D int64 array; floats, bools,
+    strings and 2-D arrays are refused, as the capturer refuses them, never
+    truncated (3.9 is not slot 3) or flattened (a [ranks, rows] array is not
+    one rank's slots)."""
     array = np.asarray(values)
-    if array.ndim != 1:
+    if array.ndim > 1:
         raise MoecapError(Status.INVALID_ARGUMENT, f"{name} has ndim {array.ndim}; expected 1")
+    array = array.reshape(-1)
     if array.size == 0:
         return np.empty(0, dtype=np.int64)
     if array.dtype.kind not in "iu":

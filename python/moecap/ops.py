@@ -221,18 +221,18 @@ class CapturerOps:
 
     def capture(self, layer: int, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor] = None) -> None:
         _refuse_bool("layer", layer)
-        _refuse_meta("capture", topk_ids=topk_ids, topk_weights=topk_weights)
+        _refuse_meta("capture", "topk_ids", topk_ids, "topk_weights", topk_weights)
         torch.ops.moecap.capture(self.device_ids, self.device_weights, self.id, layer, topk_ids, topk_weights,
                                  self.histogram)
 
     def commit(self, dst_slots: torch.Tensor, src_start: int = 0, src_rows: Optional[torch.Tensor] = None) -> None:
         _refuse_bool("src_start", src_start)
-        _refuse_meta("commit", dst_slots=dst_slots, src_rows=src_rows)
+        _refuse_meta("commit", "dst_slots", dst_slots, "src_rows", src_rows)
         torch.ops.moecap.commit(self.host_ids, self.host_weights, self.host_states, self.device_ids,
                                 self.device_weights, self.id, dst_slots, src_start, src_rows)
 
     def invalidate(self, slots: torch.Tensor) -> None:
-        _refuse_meta("invalidate", slots=slots)
+        _refuse_meta("invalidate", "slots", slots, "", None)
         torch.ops.moecap.invalidate(self.host_states, self.id, slots)
 
 
@@ -244,12 +244,14 @@ def _refuse_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be an int, not bool")
 
 
-def _refuse_meta(caller: str, **tensors: Optional[torch.Tensor]) -> None:
+def _refuse_meta(caller: str, name: str, tensor: Optional[torch.Tensor], other: str,
+                 other_tensor: Optional[torch.Tensor]) -> None:
     """A meta tensor has no memory: the dispatcher would send it to the fake implementation, and the
-    call would do nothing; the capturer's own calls refuse it as on the wrong device."""
-    for name, tensor in tensors.items():
-        if tensor is not None and tensor.device.type == "meta":
-            raise MoecapError(Status.INVALID_ARGUMENT, f"moecap_{caller}: {name} is a meta tensor; it has no "
+    call would do nothing; the capturer's own calls refuse it as on the wrong device. (is_meta, not
+    .device: it costs a tenth, on every layer's capture.)"""
+    for label, t in ((name, tensor), (other, other_tensor)):
+        if t is not None and t.is_meta:
+            raise MoecapError(Status.INVALID_ARGUMENT, f"moecap_{caller}: {label} is a meta tensor; it has no "
                               "memory to read")
 
 

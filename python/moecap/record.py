@@ -132,8 +132,8 @@ class RoutedExperts:
              the layer axis of every all-layer payload (SGLang, vLLM, verl, ...)
     """
 
-    # WeightDtype.BF16 where from_bytes read bfloat16 weights (held as float32): what to_bytes keeps.
-    _bfloat16_weights: Optional[WeightDtype] = None
+    # WeightDtype.BF16 where from_bytes read bfloat16 weights (held as float32): the dtype to_bytes keeps.
+    _kept_weight_dtype: Optional[WeightDtype] = None
 
     def __init__(self, ids: ArrayLike, num_experts: int, weights: Optional[ArrayLike] = None,
                  valid: Optional[ArrayLike] = None, start: int = 0, *, layers: Optional[Sequence[int]] = None,
@@ -201,7 +201,7 @@ class RoutedExperts:
         back with from_bytes, which does not carry the map)."""
         placed = type(self)(self.ids, self.num_experts, weights=self.weights, valid=self.valid, start=self.start,
                             layers=layers, num_hidden_layers=num_hidden_layers)
-        placed._bfloat16_weights = self._bfloat16_weights
+        placed._kept_weight_dtype = self._kept_weight_dtype
         return placed
 
     @classmethod
@@ -227,9 +227,12 @@ class RoutedExperts:
         half = keep_weights and all(p.weights.dtype == np.float16 for p in parts)
         weights = np.concatenate([p.weights.astype(np.float16 if half else np.float32) for p in parts]) \
             if keep_weights else None
-        return cls(np.concatenate([p.ids for p in parts]), first.num_experts, weights=weights,
-                   valid=np.concatenate([p.valid for p in parts]), start=first.start, layers=first.layers,
-                   num_hidden_layers=first.num_hidden_layers)
+        whole = cls(np.concatenate([p.ids for p in parts]), first.num_experts, weights=weights,
+                    valid=np.concatenate([p.valid for p in parts]), start=first.start, layers=first.layers,
+                    num_hidden_layers=first.num_hidden_layers)
+        if keep_weights and all(p._kept_weight_dtype == WeightDtype.BF16 for p in parts):
+            whole._kept_weight_dtype = WeightDtype.BF16  # pieces read from bfloat16 records stay bfloat16
+        return whole
 
     def all_layers(self, dense: int = 0) -> np.ndarray:
         """ids over every model layer: [tokens, num_hidden_layers, top_k] in the
@@ -291,7 +294,7 @@ class RoutedExperts:
             except ValueError:
                 raise ValueError(f"weights must be 'keep', None, 'f32', 'bf16' or 'f16', not {weights!r}") from None
         elif keep:
-            stored = self._bfloat16_weights
+            stored = self._kept_weight_dtype
         w = None
         if self.weights is not None and weights is not None:
             w = np.ascontiguousarray(self.weights)
@@ -319,7 +322,7 @@ class RoutedExperts:
         _codec(_moecap.record_decode, data, ids, weights, valid)
         routed = cls(ids, info["num_experts"], weights=weights, valid=valid.astype(bool), start=info["start_position"])
         if info["weight_dtype"] == WeightDtype.BF16:  # NumPy has no bfloat16: held as float32, written back as read
-            routed._bfloat16_weights = WeightDtype.BF16
+            routed._kept_weight_dtype = WeightDtype.BF16
         return routed
 
     # --- what consumers take ----------------------------------------------------

@@ -28,11 +28,11 @@ class Tensor : public nb::object {
 };
 
 // Releases the GIL for a call that does not touch Python objects, as
-// nb::gil_scoped_release does, except where the interpreter is finalizing
-// when the call returns: Python (<= 3.13) ends a daemon thread that takes
-// the GIL back then with pthread_exit, whose unwinding through a destructor
-// (noexcept) aborts the process. That thread waits instead for the process to
-// exit, as Python 3.14 makes such threads wait.
+// nb::gil_scoped_release does, except for a thread Python ends while it takes
+// the GIL back during finalization: Python (<= 3.13) does that with
+// pthread_exit, whose unwinding through a destructor (noexcept) aborted the
+// process. That thread waits instead for the process to exit, as Python 3.14
+// makes such threads wait.
 class GilRelease {
  public:
   GilRelease() : state_(PyEval_SaveThread()) {}
@@ -65,8 +65,9 @@ void check(moecap_status status, std::initializer_list<Rename> renames);
 int32_t as_int32(int64_t value, const char* function, const char* name);
 
 // An integer argument: taken as an object, so that int_argument (not
-// nanobind's int caster, which takes True as 1 and answers None or 2**64 with
-// a TypeError naming no argument) checks it. `int` in the generated stubs.
+// nanobind's int caster, which takes True as 1 and answers 2.0 or 2**64 with
+// a TypeError naming no argument) checks it. `int` in the generated stubs
+// (None is still refused by nanobind's own TypeError, as for any `int`).
 class Index : public nb::object {
   NB_OBJECT_DEFAULT(Index, nb::object, "int", any_object)
 };

@@ -10,8 +10,6 @@
 //     CUDA graph is captured);
 //  3. the buffer protocol (NumPy and anything like it), read-only when allowed;
 //  4. nanobind's ndarray import: any other __dlpack__ producer (JAX, CuPy, ...).
-#include <cxxabi.h>
-
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -19,6 +17,10 @@
 #include <thread>
 
 #include "binding.h"
+
+#ifdef __GLIBCXX__
+#include <cxxabi.h>  // abi::__forced_unwind
+#endif
 #include "plugin/tensor_args.h"
 
 namespace moecap_python {
@@ -49,12 +51,26 @@ struct TypeCache {
 };
 TypeCache type_cache;
 
+// Whether entry i's type still lives (its weakref still leads to it).
+bool type_alive(int i) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* target = nullptr;
+  if (PyWeakref_GetRef(type_cache.alive[i], &target) < 0) PyErr_Clear();
+  const bool alive = target == reinterpret_cast<PyObject*>(type_cache.type[i]);
+  Py_XDECREF(target);
+  return alive;
+#else
+  return PyWeakref_GetObject(type_cache.alive[i]) == reinterpret_cast<PyObject*>(type_cache.type[i]);
+#endif
+}
+
 const ExchangeApi* exchange_api(PyTypeObject* type) {
-  int stale = -1;
   for (int i = 0; i < type_cache.used; ++i) {
-    const bool live = PyWeakref_GetObject(type_cache.alive[i]) == reinterpret_cast<PyObject*>(type_cache.type[i]);
-    if (live && type_cache.type[i] == type) return type_cache.api[i];
-    if (!live && stale < 0) stale = i;
+    if (type_cache.type[i] == type && type_alive(i)) return type_cache.api[i];
+  }
+  int stale = -1;
+  for (int i = 0; i < type_cache.used && stale < 0; ++i) {
+    if (!type_alive(i)) stale = i;
   }
   const ExchangeApi* api = nullptr;
   PyObject* capsule = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), "__dlpack_c_exchange_api__");
@@ -318,23 +334,20 @@ void borrow_ndarray(const Array& a, Borrowed& out, const char* name, nb::handle 
 }  // namespace
 
 GilRelease::~GilRelease() {
-#if PY_VERSION_HEX >= 0x030D0000
-  const bool finalizing = Py_IsFinalizing();
-#else
-  const bool finalizing = _Py_IsFinalizing();
-#endif
-  const auto park = [] {
-    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
-  };
-  if (finalizing) park();
-  // Finalizing can also begin while this thread waits for the GIL: Python
-  // then ends it from inside the wait with pthread_exit, whose unwinding is
-  // caught here (before it reaches a noexcept frame) and never completed.
+#ifdef __GLIBCXX__
+  // Python (<= 3.13) ends a thread other than the finalizing one that takes
+  // the GIL back during finalization with pthread_exit; its unwinding is
+  // caught here, before it reaches this noexcept destructor, and never
+  // completed: the thread waits for the process to exit. (The finalizing
+  // thread itself, running a __del__ that calls moecap, takes the GIL back.)
   try {
     PyEval_RestoreThread(state_);
   } catch (abi::__forced_unwind&) {
-    park();
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
   }
+#else
+  PyEval_RestoreThread(state_);
+#endif
 }
 
 void Borrowed::release_buffer() {
@@ -391,7 +404,9 @@ int64_t integer_of_width(nb::handle value, const char* function, const char* nam
       const nb::object dtype = value.attr("dtype");
       const nb::object text = nb::steal(PyObject_Str(dtype.ptr()));
       if (!text.is_valid()) throw nb::python_error();
-      if (std::string_view(PyUnicode_AsUTF8(text.ptr())) == "torch.bool") return refuse("a bool tensor");
+      const char* name_of_dtype = PyUnicode_AsUTF8(text.ptr());
+      if (name_of_dtype == nullptr) throw nb::python_error();
+      if (std::string_view(name_of_dtype) == "torch.bool") return refuse("a bool tensor");
     }
     index = nb::steal(PyNumber_Index(value.ptr()));
     if (!index.is_valid()) {
@@ -420,9 +435,11 @@ int32_t int32_argument(nb::handle value, const char* function, const char* name)
 }
 
 std::vector<int64_t> int_list(nb::handle value, const char* function, const char* name) {
+  // A sequence (an array or a tensor too): a set or a dict has no order, a generator no length to trust.
   const bool text = PyUnicode_Check(value.ptr()) || PyBytes_Check(value.ptr());
+  const bool ordered = PySequence_Check(value.ptr()) || nb::hasattr(value, "__dlpack__");
   nb::object iterator;
-  if (!value.is_none() && !text) {
+  if (ordered && !text) {
     iterator = nb::steal(PyObject_GetIter(value.ptr()));
     if (!iterator.is_valid()) {
       if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw nb::python_error();
@@ -510,8 +527,8 @@ nb::object ask_capsule(nb::handle obj, const char* name, bool writable, nb::hand
       try {
         return ask(true, true);
       } catch (nb::python_error& e) {
-        if (e.matches(PyExc_BufferError)) {
-          argument_error(name, "is a " + type_of(obj) + " its producer cannot export without a copy (" +
+        if (e.matches(PyExc_BufferError)) {  // the array API's answer when only a copy can be exported
+          argument_error(name, "is a " + type_of(obj) + " whose producer refused to export it without a copy (" +
                                    exception_text(e) + "); moecap would write into the copy");
         }
         predates(e);
@@ -525,6 +542,8 @@ nb::object ask_capsule(nb::handle obj, const char* name, bool writable, nb::hand
     return ask(false, false);
   } catch (nb::python_error& e) {
     if (!e.matches(PyExc_Exception)) throw;  // KeyboardInterrupt and the like go on
+    // An output is never left to nanobind's own request, whose capsule is not checked for a copy.
+    if (writable) argument_error(name, "is a " + type_of(obj) + " whose __dlpack__ refused: " + exception_text(e));
     return {};
   }
 }

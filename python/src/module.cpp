@@ -389,11 +389,14 @@ class Capturer {
   // capturer dropped (or closed, or left by an exception out of its `with`)
   // mid-recording alive and unreachable: the recording is ended and its graph
   // freed first (on CUDA that also ends the stream capture graph_begin began).
+  // Where moecap_graph_end fails the library still records: the tensors
+  // held for the recording stay held, and moecap_destroy says so.
   void abandon_recording() {
     if (!recording_on_ || handle_ == nullptr) return;
     moecap_graph* graph = nullptr;
-    if (moecap_graph_end(handle_, &graph) == MOECAP_OK) moecap_graph_destroy(graph);
-    recording_ = nb::list();
+    if (moecap_graph_end(handle_, &graph) != MOECAP_OK) return;
+    moecap_graph_destroy(graph);
+    recording_.reset();  // no allocation: this also runs in the destructor
     recording_on_ = false;
   }
 
@@ -602,8 +605,8 @@ NB_MODULE(_moecap, m) {
       },
       "The layout for a config, without allocating.");
   m.def(
-      "read_slots",
-      [](Tensor tensor) {
+      "slots_for_read",
+      [](Tensor tensor) -> std::pair<int64_t, nb::object> {
         Borrowed b;
         borrow(tensor, "slots", false, b);
         if (b.dl.ndim != 1) {
@@ -617,7 +620,7 @@ NB_MODULE(_moecap, m) {
         // A producer's capsule is used up here (and some producers export
         // once): the read then borrows nanobind's array of it, not the producer.
         nb::object again = b.array.is_valid() ? nb::cast(b.array, nb::rv_policy::reference) : nb::object(tensor);
-        return nb::make_tuple(b.shape[0], again);
+        return {b.shape[0], again};
       },
       // None too, so that it meets borrow's TypeError naming `slots`.
       nb::arg("slots").none(),

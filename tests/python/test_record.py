@@ -436,5 +436,8 @@ def test_a_record_read_and_written_again_is_the_same_bytes_bfloat16_weights_too(
         back = RoutedExperts.from_bytes(record)
         assert back.to_bytes() == record, stored
         assert back.with_layer_map([1, 3], num_hidden_layers=4).to_bytes() == record, stored
+    halves = [RoutedExperts.from_bytes(RoutedExperts(ids[a:b], 64, weights=weights[a:b], start=a).to_bytes(
+        weights="bf16")) for a, b in ((0, 2), (2, 5))]
+    assert RoutedExperts.concat(halves).to_bytes() == r.to_bytes(weights="bf16")  # the pieces' dtype kept
     assert len(RoutedExperts.from_bytes(r.to_bytes(weights="bf16")).to_bytes(weights="f32")) > \
         len(r.to_bytes(weights="bf16"))  # asked for float32, written as float32
