@@ -161,7 +161,8 @@ _INT_FIELD_BITS = {"num_layers": 32, "top_k": 32, "num_experts": 32, "host_slots
 
 def _integer(name: str, value: Any) -> int:
     """value as an int as Python means one (operator.index: NumPy ints and 0-d integer tensors too); a
-    bool (a 0-d bool tensor too), a float or a str is refused with a TypeError naming it, never truncated (2.7 is not position 2)."""
+    bool (a 0-d bool tensor too), a float or a str is refused with a TypeError naming it, never truncated
+    (2.7 is not position 2)."""
     if type(value) is int:
         return value
     if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):

@@ -152,9 +152,6 @@ class RoutedExperts:
         if start + ids.shape[0] - 1 >= 2**63:  # and every token's position after it
             raise ValueError(f"start is {start} with {ids.shape[0]} tokens; the last token's position must be "
                              "below 2^63")
-        v = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(_to_numpy(valid)).astype(bool)
-        if v.shape != (ids.shape[0],):
-            raise ValueError(f"valid has shape {v.shape}; expected ({ids.shape[0]},)")
         # Checked in their own dtype (NumPy 2 compares with any Python int exactly): no int64 copy, and a uint64
         # 2**64 - 1 does not pass for -1. An invalid token's ids are checked too: they are kept (a token whose
         # slot lacks one layer still shows the others), though a record stores such a token as no expert.
@@ -172,6 +169,9 @@ class RoutedExperts:
             # A copy: the caller's read buffers are the next request's.
             w = np.array(w, dtype=w.dtype if w.dtype in (np.float32, np.float16) else np.float32)
         self.weights = w
+        v = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(_to_numpy(valid)).astype(bool)
+        if v.shape != (ids.shape[0],):
+            raise ValueError(f"valid has shape {v.shape}; expected ({ids.shape[0]},)")
         self.valid = v
         self.start = start
         self.layers, self.num_hidden_layers = _layer_map(ids.shape[1], layers, num_hidden_layers)

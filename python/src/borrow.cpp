@@ -388,7 +388,7 @@ int32_t as_int32(int64_t value, const char* function, const char* name) {
 namespace {
 
 // int_argument for a C type of `bits` (32 or 64) bits: a value past it is
-// OUT_OF_RANGE with that type's range, as as_int32 says it.
+// OUT_OF_RANGE with that type's range (as_int32's words for int32).
 int64_t integer_of_width(nb::handle value, const char* function, const char* name, int bits) {
   auto refuse = [&](const char* type_name) -> int64_t {
     throw nb::type_error((std::string(function) + ": " + name + " must be an int, not " + type_name).c_str());
@@ -417,7 +417,7 @@ int64_t integer_of_width(nb::handle value, const char* function, const char* nam
   }
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
-  if (overflow == 0 && (bits == 64 || (v >= INT32_MIN && v <= INT32_MAX))) return v;
+  if (overflow == 0) return bits == 64 ? v : as_int32(v, function, name);
   raise_error(MOECAP_ERROR_OUT_OF_RANGE,
               std::string(function) + ": " + name + " is " + nb::cast<std::string>(nb::str(index)) +
                   (bits == 64 ? "; it must fit in int64 [-9223372036854775808, 9223372036854775807]"
@@ -454,7 +454,8 @@ std::vector<int64_t> int_list(nb::handle value, const char* function, const char
   std::vector<int64_t> values;
   while (PyObject* item = PyIter_Next(iterator.ptr())) {
     const nb::object owned = nb::steal(item);
-    values.push_back(int_argument(owned, function, (std::string(name) + "[" + std::to_string(values.size()) + "]").c_str()));
+    const std::string item_name = std::string(name) + "[" + std::to_string(values.size()) + "]";
+    values.push_back(int_argument(owned, function, item_name.c_str()));
   }
   if (PyErr_Occurred()) throw nb::python_error();
   return values;

@@ -670,9 +670,10 @@ NB_MODULE(_moecap, m) {
       .def("get_plan", &Capturer::plan)
       .def("graph_begin", &Capturer::graph_begin, nb::arg("stream") = nb::none())
       .def("graph_end", &Capturer::graph_end, nb::rv_policy::take_ownership)
-      .def("close", &Capturer::close, "Release the handle (views and graphs keep the memory alive; a graph being recorded is abandoned). "
-           "Waits for calls in progress on "
-           "other threads (a signal during the wait raises and leaves it open); later calls raise ValueError.")
+      .def("close", &Capturer::close,
+           "Release the handle (views and graphs keep the memory alive; a graph being recorded is abandoned). "
+           "Waits for calls in progress on other threads (a signal during the wait raises and leaves it open); "
+           "later calls raise ValueError.")
       .def_prop_ro("closed", &Capturer::is_closed)
       .def_prop_ro("device_type", &Capturer::device_type)
       .def_prop_ro("device_id", &Capturer::device_id);
