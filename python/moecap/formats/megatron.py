@@ -6,7 +6,10 @@ order the routers were built (the model's MoE layers, dense layers skipped),
 each ``[tokens, top_k]`` of int32 or int64 (``scores.gather`` refuses int16
 and uint8), tokens being everything the router sees. In REPLAY_FORWARD
 ``topk_routing_with_score_function`` routes every token to exactly those
-experts. It has no value meaning "no routing": -1 fails in gather.
+experts. It has no value meaning "no routing": -1 fails in gather. Megatron
+consults the replay only on that path: with ``moe_router_fusion`` (the fused
+top-k returns first), quantile balancing (``precomputed_indices``) or sinkhorn
+routing its routers route by their own scores (Megatron-LM ``d98e8a64``).
 
 Rows: the routing's own rows, or with num_tokens=T (the trainer forwards the
 whole sequence, the last token included) the T-1 rows plus one row for the
