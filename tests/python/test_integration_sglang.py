@@ -244,6 +244,10 @@ def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4, ov
     decoded = RoutedExperts.from_sglang(a, experts, NUM_LAYERS, TOP_K, start=min(start_len, seqlen - 1),
                                         layers=MOE_LAYERS)
     assert decoded.layers == MOE_LAYERS
+    # A sequence of no tokens: SGLang clamps start_len to -1 and reads an empty slice.
+    a, ta = payloads(sgl, theirs, sched, rids[0], 0, 0)
+    b, tb = payloads(sgl, ours, sched, rids[0], 0, 0)
+    assert a == b == "" and tuple(tb.shape) == tuple(ta.shape) == (0, NUM_LAYERS, TOP_K)
     return sched, checked
 
 

@@ -307,7 +307,8 @@ class MoecapRoutedExpertsCapturer:
             raise ValueError(f"start_len={start_len} must be non-negative")
         start_len = min(int(start_len), int(seqlen) - 1)
         slots = req_to_token_pool.req_to_token[req_pool_idx][start_len:seqlen - 1]
-        routed = self.read(slots, start=start_len)
+        # seqlen 0 clamps start_len to -1, SGLang's own empty slice: no rows from position 0.
+        routed = self.read(slots, start=max(start_len, 0))
         torch = _torch()
         try:
             rows = sglang_format.encode(routed, invalid="zero" if self.invalid == "zero" else "raise")
