@@ -327,7 +327,8 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
 /* ------------------------------------------------------------------------ */
 
 /* Copies one layer's routing into device rows [0, n) of that layer:
- *   topk_ids     [n, top_k] or [n, top_k + extra_columns], int32 or int64,
+ *   topk_ids     [n, top_k] or [n, top_k + extra_columns], int32 or int64
+ *                (or the layer's own rows below, in the device dtype),
  *                compact row-major, on the capturer's device (host memory
  *                for the host backend). Extra columns are dropped; ids
  *                outside [0, num_experts) are stored as "no expert" (a value
@@ -338,7 +339,9 @@ MOECAP_API moecap_status moecap_get_plan(const moecap_capturer* capturer, moecap
  *                iff weight_dtype != NONE. Converted to the stored dtype.
  * Neither may lie in the capturer's device buffer (an exported device or
  * layer view: INVALID_ARGUMENT), but for exactly this layer's own rows in
- * their stored dtype and width, which a top-k kernel may have written there.
+ * their stored dtype and width (rows [0, n) of its MOECAP_BUFFER_LAYER_IDS
+ * view), which a top-k kernel may have written there: checked, counted and
+ * stamped in place, as captured rows are.
  * n <= device_rows, checked here on the host, so a check made at graph
  * capture holds for every replay. With MOECAP_FLAG_HISTOGRAM the same kernel
  * adds each kept id to histogram[layer][id]. Enqueued on `stream`.
@@ -521,8 +524,9 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
  * it, whatever their stream (an engine replaying its own graph that commits
  * to those slots orders the replay after `stream` itself). The wait
  * releases the capturer's lock: other calls proceed meanwhile. ids_out and
- * weights_out share no byte with `slots`, each other or the host cache (an
- * exported host view): INVALID_ARGUMENT otherwise. */
+ * weights_out share no byte with `slots`, each other, the host cache (an
+ * exported host view) or the device buffer (a device, layer or histogram
+ * view, whose rows a later commit would take): INVALID_ARGUMENT otherwise. */
 MOECAP_API moecap_status moecap_read(moecap_capturer* capturer, const DLTensor* slots, DLTensor* ids_out,
                                      DLTensor* weights_out, uint32_t flags, void* stream);
 

@@ -83,9 +83,11 @@ bool capture_flat_i32(const CaptureParams& p);
 
 void capture_on_host(const CaptureParams& p) {
   stamp_capture(p);
-  if (p.dst_weights == nullptr && p.histogram == nullptr) {
+  // A layer's own rows (ids in place, in the device dtype) take the
+  // per-element path: it counts each bad id before overwriting it.
+  if (p.dst_weights == nullptr && p.histogram == nullptr && p.ids != p.dst_ids) {
     if (p.ids_elem == kI32 && p.in_cols == p.top_k && capture_flat_i32(p)) return;
-    if (p.ids_elem == kI32 ? capture_fast<int32_t>(p) : capture_fast<int64_t>(p)) return;
+    if (p.ids_elem == kI32 ? capture_fast<int32_t>(p) : p.ids_elem == kI64 && capture_fast<int64_t>(p)) return;
   }
   const int64_t elements = p.n * p.top_k;
   for (int64_t i = 0; i < elements; ++i) capture_element(p, i);

@@ -32,8 +32,11 @@ MOECAP_HD void capture_element(const CaptureParams& p, int64_t i) {
     store_int(p.dst_ids, p.stored_id_elem, i, id);
     if (p.histogram != nullptr) count_event(&p.histogram[id]);
   } else {
-    store_int(p.dst_ids, p.stored_id_elem, i, invalid_id_code(p.stored_id_elem));
-    if (id != -1) count_event(&p.errors->invalid_ids);  // -1: the engine's own "no expert" (a padded row)
+    const int64_t none = invalid_id_code(p.stored_id_elem);
+    store_int(p.dst_ids, p.stored_id_elem, i, none);
+    // -1: the engine's own "no expert" (a padded row); in a layer's own rows,
+    // the device dtype's (all ones) is the same.
+    if (id != -1 && !(p.ids_elem == p.stored_id_elem && id == none)) count_event(&p.errors->invalid_ids);
   }
   if (p.dst_weights != nullptr) {
     store_float(p.dst_weights, p.stored_weight_elem, i, load_float(p.weights, p.weights_elem, src));

@@ -189,7 +189,14 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   if (layer < 0 || layer >= c.num_layers) {
     fail(MOECAP_ERROR_OUT_OF_RANGE, "layer is ", layer, "; it must be in [0, num_layers = ", c.num_layers, ")");
   }
-  const int32_t ids_elem = check_tensor(ids, {"topk_ids", {kI32, kI64}, 2});
+  const int64_t layer_offset = layer * plan_.layer_elements();
+  uint8_t* const layer_ids = device_block_ + device_ids_.offset + layer_offset * plan_.device_id_bytes;
+  // The layer's own rows (a top-k kernel wrote them through the layer view)
+  // come in the device dtype, int16 by default; any other ids are int32/int64.
+  const bool own_ids = ids != nullptr && ids->ndim == 2 && ids->shape != nullptr && ids->shape[1] == c.top_k &&
+                       elem_of(ids->dtype) == plan_.device_id_elem && tensor_data(ids) == layer_ids;
+  const int32_t ids_elem = own_ids ? check_tensor(ids, {"topk_ids", {plan_.device_id_elem}, 2})
+                                   : check_tensor(ids, {"topk_ids", {kI32, kI64}, 2});
   require_kernel_readable(ids, "topk_ids");
   const int64_t n = ids->shape[0];
   const int64_t cols = ids->shape[1];
@@ -216,12 +223,11 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   CaptureParams p{};
   p.ids = tensor_data(ids);
   p.weights = weights_elem >= 0 ? tensor_data(weights) : nullptr;
-  const int64_t layer_offset = layer * plan_.layer_elements();
-  p.dst_ids = device_block_ + device_ids_.offset + layer_offset * plan_.device_id_bytes;
+  p.dst_ids = layer_ids;
   p.dst_weights = weights_elem >= 0 ? device_block_ + device_weights_.offset + layer_offset * plan_.weight_bytes
                                     : nullptr;
   const bool as_stored = cols == c.top_k;
-  require_outside_device_block(ids, "topk_ids", as_stored && ids_elem == plan_.device_id_elem ? p.dst_ids : nullptr);
+  require_outside_device_block(ids, "topk_ids", own_ids ? p.dst_ids : nullptr);
   if (weights_elem >= 0) {
     require_outside_device_block(weights, "topk_weights",
                                  as_stored && weights_elem == plan_.weight_elem ? p.dst_weights : nullptr);
@@ -419,6 +425,9 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
   require_disjoint(weights_out, "weights_out", ids_out, "ids_out");
   require_outside_host_cache(ids_out, "ids_out");
   require_outside_host_cache(weights_out, "weights_out");
+  // Written there, the rows would commit later as some token's routing.
+  require_outside_device_block(ids_out, "ids_out", nullptr);
+  require_outside_device_block(weights_out, "weights_out", nullptr);
   check_host_slots(slots, "slots", false, plan_.config.host_slots);
   const Backend::SlotList slot_list{tensor_data(slots), elem_of(slots->dtype), t};
   // Device outputs: the gather waits for the commits on `stream`, not the
@@ -533,7 +542,7 @@ void Capturer::require_outside_device_block(const DLTensor* t, const char* name,
   if (t == nullptr || (own != nullptr && tensor_data(t) == own)) return;
   if (overlaps(t, device_block_, step_word_.offset + step_word_.bytes)) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " lies in the capturer's device buffer (an exported device_ids, ",
-         "device_weights or layer view)",
+         "device_weights, layer or histogram view)",
          own != nullptr ? " other than exactly the layer's own rows in their stored dtype and width" : "",
          "; pass a copy");
   }

@@ -525,3 +525,33 @@ def test_a_reads_dtype_names_are_moecaps_and_a_dtype_it_cannot_write_is_refused(
         assert cap.ops.layer_ids(np.int64(1)).shape == (cap.plan.device_rows, cap.config.top_k)
         with pytest.raises(TypeError, match="layer must be an int, not float"):
             cap.ops.layer_ids(1.0)
+
+
+@pytest.mark.parametrize("device_id_dtype", ["auto", "u8"])
+def test_a_layer_view_passed_back_as_its_own_rows_commits_only_the_rows_this_step_wrote(device_id_dtype):
+    """A top-k kernel writes a layer view (int16 by default, u8 here too) and
+    the engine passes those rows to capture: rows past them, another DP rank's
+    left from an earlier step, commit as no routing, not as routing."""
+    with moecap.Capturer(num_layers=2, top_k=2, num_experts=8, host_slots=16, max_running_requests=4, dp_size=2,
+                         device_id_dtype=device_id_dtype) as cap:
+        view = torch.from_dlpack(cap.export("layer_ids", 1))
+        assert view.dtype == (torch.int16 if device_id_dtype == "auto" else torch.uint8)
+
+        def step(layer0, layer1, src_start, slots):
+            cap.capture(0, np.array(layer0, dtype=np.int32))
+            view[:len(layer1)] = torch.tensor(layer1, dtype=view.dtype)
+            cap.capture(1, view[:len(layer1)])  # the layer's own rows, in place
+            cap.commit(np.array(slots), src_start=src_start)
+
+        # Step 1: a gathered batch of 4; this rank's are rows 0-1, rows 2-3 stay unconsumed.
+        step([[1, 2]] * 4, [[3, 4], [5, 6], [7, 0], [1, 3]], 0, [0, 1])
+        # Step 2: layer 1's kernel wrote 2 rows; this rank commits rows 2-3 of the batch.
+        step([[2, 3]] * 4, [[4, 5], [6, 7]], 2, [2, 3])
+        got = cap.read(np.array([0, 1, 2, 3]))
+        assert got[:2].tolist() == [[[1, 2], [3, 4]], [[1, 2], [5, 6]]]
+        assert got[2:].tolist() == [[[2, 3], [-1, -1]]] * 2  # not step 1's [7, 0] and [1, 3]
+        with pytest.raises(moecap.MoecapError, match="has no routing in layer 1"):
+            cap.read(np.array([2]), strict=True)
+        assert cap.errors()["invalid_ids"] == 0
+        with pytest.raises(moecap.MoecapError, match="topk_ids has dtype"):
+            cap.capture(1, view[:2].clone())  # the device dtype anywhere else is no layer's own rows

@@ -289,7 +289,7 @@ TEST_CASE("read and write refuse tensors sharing memory with each other or with 
 
 TEST_CASE("capture and commit refuse tensors in the device buffer, but for a layer's own rows") {
   moecap_config c = small_config();
-  c.device_id_dtype = MOECAP_IDS_I32;  // the dtype capture takes, so a layer view can be passed to it
+  c.device_id_dtype = MOECAP_IDS_I32;  // int32 views (the next case takes the default int16, and u8)
   c.weight_dtype = MOECAP_WEIGHTS_F32;
   moecap_capturer* h = nullptr;
   REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
@@ -356,6 +356,100 @@ TEST_CASE("capture and commit refuse tensors in the device buffer, but for a lay
   layer0->deleter(layer0);
   weights0->deleter(weights0);
   moecap_destroy(h);
+}
+
+TEST_CASE("read refuses outputs in the device buffer: they would commit later as another token's routing") {
+  Fixture f;
+  const moecap_config& c = f.cfg;
+  HostTensor slots({1}, i32());
+  slots.fill<int32_t>({1});
+  for (int32_t which : {MOECAP_BUFFER_DEVICE_IDS, MOECAP_BUFFER_DEVICE_WEIGHTS, MOECAP_BUFFER_HISTOGRAM}) {
+    CAPTURE(which);
+    DLManagedTensorVersioned* v = nullptr;
+    REQUIRE(moecap_export(f.h, which, 0, &v) == MOECAP_OK);
+    int64_t shape[3] = {1, c.num_layers, c.top_k};
+    HostTensor ids({1, c.num_layers, c.top_k}, i32());
+    // The view's own memory, shaped as the output (each view holds at least one row's bytes).
+    DLTensor in_buffer{v->dl_tensor.data, v->dl_tensor.device, 3, v->dl_tensor.dtype, shape, nullptr, 0};
+    if (which == MOECAP_BUFFER_DEVICE_WEIGHTS) {
+      f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "weights_out lies in the capturer's device buffer",
+                [&] { return moecap_read(f.h, slots.get(), ids.get(), &in_buffer, 0, nullptr); });
+    } else {
+      f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "ids_out lies in the capturer's device buffer",
+                [&] { return moecap_read(f.h, slots.get(), &in_buffer, nullptr, 0, nullptr); });
+    }
+    v->deleter(v);
+  }
+}
+
+TEST_CASE("a layer's own rows in the default int16 and in u8 are captured in place, bad ids counted once") {
+  for (const moecap_id_dtype dtype : {MOECAP_IDS_AUTO, MOECAP_IDS_U8, MOECAP_IDS_I32}) {
+    CAPTURE(dtype);
+    moecap_config c = small_config();
+    c.device_id_dtype = dtype;
+    c.flags = MOECAP_FLAG_HISTOGRAM;
+    moecap_capturer* h = nullptr;
+    REQUIRE(moecap_create(&c, &h) == MOECAP_OK);
+    DLManagedTensorVersioned* layer0 = nullptr;
+    REQUIRE(moecap_export(h, MOECAP_BUFFER_LAYER_IDS, 0, &layer0) == MOECAP_OK);
+    const int32_t bits = layer0->dl_tensor.dtype.bits;
+    CHECK(bits == (dtype == MOECAP_IDS_AUTO ? 16 : dtype == MOECAP_IDS_U8 ? 8 : 32));
+    // A top-k kernel wrote rows 0-2 of layer 0: row 1 holds an id past the
+    // experts (counted), row 2 the dtype's own "no expert" (all ones: not counted).
+    const int64_t written[6] = {6, 7, c.num_experts + 3, 1, -1, -1};
+    for (int i = 0; i < 6; ++i) {
+      void* d = layer0->dl_tensor.data;
+      if (bits == 8) static_cast<uint8_t*>(d)[i] = static_cast<uint8_t>(written[i]);
+      if (bits == 16) static_cast<int16_t*>(d)[i] = static_cast<int16_t>(written[i]);
+      if (bits == 32) static_cast<int32_t*>(d)[i] = static_cast<int32_t>(written[i]);
+    }
+    int64_t shape[2] = {3, c.top_k};
+    DLTensor own = layer0->dl_tensor;
+    own.shape = shape;
+    own.strides = nullptr;
+    REQUIRE_MESSAGE(moecap_capture(h, 0, &own, nullptr, nullptr) == MOECAP_OK, moecap_last_error());
+    HostTensor copy({3, c.top_k}, layer0->dl_tensor.dtype);
+    DLTensor other = own;  // the same dtype anywhere else is not the layer's own rows
+    other.data = copy.get()->data;
+    if (bits != 32) {
+      CHECK(moecap_capture(h, 1, &other, nullptr, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+      CHECK(std::string(moecap_last_error()).find("topk_ids has dtype") != std::string::npos);
+    }
+    HostTensor ids({3, c.top_k}, i32());
+    ids.fill<int32_t>({1, 2, 3, 4, 5, 0});
+    for (int32_t l = 1; l < c.num_layers; ++l) REQUIRE(moecap_capture(h, l, ids.get(), nullptr, nullptr) == MOECAP_OK);
+    HostTensor to({3}, i32());
+    to.fill<int32_t>({10, 11, 12});
+    moecap_commit_args a{sizeof a, 0, nullptr, to.get()};
+    REQUIRE(moecap_commit(h, &a, nullptr) == MOECAP_OK);
+    moecap_error_counts e{};
+    e.struct_size = sizeof e;
+    REQUIRE(moecap_get_errors(h, &e, 0) == MOECAP_OK);
+    CHECK(e.invalid_ids == 1);  // at capture; commit sees the "no expert" it became
+    HostTensor out({3, c.num_layers, c.top_k}, i32());
+    REQUIRE(moecap_read(h, to.get(), out.get(), nullptr, 0, nullptr) == MOECAP_OK);
+    const int32_t* o = out.as<int32_t>();
+    const int64_t row = int64_t{c.num_layers} * c.top_k;
+    CHECK(o[0] == 6);
+    CHECK(o[1] == 7);
+    CHECK(o[row] == -1);  // the id past the experts
+    CHECK(o[row + 1] == 1);
+    CHECK(o[2 * row] == -1);
+    CHECK(o[2 * row + 1] == -1);
+    CHECK(o[2 * row + c.top_k] == 5);  // layer 1 as captured
+    DLManagedTensorVersioned* hist = nullptr;
+    REQUIRE(moecap_export(h, MOECAP_BUFFER_HISTOGRAM, 0, &hist) == MOECAP_OK);
+    const auto* counts = static_cast<const int64_t*>(hist->dl_tensor.data);
+    CHECK(counts[6] == 1);
+    CHECK(counts[7] == 1);
+    CHECK(counts[1] == 1);
+    int64_t layer0_total = 0;
+    for (int32_t x = 0; x < c.num_experts; ++x) layer0_total += counts[x];
+    CHECK(layer0_total == 3);
+    hist->deleter(hist);
+    layer0->deleter(layer0);
+    moecap_destroy(h);
+  }
 }
 
 TEST_CASE("export, histogram_reset, get_errors, get_plan and graphs refuse bad input") {
