@@ -198,6 +198,19 @@ class CapturerOps:
             self.histogram = torch.from_dlpack(cap.export("histogram")) if cap.config.histogram else None
         _issuers[cap.id] = self
 
+    # A copy would hold copies of the buffer tensors, which its ops would copy
+    # over the capturer's real buffers; a pickle would name whichever capturer
+    # has this id in the loading process. Shallow copies share the tensors.
+    def __copy__(self) -> "CapturerOps":
+        return self
+
+    def __deepcopy__(self, memo: Any) -> "CapturerOps":
+        raise TypeError("CapturerOps cannot be deep-copied: it holds one capturer's buffers; keep cap.ops outside "
+                        "the model (or give a copied model its own capturer's ops)")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("CapturerOps cannot be pickled: it holds one capturer's buffers, in this process")
+
     def layer_ids(self, layer: int) -> torch.Tensor:
         """Layer ``layer`` of device_ids (``[device_rows, top_k]``), for a top-k kernel's out= or
         plain torch writes in compiled code: a view of device_ids, so the compiler orders a
@@ -239,9 +252,10 @@ class CapturerOps:
 # Checks the methods above make before the op, in terms Dynamo folds to constants (a traced int may be a
 # SymInt, which _integer would specialize; a fake tensor reports the device it stands for).
 def _refuse_bool(name: str, value: Any) -> None:
-    """The ops' int schema takes True as 1, where the capturer's calls refuse it."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, not bool")
+    """The ops' int schema takes True as 1 and fails on floats and strings with the dispatcher's
+    RuntimeError, where the capturer's calls raise TypeError naming the argument."""
+    if isinstance(value, (bool, float, complex, str, bytes)):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
 
 
 def _refuse_meta(caller: str, name: str, tensor: Optional[torch.Tensor], other: str,

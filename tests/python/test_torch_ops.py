@@ -321,6 +321,10 @@ def test_the_ops_refuse_what_the_capturers_calls_refuse_before_the_dispatcher_se
         ops.capture(True, ids, torch.ones(1, TOP_K))  # the op's int schema would take it as layer 1
     with pytest.raises(TypeError, match="src_start must be an int, not bool"):
         ops.commit(torch.tensor([5]), True)
+    with pytest.raises(TypeError, match="layer must be an int, not float"):
+        ops.capture(1.0, ids, torch.ones(1, TOP_K))  # the dispatcher's own refusal is a RuntimeError
+    with pytest.raises(TypeError, match="src_start must be an int, not str"):
+        ops.commit(torch.tensor([5]), "0")
     meta = torch.empty(1, TOP_K, dtype=torch.int32, device="meta")
     for call, name in ((lambda: ops.capture(0, meta, torch.ones(1, TOP_K)), "moecap_capture: topk_ids"),
                        (lambda: ops.commit(torch.tensor([5], device="meta")), "moecap_commit: dst_slots"),
@@ -331,3 +335,22 @@ def test_the_ops_refuse_what_the_capturers_calls_refuse_before_the_dispatcher_se
     ops.capture(0, ids, torch.ones(1, TOP_K))
     ops.commit(torch.tensor([5]))
     assert cap.read(torch.tensor([5]))[0, 0].tolist() == [1, 2, 3, 4]
+
+
+def test_the_ops_are_one_capturers_handle_shared_by_copies_and_refused_by_deep_copies_and_pickles():
+    """A deep copy would hold copies of the buffers and write its stale copy of
+    the device rows over the capturer's own at its next capture."""
+    import copy
+    import pickle
+
+    cap = make()
+    ops = cap.ops
+    model = torch.nn.Module()
+    model.ops = ops
+    assert copy.copy(ops) is ops
+    with pytest.raises(TypeError, match="cannot be deep-copied"):
+        copy.deepcopy(model)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(ops)
+    ops.capture(0, torch.tensor([[1, 2, 3, 4]], dtype=torch.int32), torch.ones(1, TOP_K))
+    assert ops.device_ids[0, 0].tolist() == [1, 2, 3, 4]
