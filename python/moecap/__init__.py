@@ -30,8 +30,11 @@ from ._errors import MoecapError, Status
 from ._moecap import Buffer, ConfigFlag, DeviceType, DLPackView, Graph, IdDtype, ReadFlag, SlotState, WeightDtype
 
 if TYPE_CHECKING:
+    # What __getattr__ below imports on first use, named for type checkers.
+    from . import engine, formats, hf, integrations, record
+    from .engine import RequestTable, batch_slots, commit_batch, write_routed
     from .ops import CapturerOps
-    from .record import LayerMap
+    from .record import LayerMap, RecordError, RoutedExperts
 
 __all__ = ["BUFFERS", "Buffer", "Capturer", "Config", "ConfigFlag", "DLPackArray", "DLPackView", "DeviceType",
            "ErrorCounts", "Graph", "IdDtype", "MoecapError", "Plan", "ReadFlag", "RecordError", "RequestTable",

@@ -69,7 +69,7 @@ int32_t as_int32(int64_t value, const char* function, const char* name);
 // a TypeError naming no argument) checks it. `int` in the generated stubs
 // (None is still refused by nanobind's own TypeError, as for any `int`).
 class Index : public nb::object {
-  NB_OBJECT_DEFAULT(Index, nb::object, "int", any_object)
+  NB_OBJECT_DEFAULT(Index, nb::object, "typing.SupportsIndex", any_object)
 };
 
 // An integer argument taken as a handle: anything with __index__ (int, NumPy
@@ -83,7 +83,7 @@ int32_t int32_argument(nb::handle value, const char* function, const char* name)
 
 // A sequence of integer arguments, checked by int_list.
 class IndexSequence : public nb::object {
-  NB_OBJECT_DEFAULT(IndexSequence, nb::object, "collections.abc.Sequence[int]", any_object)
+  NB_OBJECT_DEFAULT(IndexSequence, nb::object, "collections.abc.Sequence[typing.SupportsIndex] | moecap.DLPackArray", any_object)
 };
 
 // A sequence of integer arguments (a list, a tuple, a 1-D NumPy array or

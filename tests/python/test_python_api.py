@@ -442,8 +442,10 @@ def test_the_stubs_say_what_a_tensor_argument_takes():
     if not stub.exists():
         pytest.skip("no generated stub beside the extension (an install without it)")
     text = stub.read_text()
-    assert ("def capture(self, layer: int, topk_ids: moecap.DLPackArray, "
+    # Integer arguments take anything with __index__ (NumPy ints, 0-d tensors), and tokens_per_rank arrays.
+    assert ("def capture(self, layer: SupportsIndex, topk_ids: moecap.DLPackArray, "
             "topk_weights: moecap.DLPackArray | None = None") in text
+    assert "tokens_per_rank: Sequence[SupportsIndex] | moecap.DLPackArray" in text
     for name in ("topk_ids", "topk_weights", "dst_slots", "src_rows", "slots", "out", "weights_out", "ids", "weights"):
         assert f" {name}: object" not in text, name
     assert "class Status(enum.IntEnum)" in text and "class SlotState(enum.IntFlag)" in text
