@@ -210,6 +210,10 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   }
   int32_t weights_elem = -1;
   if (plan_.has_weights()) {
+    if (weights == nullptr) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is NULL; the capturer keeps weights (config->weight_dtype is ",
+           elem_name(plan_.weight_elem), "), so every capture passes them");
+    }
     weights_elem = check_tensor(weights, {"topk_weights", {kF32, kBF16, kF16}, 2});
     check_same_shape(weights, "topk_weights", ids, "topk_ids");
     require_kernel_readable(weights, "topk_weights");
@@ -569,6 +573,10 @@ void Capturer::write(const DLTensor* slots, const DLTensor* ids, const DLTensor*
   check_request_rows(ids, "ids", t, "entries of slots");
   int32_t w_elem = -1;
   if (plan_.has_weights()) {
+    if (weights == nullptr) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "weights is NULL; the capturer keeps weights (config->weight_dtype is ",
+           elem_name(plan_.weight_elem), "), so every write passes them");
+    }
     w_elem = check_tensor(weights, {"weights", {kF32, kBF16, kF16}, 3});
     check_same_shape(weights, "weights", ids, "ids");
   } else if (weights != nullptr) {

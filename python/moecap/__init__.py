@@ -141,6 +141,18 @@ class _Fields(Mapping):
     def __len__(self) -> int:
         return len(self._names())
 
+    # Equal to a mapping of the same items, as the dicts were (``cap.errors() == {...}``); to another of
+    # these, only of the same class. (The subclasses leave eq to this.)
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _Fields):
+            return type(self) is type(other) and tuple(self.values()) == tuple(other.values())
+        if isinstance(other, Mapping):
+            return dict(self) == dict(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(self.values())))
+
     @classmethod
     def _names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]  # subclasses are dataclasses
@@ -199,7 +211,7 @@ def _checked_flag(name: str, value: Any) -> bool:
     return bool(number)
 
 
-@dataclasses.dataclass(frozen=True, eq=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Config(_Fields):
     """Everything a Capturer is sized by (``moecap_config``, abi/moecap.h documents every
     field). ``moecap.Capturer(config)`` and ``moecap.plan(config)`` take one; both also take
@@ -318,7 +330,7 @@ def _config(caller: str, config: Optional[Config], keywords: dict[str, Any]) -> 
     return Config(**keywords)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Plan(_Fields):
     """What a configuration costs (``moecap_plan_info``), from ``moecap.plan`` or ``Capturer.plan``.
     Reads as a mapping too (``plan["id_bytes"]``)."""
@@ -353,7 +365,7 @@ class Plan(_Fields):
         return cls(**fields)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ErrorCounts(_Fields):
     """Problems found where no status could be returned (``moecap_error_counts``), from
     ``Capturer.errors``. Reads as a mapping too (``errors["skipped_rows"]``)."""

@@ -135,8 +135,9 @@ class RequestTable:
         if rid in self._slots:
             raise KeyError(f"request {rid!r} is already running")
         position = _integer("position", position)
-        if position < 0:  # refused now: finish() would refuse it at every call, and the request never end
-            raise ValueError(f"position is {position}; a position in a sequence is >= 0")
+        # Refused now: finish() would refuse it at every call, and the request never end.
+        if not 0 <= position < 2**63:
+            raise ValueError(f"position is {position}; a position in a sequence is in [0, 2^63)")
         self._slots[rid] = []
         self._start[rid] = position
 
@@ -148,6 +149,13 @@ class RequestTable:
             i = int(outside[0])
             raise MoecapError(Status.OUT_OF_RANGE, f"slots[{i}] is {slots[i]}; a token's KV slot is in "
                               f"[0, host_slots = {self.host_slots})")
+        # The record's positions are int64 (finish would refuse it at every call); only a start past 2^62
+        # can get there, so the count of tokens so far is summed only then.
+        if self._start[rid] >= 2**62:
+            last = self._start[rid] + sum(len(p) for p in self._slots[rid]) + len(slots) - 1
+            if last >= 2**63:
+                raise ValueError(f"request {rid!r} would end at position {last}; a position in a sequence is in "
+                                 "[0, 2^63)")
         # A copy: engines reuse their slot buffers from step to step.
         self._slots[rid].append(np.array(slots))
 

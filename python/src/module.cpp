@@ -123,7 +123,7 @@ class Capturer {
     borrow(topk_ids, "topk_ids", false, ids, &call);
     const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights, &call);
     void* s = resolve_stream(stream, device_type_, device_id_, &ids);
-    check(moecap_capture(live(), layer_index, ids.get(), w, s));
+    check(moecap_capture(live(), layer_index, ids.get(), w, s), {{"topk_weights is NULL", "topk_weights is None"}});
     keep_alive(held(), ids, weights);
   }
 
@@ -217,7 +217,7 @@ class Capturer {
       GilRelease unlocked;
       status = moecap_write(h, s.get(), i.get(), wp, st);
     }
-    check(status);
+    check(status, {{"weights is NULL", "weights is None"}});
   }
 
   void invalidate(Tensor slots, nb::handle stream) {

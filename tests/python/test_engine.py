@@ -95,8 +95,16 @@ def test_slots_that_are_not_integers_are_refused_never_truncated():
     with pytest.raises(moecap.MoecapError, match="slots holds 18446744073709551615, past int64"):
         commit_batch(cap, np.array([2 ** 64 - 1], dtype=np.uint64))  # not slot -1
     # A start no sequence has is refused at start(), where finish() would refuse it forever.
-    with pytest.raises(ValueError, match="position is -3; a position in a sequence is >= 0"):
+    with pytest.raises(ValueError, match=r"position is -3; a position in a sequence is in \[0, 2\^63\)"):
         table.start("s", -3)
+    with pytest.raises(ValueError, match=r"position is 9223372036854775808; a position in a sequence is in"):
+        table.start("s", 2**63)
+    table.start("late", 2**63 - 2)  # room for two tokens, not three
+    table.append("late", [3, 4])
+    with pytest.raises(ValueError, match="request 'late' would end at position 9223372036854775808"):
+        table.append("late", [5])
+    assert table.slots("late").tolist() == [3, 4]
+    table.abort("late")
     with pytest.raises(TypeError, match="position must be an int, not float"):
         table.start("s", 2.5)
     assert "s" not in table

@@ -275,7 +275,11 @@ def test_errors_are_named_counts():
         e = cap.errors(clear=True)
         assert isinstance(e, moecap.ErrorCounts) and (e.skipped_rows, e.invalid_ids) == (0, 1)
         assert e["invalid_ids"] == 1 and dict(e) == {"skipped_rows": 0, "invalid_ids": 1}
+        assert e == {"skipped_rows": 0, "invalid_ids": 1} and e != {"skipped_rows": 0, "invalid_ids": 0}  # as the dict was
         assert cap.errors().invalid_ids == 0  # cleared
+        assert cap.errors() == moecap.ErrorCounts(0, 0) and hash(cap.errors()) == hash(moecap.ErrorCounts(0, 0))
+        assert cap.plan == dict(cap.plan) and cap.plan != dict(cap.plan, host_bytes=0)
+        assert cap.config == moecap.Config(**CONFIG) and cap.config != cap.plan
 
 
 def test_statuses_are_the_libraries_own():
@@ -557,3 +561,13 @@ def test_a_layer_view_passed_back_as_its_own_rows_commits_only_the_rows_this_ste
         assert cap.errors()["invalid_ids"] == 0
         with pytest.raises(moecap.MoecapError, match="topk_ids has dtype"):
             cap.capture(1, view[:2].clone())  # the device dtype anywhere else is no layer's own rows
+
+
+def test_weights_left_out_where_the_capturer_keeps_them_are_named_as_python_passes_them():
+    with moecap.Capturer(**CONFIG, weight_dtype="f32") as cap:
+        ids = np.array([[1, 2]], dtype=np.int32)
+        with pytest.raises(moecap.MoecapError, match=r"moecap_capture: topk_weights is None; the capturer keeps "
+                                                     r"weights \(config.weight_dtype is float32\)"):
+            cap.capture(0, ids)
+        with pytest.raises(moecap.MoecapError, match="moecap_write: weights is None; the capturer keeps weights"):
+            cap.write(np.array([3]), np.ones((1, 2, 2), dtype=np.int32))

@@ -97,7 +97,7 @@ TEST_CASE("capture refuses bad input") {
   DLTensor huge = ids.dl();
   huge.shape = huge_shape;
   f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "byte size overflows", [&] { return moecap_capture(f.h, 0, &huge, w.get(), nullptr); });
-  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is NULL", [&] { return moecap_capture(f.h, 0, ids.get(), nullptr, nullptr); });
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights is NULL; the capturer keeps weights (config->weight_dtype is float32)", [&] { return moecap_capture(f.h, 0, ids.get(), nullptr, nullptr); });
   HostTensor w3({3, k}, f32());
   f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "topk_weights->shape[0] is 3", [&] { return moecap_capture(f.h, 0, ids.get(), w3.get(), nullptr); });
   HostTensor wint({2, k}, i32());
@@ -222,7 +222,7 @@ TEST_CASE("write refuses bad input") {
   ids.set(4, -3);
   f.refused(MOECAP_ERROR_OUT_OF_RANGE, "is -3", [&] { return moecap_write(f.h, slots.get(), ids.get(), w.get(), nullptr); });
   ids.set(4, 1);
-  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "weights is NULL", [&] { return moecap_write(f.h, slots.get(), ids.get(), nullptr, nullptr); });
+  f.refused(MOECAP_ERROR_INVALID_ARGUMENT, "weights is NULL; the capturer keeps weights", [&] { return moecap_write(f.h, slots.get(), ids.get(), nullptr, nullptr); });
   HostTensor past({1}, i32());
   past.fill<int32_t>({32});
   f.refused(MOECAP_ERROR_OUT_OF_RANGE, "slots[0] is 32", [&] { return moecap_write(f.h, past.get(), ids.get(), w.get(), nullptr); });
