@@ -32,13 +32,14 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
+from ._errors import MoecapError, Status
 from .integrations import _model
 
 if TYPE_CHECKING:
     import torch
 
     from . import Capturer
-    from .record import LayerMap
+    from .record import LayerMap, RoutedExperts
 
 #: (router, inputs, output) -> (ids [n, k], weights [n, k] or None): the experts a router picked.
 Selector = Callable[[Any, Any, Any], "tuple[torch.Tensor, Optional[torch.Tensor]]"]
@@ -767,6 +768,114 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
             if layer.shared_gate is not None:
                 hooks.append(_hook_own(layer.shared_gate, _gate_hook(layer, runner)))
     return Attached(layers, hooks, runner, mapped)
+
+
+class GenerationRecorder:
+    """A logits processor that commits every forward of ``model.generate()``
+    and reads each sequence's routing back::
+
+        handle = moecap.hf.attach(model, capturer)
+        with moecap.hf.GenerationRecorder(model, capturer, attention_mask) as recorder:
+            out = model.generate(input_ids, attention_mask=attention_mask, logits_processor=[recorder])
+        routed = recorder.routed(0)   # row 0's real tokens but the last, from position 0
+
+    generate() runs one forward per new token, and a capturer keeps one step's
+    rows until a commit: the next forward's captures would overwrite them.
+    generate calls this after each forward (outside a compiled forward, too),
+    and it commits that forward's rows: row b's position p to slot
+    ``b * (host_slots // batch) + p``, padding to -1 (a forward pre-hook on
+    `model` counts the tokens each forward takes). `attention_mask` is the
+    prompt's ``[batch, prompt_len]`` mask (left or right padded).
+
+    For greedy decoding and sampling, with a dynamic or static cache or
+    none. Refused with a ValueError: more than one sequence per prompt row
+    (beam search, num_return_sequences > 1: repeat the prompt rows instead),
+    and decoding that runs other than one forward between two calls (assisted
+    generation, chunked prefill). One process: no attention-DP gather.
+    """
+
+    def __init__(self, model: torch.nn.Module, capturer: Capturer, attention_mask: Any) -> None:
+        import numpy as np
+
+        from .engine import RequestTable
+        mask = attention_mask.detach().cpu().numpy() if hasattr(attention_mask, "detach") else np.asarray(attention_mask)
+        if mask.ndim != 2:
+            raise ValueError(f"attention_mask has shape {mask.shape}; expected the prompt's [batch, prompt_len]")
+        self._mask = mask.astype(bool)
+        self._batch = mask.shape[0]
+        host_slots = int(capturer.config["host_slots"])
+        self._per_row = host_slots // max(self._batch, 1)
+        self.capturer = capturer
+        self._table = RequestTable(capturer)
+        for row in range(self._batch):
+            self._table.start(row, 0)
+        self._recorded = 0  # columns whose slots the table holds
+        self._forwards: list[int] = []  # tokens per row of each forward since the last call
+        self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+
+    def _count_tokens(self, module: Any, args: tuple, kwargs: dict) -> None:
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if tokens is None:
+            raise ValueError("GenerationRecorder: the forward got neither input_ids nor inputs_embeds")
+        self._forwards.append(int(tokens.shape[1]))
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import numpy as np
+        forwards, self._forwards = self._forwards, []
+        batch, length = int(input_ids.shape[0]), int(input_ids.shape[1])
+        if batch != self._batch:
+            raise ValueError(f"GenerationRecorder: generate runs {batch} sequences for {self._batch} prompt rows; "
+                             "it records one sequence per row (no beam search, num_return_sequences=1: repeat "
+                             "the prompt rows instead)")
+        if len(forwards) != 1:
+            raise ValueError(f"GenerationRecorder: {len(forwards)} forwards since the last call; it records "
+                             "generate's one forward per new token (not assisted generation or chunked prefill)")
+        if length > self._per_row:
+            raise MoecapError(Status.CAPACITY, f"GenerationRecorder: position {length - 1} of {self._batch} rows "
+                              f"needs host_slots >= {self._batch * length}; host_slots is "
+                              f"{self.capturer.config['host_slots']}")
+        positions = np.arange(length - forwards[0], length)
+        prompt = self._mask.shape[1]
+        real = np.ones((batch, positions.size), dtype=bool)
+        in_prompt = positions < prompt
+        real[:, in_prompt] = self._mask[:, positions[in_prompt]]
+        slots = np.where(real, np.arange(batch)[:, None] * self._per_row + positions[None, :], -1)
+        self.capturer.commit(slots.reshape(-1))
+        new = positions >= self._recorded  # a forward without the cache takes every position again
+        for row in range(batch):
+            self._table.append(row, slots[row, new & real[row]])
+        self._recorded = max(self._recorded, length)
+        return scores
+
+    def routed(self, row: int, num_tokens: Optional[int] = None) -> RoutedExperts:
+        """Row `row`'s routing: its real tokens from position 0 (left padding
+        left out), the last sampled one excepted (it never went through a
+        forward). num_tokens: the sequence's length where it ended before the
+        batch did (at its EOS), so the pad tokens generate forwarded after it
+        are left out. Its slots are invalidated: one call per row."""
+        from .record import RoutedExperts
+        routed = self._table.finish(row)
+        if num_tokens is None:
+            return routed
+        if not 1 <= num_tokens <= routed.shape[0] + 1:
+            raise ValueError(f"num_tokens is {num_tokens}; row {row} has {routed.shape[0] + 1} tokens")
+        n = num_tokens - 1
+        return RoutedExperts(routed.ids[:n], routed.num_experts,
+                             weights=None if routed.weights is None else routed.weights[:n],
+                             valid=routed.valid[:n], start=routed.start, layers=routed.layers,
+                             num_hidden_layers=routed.num_hidden_layers)
+
+    def close(self) -> None:
+        """Removes the forward pre-hook."""
+        self._hook.remove()
+
+    def __enter__(self) -> GenerationRecorder:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def _hook_own(module, hook):

@@ -926,3 +926,54 @@ def test_inkling_with_several_shared_experts_refuses_the_shared_column():
         model(torch.randint(3, hf_serving.VOCAB, (1, 4)))
     cap.commit(np.arange(4))
     assert (cap.read(np.arange(4), strict=True) >= 0).all()
+
+
+def generation_capturer(model, host_slots=256):
+    layers = hf.find_moe_layers(model)
+    top_k, num_experts = hf._routing_dims(model, layers[0].router)
+    return moecap.Capturer(num_layers=len(layers), top_k=top_k, num_experts=num_experts, host_slots=host_slots,
+                           max_running_requests=8, chunked_prefill_size=64)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "none"])
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "gpt_oss"])
+def test_generate_records_every_forward_of_a_left_padded_batch(model_type, cache):
+    """Each row's routing equals one forward of its real tokens without the
+    cache: every forward committed before the next one captured, padding left out."""
+    model = hf_serving.build(config_or_skip(model_type))
+    cap = generation_capturer(model)
+    handle = hf.attach(model, cap)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    options = {"use_cache": False} if cache == "none" else {"cache_implementation": "static"} if cache == "static" else {}
+    with hf.GenerationRecorder(model, cap, mask) as recorder:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                             logits_processor=[recorder], **options)
+    routed = [recorder.routed(0), recorder.routed(1, num_tokens=5)]  # row 1 as if it ended at its 5th token
+    handle.detach()
+    for row, got in enumerate(routed):
+        sequence = out[row, 2 if row == 0 else 0:][:got.shape[0]]
+        truth = generation_capturer(model)
+        with hf.attach(model, truth), torch.no_grad():
+            model(sequence[None], use_cache=False)
+        truth.commit(np.arange(len(sequence)))
+        assert got.shape[0] == (6 if row == 0 else 4) and got.valid.all() and got.start == 0
+        assert np.array_equal(got.ids, truth.read(np.arange(len(sequence)))), f"row {row} with cache {cache}"
+    assert (cap.slot_states(np.arange(cap.config.host_slots)) == moecap.SLOT_EMPTY).all()  # routed() frees them
+
+
+def test_generate_refuses_what_the_recorder_cannot_map_to_one_sequence_per_row():
+    model = hf_serving.build(config_or_skip("mixtral"))
+    cap = generation_capturer(model)
+    ids, mask = torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long)
+    with hf.attach(model, cap):
+        for options, error in (({"num_beams": 2}, "1 prompt rows; it records one sequence per row"),
+                               ({"do_sample": True, "num_return_sequences": 2}, "2 sequences for 1 prompt rows")):
+            with hf.GenerationRecorder(model, cap, mask) as recorder, pytest.raises(ValueError, match=error):
+                model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
+                               logits_processor=[recorder], **options)
+        small = generation_capturer(model, host_slots=4)
+        with hf.attach(model, small), hf.GenerationRecorder(model, small, mask) as recorder:
+            with pytest.raises(moecap.MoecapError, match="needs host_slots >= 5; host_slots is 4"):
+                model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                               logits_processor=[recorder])
