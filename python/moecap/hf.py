@@ -30,6 +30,7 @@ None)`` and, where the model declares no router class, ``routers=[modules]``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 from ._errors import MoecapError, Status
@@ -189,6 +190,10 @@ KNOWN = {
 
 # Where a block keeps its shared expert (and the gate that scales it, if any).
 _SHARED = (("shared_expert", "shared_expert_gate"), ("shared_experts", None), ("shared_mlp", None))
+
+
+class UncommittedCaptureWarning(UserWarning):
+    """A MoE layer captured again before any commit: the earlier forward's rows are overwritten."""
 
 
 class UnknownArchitecture(TypeError):
@@ -673,6 +678,7 @@ class _Runner:
         self.stream = stream
         self.pending = {}  # block id -> (ids, weights) waiting for the shared gate
         self.ops = _compile_ops(capturer) if stream is None else None
+        self.captured_at = {}  # layer -> the capturer's commit count at its last eager capture
 
     def deliver(self, layer, ids, weights):
         import torch
@@ -690,7 +696,23 @@ class _Runner:
         if self.ops is not None and torch.compiler.is_compiling():
             self.ops.capture(layer.index, ids, weights)
         else:
+            self._warn_if_uncommitted(layer.index)
             self.capturer.capture(layer.index, ids, weights, stream=self.stream)
+
+    def _warn_if_uncommitted(self, index):
+        """A layer captured twice with no commit between overwrites the first
+        forward's rows (generate() without GenerationRecorder). Not in a
+        backward: gradient checkpointing recomputes the forward there."""
+        import torch
+        commits = getattr(self.capturer, "_commits", None)
+        if commits is None:
+            return
+        if self.captured_at.get(index) == commits and torch._C._current_graph_task_id() == -1:
+            warnings.warn(f"moecap.hf: MoE layer {index} captured again with no commit since its last capture, so "
+                          "this forward's rows overwrite the last one's: commit each forward's rows (with "
+                          "model.generate(), pass logits_processor=[moecap.hf.GenerationRecorder(...)])",
+                          UncommittedCaptureWarning, stacklevel=2)
+        self.captured_at[index] = commits
 
 
 def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Selector] = None,
@@ -825,17 +847,22 @@ class GenerationRecorder:
         import numpy as np
         forwards, self._forwards = self._forwards, []
         batch, length = int(input_ids.shape[0]), int(input_ids.shape[1])
+        refused = None
         if batch != self._batch:
-            raise ValueError(f"GenerationRecorder: generate runs {batch} sequences for {self._batch} prompt rows; "
-                             "it records one sequence per row (no beam search, num_return_sequences=1: repeat "
-                             "the prompt rows instead)")
-        if len(forwards) != 1:
-            raise ValueError(f"GenerationRecorder: {len(forwards)} forwards since the last call; it records "
-                             "generate's one forward per new token (not assisted generation or chunked prefill)")
-        if length > self._per_row:
-            raise MoecapError(Status.CAPACITY, f"GenerationRecorder: position {length - 1} of {self._batch} rows "
-                              f"needs host_slots >= {self._batch * length}; host_slots is "
-                              f"{self.capturer.config['host_slots']}")
+            refused = ValueError(f"GenerationRecorder: generate runs {batch} sequences for {self._batch} prompt "
+                                 "rows; it records one sequence per row (no beam search, num_return_sequences=1: "
+                                 "repeat the prompt rows instead)")
+        elif len(forwards) != 1:
+            refused = ValueError(f"GenerationRecorder: {len(forwards)} forwards since the last call; it records "
+                                 "generate's one forward per new token (not assisted generation or chunked prefill)")
+        elif length > self._per_row:
+            refused = MoecapError(Status.CAPACITY, f"GenerationRecorder: position {length - 1} of {self._batch} "
+                                  f"rows needs host_slots >= {self._batch * length}; host_slots is "
+                                  f"{self.capturer.config['host_slots']}")
+        if refused is not None:
+            if forwards:  # the rows the forward captured go nowhere, so the next forward starts a step
+                self.capturer.commit(np.full(batch * max(forwards), -1))
+            raise refused
         positions = np.arange(length - forwards[0], length)
         prompt = self._mask.shape[1]
         real = np.ones((batch, positions.size), dtype=bool)

@@ -180,6 +180,7 @@ class Capturer {
       status = moecap_commit(h, &args, s);
     }
     check(status, {{"args->", ""}});
+    ++commits_;
     keep_alive(held(), slots, rows);
   }
 
@@ -420,6 +421,7 @@ class Capturer {
   }
   int32_t device_type() const { return device_type_; }
   int32_t device_id() const { return device_id_; }
+  uint64_t commits() const { return commits_; }
 
  private:
   moecap_capturer* live() {
@@ -439,6 +441,7 @@ class Capturer {
   int in_flight_ = 0;     // calls between InFlight's constructor and destructor (the GIL guards it)
   int recordable_in_flight_ = 0;  // ... of them, commits and invalidations
   int graph_waiting_ = 0;         // graph_begin / graph_end waiting for those: new ones wait
+  uint64_t commits_ = 0;          // commit calls that returned OK through this object (moecap.hf reads it)
   bool closing_ = false;  // close() waits for in_flight_: no new calls
   int32_t device_type_, device_id_;
   nb::list recording_;
@@ -676,5 +679,8 @@ NB_MODULE(_moecap, m) {
            "later calls raise ValueError.")
       .def_prop_ro("closed", &Capturer::is_closed)
       .def_prop_ro("device_type", &Capturer::device_type)
-      .def_prop_ro("device_id", &Capturer::device_id);
+      .def_prop_ro("device_id", &Capturer::device_id)
+      .def_prop_ro("_commits", &Capturer::commits,
+                   "Commit calls that returned OK through this object: moecap.hf tells a forward whose rows "
+                   "were never committed by it.");
 }

@@ -6,6 +6,7 @@ read back from the capturer equals the model's own output_router_logits top-k
 ranks that are idle for some steps and one that serves nothing at all."""
 import contextlib
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -972,8 +973,28 @@ def test_generate_refuses_what_the_recorder_cannot_map_to_one_sequence_per_row()
             with hf.GenerationRecorder(model, cap, mask) as recorder, pytest.raises(ValueError, match=error):
                 model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
                                logits_processor=[recorder], **options)
-        small = generation_capturer(model, host_slots=4)
-        with hf.attach(model, small), hf.GenerationRecorder(model, small, mask) as recorder:
-            with pytest.raises(moecap.MoecapError, match="needs host_slots >= 5; host_slots is 4"):
-                model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
-                               logits_processor=[recorder])
+    small = generation_capturer(model, host_slots=4)
+    with hf.attach(model, small), hf.GenerationRecorder(model, small, mask) as recorder:
+        with pytest.raises(moecap.MoecapError, match="needs host_slots >= 5; host_slots is 4"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                           logits_processor=[recorder])
+
+
+def test_a_forward_whose_rows_were_never_committed_is_warned_of_at_the_next_capture():
+    """generate() without GenerationRecorder: each forward overwrites the rows
+    of the one before; not in a backward, where checkpointing recomputes."""
+    model = hf_serving.build(config_or_skip("mixtral"))
+    cap = generation_capturer(model)
+    with hf.attach(model, cap):
+        with pytest.warns(hf.UncommittedCaptureWarning, match="MoE layer [0-9] captured again with no commit"):
+            model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        cap.commit(np.full(3, -1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(2):  # a forward, a commit: no warning
+                with torch.no_grad():
+                    model(torch.tensor([[1, 2, 3]]))
+                cap.commit(np.arange(3))
+            model.gradient_checkpointing_enable()
+            model.train()
+            model(torch.tensor([[1, 2, 3]])).logits.sum().backward()  # recomputed in the backward
