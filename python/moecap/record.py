@@ -89,6 +89,8 @@ def _layer_map(moe_layers, layers, num_hidden_layers):
     if layers is None:
         layers = tuple(range(moe_layers))
     else:
+        if isinstance(layers, (list, tuple)) and any(isinstance(x, (bool, np.bool_)) for x in layers):
+            raise TypeError("layers must be a sequence of ints, not of bools")  # NumPy would take True as 1
         layers = _to_numpy(layers)
         array = np.asarray(layers)
         if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
@@ -169,7 +171,11 @@ class RoutedExperts:
             # A copy: the caller's read buffers are the next request's.
             w = np.array(w, dtype=w.dtype if w.dtype in (np.float32, np.float16) else np.float32)
         self.weights = w
-        v = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(_to_numpy(valid)).astype(bool)
+        v = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(_to_numpy(valid))
+        if v.dtype != bool:  # a cast would make any string or float True
+            if v.size and (v.dtype.kind not in "iu" or not np.isin(v, (0, 1)).all()):
+                raise TypeError(f"valid must be bools (or 0 and 1), not {v.dtype}")
+        v = np.array(v, dtype=bool)  # a copy: the caller's read buffers are the next request's
         if v.shape != (ids.shape[0],):
             raise ValueError(f"valid has shape {v.shape}; expected ({ids.shape[0]},)")
         self.valid = v
@@ -239,7 +245,8 @@ class RoutedExperts:
         signed ids dtype, dense layers filled with `dense`, MoE layers the ids
         (-1 in every MoE layer of a token that has no routing)."""
         info = np.iinfo(self.ids.dtype)
-        if not info.min <= int(dense) <= info.max:
+        dense = _integer("dense", dense)
+        if not info.min <= dense <= info.max:
             raise ValueError(f"dense is {dense}; the ids dtype {self.ids.dtype} holds [{info.min}, {info.max}]")
         tokens, _, top_k = self.shape
         out = np.full((tokens, self.num_hidden_layers, top_k), dense, dtype=self.ids.dtype)
@@ -285,6 +292,8 @@ class RoutedExperts:
         record, so a record read and written again is the same bytes), None
         (leave out), or the dtype to store them in ("f32", "bf16", "f16", or the
         NumPy / torch dtype), converted by the library."""
+        if not isinstance(packed, (bool, np.bool_)):  # "no" would be truthy
+            raise TypeError(f"packed must be a bool, not {type(packed).__name__}")
         stored: Optional[WeightDtype] = None
         keep = isinstance(weights, str) and weights == "keep"
         if weights is not None and not keep:  # checked whether or not this routing holds weights

@@ -441,3 +441,20 @@ def test_a_record_read_and_written_again_is_the_same_bytes_bfloat16_weights_too(
     assert RoutedExperts.concat(halves).to_bytes() == r.to_bytes(weights="bf16")  # the pieces' dtype kept
     assert len(RoutedExperts.from_bytes(r.to_bytes(weights="bf16")).to_bytes(weights="f32")) > \
         len(r.to_bytes(weights="bf16"))  # asked for float32, written as float32
+
+
+def test_flags_layers_and_fill_values_are_taken_as_what_they_say_never_cast():
+    ids = np.zeros((2, 2, 1), dtype=np.int32)
+    with pytest.raises(TypeError, match="layers must be a sequence of ints, not of bools"):
+        RoutedExperts(ids, 4, layers=[True, 2])
+    with pytest.raises(TypeError, match="valid must be bools"):
+        RoutedExperts(ids, 4, valid=["no", "no"])
+    with pytest.raises(TypeError, match="valid must be bools"):
+        RoutedExperts(ids, 4, valid=[0.5, 1.0])
+    assert RoutedExperts(ids, 4, valid=[1, 0]).valid.tolist() == [True, False]
+    routed = RoutedExperts(ids, 4, valid=np.array([True, False]))
+    with pytest.raises(TypeError, match="packed must be a bool, not str"):
+        routed.to_bytes(packed="no")
+    assert routed.to_bytes(packed=np.True_) == routed.to_bytes()
+    with pytest.raises(TypeError, match="dense must be an int, not float"):
+        routed.all_layers(dense=1.5)
