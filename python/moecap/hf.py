@@ -679,9 +679,12 @@ class _Runner:
         self.pending = {}  # block id -> (ids, weights) waiting for the shared gate
         self.ops = _compile_ops(capturer) if stream is None else None
         self.captured_at = {}  # layer -> the capturer's commit count at its last eager capture
+        self.warned = False
 
     def deliver(self, layer, ids, weights):
         import torch
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            return  # gradient checkpointing recomputes the forward in the backward: its routing was captured
         if ids is None:  # an idle rank: zero rows, on the device the layer's routing lives on
             device = next(layer.router.parameters(), torch.empty(0)).device
             ids = torch.empty((0, self.top_k + self.shared_column), dtype=torch.int64, device=device)
@@ -701,13 +704,12 @@ class _Runner:
 
     def _warn_if_uncommitted(self, index):
         """A layer captured twice with no commit between overwrites the first
-        forward's rows (generate() without GenerationRecorder). Not in a
-        backward: gradient checkpointing recomputes the forward there."""
-        import torch
+        forward's rows (generate() without GenerationRecorder). Once per attach."""
         commits = getattr(self.capturer, "_commits", None)
         if commits is None:
             return
-        if self.captured_at.get(index) == commits and torch._C._current_graph_task_id() == -1:
+        if self.captured_at.get(index) == commits and not self.warned:
+            self.warned = True
             warnings.warn(f"moecap.hf: MoE layer {index} captured again with no commit since its last capture, so "
                           "this forward's rows overwrite the last one's: commit each forward's rows (with "
                           "model.generate(), pass logits_processor=[moecap.hf.GenerationRecorder(...)])",
@@ -793,13 +795,13 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
 
 
 class GenerationRecorder:
-    """A logits processor that commits every forward of ``model.generate()``
-    and reads each sequence's routing back::
+    """A logits processor that commits every forward of one ``model.generate()``
+    call and reads each sequence's routing back::
 
         handle = moecap.hf.attach(model, capturer)
         with moecap.hf.GenerationRecorder(model, capturer, attention_mask) as recorder:
             out = model.generate(input_ids, attention_mask=attention_mask, logits_processor=[recorder])
-        routed = recorder.routed(0)   # row 0's real tokens but the last, from position 0
+        routed = recorder.routed(0)   # row 0's real tokens but the last
 
     generate() runs one forward per new token, and a capturer keeps one step's
     rows until a commit: the next forward's captures would overwrite them.
@@ -807,13 +809,17 @@ class GenerationRecorder:
     and it commits that forward's rows: row b's position p to slot
     ``b * (host_slots // batch) + p``, padding to -1 (a forward pre-hook on
     `model` counts the tokens each forward takes). `attention_mask` is the
-    prompt's ``[batch, prompt_len]`` mask (left or right padded).
+    ``[batch, prompt_len]`` mask of the input_ids (or inputs_embeds) given to
+    generate, left or right padded.
 
-    For greedy decoding and sampling, with a dynamic or static cache or
-    none. Refused with a ValueError: more than one sequence per prompt row
-    (beam search, num_return_sequences > 1: repeat the prompt rows instead),
-    and decoding that runs other than one forward between two calls (assisted
-    generation, chunked prefill). One process: no attention-DP gather.
+    For greedy decoding and sampling, with a dynamic or static cache or none,
+    and from a cache that already holds the sequence's start (a conversation's
+    next turn: the routing then starts at the first position forwarded). One
+    recorder per generate() call. Refused with a ValueError: more than one
+    sequence per prompt row (beam search, num_return_sequences > 1: repeat the
+    prompt rows instead), decoding that runs other than one forward between
+    two calls (assisted generation, chunked prefill), and a second generate()
+    call. One process: no attention-DP gather.
     """
 
     def __init__(self, model: torch.nn.Module, capturer: Capturer, attention_mask: Any) -> None:
@@ -829,9 +835,9 @@ class GenerationRecorder:
         self._per_row = host_slots // max(self._batch, 1)
         self.capturer = capturer
         self._table = RequestTable(capturer)
-        for row in range(self._batch):
-            self._table.start(row, 0)
-        self._recorded = 0  # columns whose slots the table holds
+        self._recorded: Optional[int] = None  # positions forwarded so far; None before the first call
+        self._offset = 0  # prompt positions input_ids leaves out (a prompt given as inputs_embeds)
+        self._read: set[int] = set()  # rows routed() returned
         self._forwards: list[int] = []  # tokens per row of each forward since the last call
         self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
 
@@ -846,15 +852,26 @@ class GenerationRecorder:
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import numpy as np
         forwards, self._forwards = self._forwards, []
-        batch, length = int(input_ids.shape[0]), int(input_ids.shape[1])
+        batch, length = int(input_ids.shape[0]), int(input_ids.shape[1]) + self._offset
+        first_call = self._recorded is None
+        if first_call and len(forwards) == 1 and length == 0:
+            # input_ids hold only the tokens generated so far: the prompt went in as inputs_embeds.
+            self._offset = self._mask.shape[1]
+            length = self._offset
         refused = None
-        if batch != self._batch:
+        if self._read:
+            refused = ValueError("GenerationRecorder: routed() was called; a recorder records one generate() call")
+        elif batch != self._batch:
             refused = ValueError(f"GenerationRecorder: generate runs {batch} sequences for {self._batch} prompt "
                                  "rows; it records one sequence per row (no beam search, num_return_sequences=1: "
                                  "repeat the prompt rows instead)")
         elif len(forwards) != 1:
             refused = ValueError(f"GenerationRecorder: {len(forwards)} forwards since the last call; it records "
                                  "generate's one forward per new token (not assisted generation or chunked prefill)")
+        elif forwards[0] > length or (not first_call and length != self._recorded + 1):
+            refused = ValueError(f"GenerationRecorder: a forward of {forwards[0]} tokens up to position {length - 1} "
+                                 f"after {self._recorded} positions; a recorder records one generate() call: make "
+                                 "a new one for each")
         elif length > self._per_row:
             refused = MoecapError(Status.CAPACITY, f"GenerationRecorder: position {length - 1} of {self._batch} "
                                   f"rows needs host_slots >= {self._batch * length}; host_slots is "
@@ -868,27 +885,40 @@ class GenerationRecorder:
         real = np.ones((batch, positions.size), dtype=bool)
         in_prompt = positions < prompt
         real[:, in_prompt] = self._mask[:, positions[in_prompt]]
+        if first_call:  # a cache may hold the start: each row's routing starts at its first position forwarded
+            for row in range(batch):
+                self._table.start(row, int(self._mask[row, :positions[0]].sum()))
+            self._recorded = int(positions[0])
         slots = np.where(real, np.arange(batch)[:, None] * self._per_row + positions[None, :], -1)
         self.capturer.commit(slots.reshape(-1))
         new = positions >= self._recorded  # a forward without the cache takes every position again
         for row in range(batch):
             self._table.append(row, slots[row, new & real[row]])
-        self._recorded = max(self._recorded, length)
+        self._recorded = length
         return scores
 
     def routed(self, row: int, num_tokens: Optional[int] = None) -> RoutedExperts:
-        """Row `row`'s routing: its real tokens from position 0 (left padding
-        left out), the last sampled one excepted (it never went through a
-        forward). num_tokens: the sequence's length where it ended before the
-        batch did (at its EOS), so the pad tokens generate forwarded after it
-        are left out. Its slots are invalidated: one call per row."""
+        """Row `row`'s routing: its real tokens (left padding left out) from
+        its first position forwarded (0, but past a cache generate was given),
+        the last sampled one excepted (it never went through a forward).
+        num_tokens: the sequence's length where it ended before the batch did
+        (at its EOS), so the pad tokens generate forwarded after it are left
+        out. Its slots are invalidated: one call per row."""
         from .record import RoutedExperts
+        if row in self._read:
+            raise ValueError(f"routed({row}) was called already; its slots were invalidated then")
+        if self._recorded is None or not 0 <= row < self._batch:
+            raise ValueError(f"row {row} has no routing: generate() has not called the recorder, or row is not in "
+                             f"[0, {self._batch})")
         routed = self._table.finish(row)
+        self._read.add(row)
         if num_tokens is None:
             return routed
-        if not 1 <= num_tokens <= routed.shape[0] + 1:
-            raise ValueError(f"num_tokens is {num_tokens}; row {row} has {routed.shape[0] + 1} tokens")
-        n = num_tokens - 1
+        total = routed.start + routed.shape[0] + 1
+        if not routed.start + 1 <= num_tokens <= total:
+            raise ValueError(f"num_tokens is {num_tokens}; row {row} has tokens up to {total} and its routing "
+                             f"starts at {routed.start}")
+        n = num_tokens - 1 - routed.start
         return RoutedExperts(routed.ids[:n], routed.num_experts,
                              weights=None if routed.weights is None else routed.weights[:n],
                              valid=routed.valid[:n], start=routed.start, layers=routed.layers,

@@ -990,11 +990,59 @@ def test_a_forward_whose_rows_were_never_committed_is_warned_of_at_the_next_capt
             model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
         cap.commit(np.full(3, -1))
         with warnings.catch_warnings():
-            warnings.simplefilter("error")
+            warnings.simplefilter("error", hf.UncommittedCaptureWarning)
             for _ in range(2):  # a forward, a commit: no warning
                 with torch.no_grad():
                     model(torch.tensor([[1, 2, 3]]))
                 cap.commit(np.arange(3))
-            model.gradient_checkpointing_enable()
             model.train()
-            model(torch.tensor([[1, 2, 3]])).logits.sum().backward()  # recomputed in the backward
+            for reentrant in (False, True):  # the backward recomputes the forward and captures nothing
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+                for _ in range(2):
+                    loss = model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss
+                    cap.commit(np.arange(3))
+                    before = cap.read(np.arange(3))
+                    loss.backward()
+                    cap.commit(np.arange(3, 6))  # nothing captured since the last commit: no routing
+                    assert (cap.read(np.arange(3, 6)) == -1).all() and np.array_equal(cap.read(np.arange(3)), before)
+    with hf.attach(model, cap), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.eval()
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert len([w for w in caught if w.category is hf.UncommittedCaptureWarning]) == 1  # once, not per layer
+
+
+def test_generate_from_a_cache_records_the_positions_it_forwards_and_a_recorder_records_one_call():
+    model = hf_serving.build(config_or_skip("mixtral"))
+    cap = generation_capturer(model)
+    with hf.attach(model, cap):
+        ids = torch.tensor([[1, 2, 3, 4, 5]])
+        with hf.GenerationRecorder(model, cap, torch.ones_like(ids)) as recorder:
+            out = model.generate(ids, logits_processor=[recorder], pad_token_id=0, max_new_tokens=3,
+                                 do_sample=False, return_dict_in_generate=True)
+            turn1 = recorder.routed(0)
+            with pytest.raises(ValueError, match="routed\(0\) was called already"):
+                recorder.routed(0)
+            with pytest.raises(ValueError, match="routed\(\) was called; a recorder records one generate"):
+                model.generate(ids, logits_processor=[recorder], pad_token_id=0, max_new_tokens=2, do_sample=False)
+        # The next turn: 7 positions in the cache, the new tokens and the answer forwarded.
+        ids2 = torch.cat([out.sequences, torch.tensor([[9, 10]])], 1)
+        with hf.GenerationRecorder(model, cap, torch.ones_like(ids2)) as recorder:
+            out2 = model.generate(ids2, logits_processor=[recorder], pad_token_id=0, max_new_tokens=3,
+                                  do_sample=False, past_key_values=out.past_key_values)
+            with pytest.raises(ValueError, match="a recorder records one generate\(\) call: make a new one"):
+                model.generate(ids, logits_processor=[recorder], pad_token_id=0, max_new_tokens=2, do_sample=False)
+            turn2 = recorder.routed(0, num_tokens=out2.shape[1] - 1)
+        # Embeddings in, no input_ids: generate hands the recorder only the generated tokens.
+        with hf.GenerationRecorder(model, cap, torch.ones_like(ids)) as recorder:
+            model.generate(inputs_embeds=model.get_input_embeddings()(ids), logits_processor=[recorder],
+                           pad_token_id=0, max_new_tokens=3, do_sample=False)
+            embedded = recorder.routed(0)
+    truth = generation_capturer(model)
+    with hf.attach(model, truth), torch.no_grad():
+        model(out2[:, :-1], use_cache=False)
+    truth.commit(np.arange(out2.shape[1] - 1))
+    whole = truth.read(np.arange(out2.shape[1] - 1))
+    assert turn1.start == 0 and np.array_equal(turn1.ids, whole[:7])
+    assert turn2.start == 7 and turn2.shape[0] == out2.shape[1] - 9 and np.array_equal(turn2.ids, whole[7:-1])
+    assert embedded.start == 0 and np.array_equal(embedded.ids, whole[:7])
