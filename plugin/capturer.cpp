@@ -195,6 +195,11 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   // come in the device dtype, int16 by default; any other ids are int32/int64.
   const bool own_ids = ids != nullptr && ids->ndim == 2 && ids->shape != nullptr && ids->shape[1] == c.top_k &&
                        elem_of(ids->dtype) == plan_.device_id_elem && tensor_data(ids) == layer_ids;
+  if (!own_ids && ids != nullptr && elem_of(ids->dtype) == plan_.device_id_elem && plan_.device_id_elem != kI32) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "topk_ids has dtype ", elem_name(plan_.device_id_elem),
+         ", the device dtype, which capture takes only as exactly the layer's own rows in place (rows [0, n) of "
+         "its layer view); other ids are int32 or int64");
+  }
   const int32_t ids_elem = own_ids ? check_tensor(ids, {"topk_ids", {plan_.device_id_elem}, 2})
                                    : check_tensor(ids, {"topk_ids", {kI32, kI64}, 2});
   require_kernel_readable(ids, "topk_ids");
@@ -231,7 +236,7 @@ void Capturer::capture(int32_t layer, const DLTensor* ids, const DLTensor* weigh
   p.dst_weights = weights_elem >= 0 ? device_block_ + device_weights_.offset + layer_offset * plan_.weight_bytes
                                     : nullptr;
   const bool as_stored = cols == c.top_k;
-  require_outside_device_block(ids, "topk_ids", own_ids ? p.dst_ids : nullptr);
+  require_outside_device_block(ids, "topk_ids", as_stored && ids_elem == plan_.device_id_elem ? p.dst_ids : nullptr);
   if (weights_elem >= 0) {
     require_outside_device_block(weights, "topk_weights",
                                  as_stored && weights_elem == plan_.weight_elem ? p.dst_weights : nullptr);
