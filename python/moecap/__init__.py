@@ -150,8 +150,8 @@ class _Fields(Mapping):
             return dict(self) == dict(other)
         return NotImplemented
 
-    def __hash__(self) -> int:
-        return hash((type(self), tuple(self.values())))
+    def __hash__(self) -> int:  # by items, as a hashable mapping equal to this one hashes (frozendict's rule)
+        return hash(frozenset(self.items()))
 
     @classmethod
     def _names(cls) -> tuple[str, ...]:

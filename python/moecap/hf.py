@@ -829,6 +829,9 @@ class GenerationRecorder:
         mask = attention_mask.detach().cpu().numpy() if hasattr(attention_mask, "detach") else np.asarray(attention_mask)
         if mask.ndim != 2:
             raise ValueError(f"attention_mask has shape {mask.shape}; expected the prompt's [batch, prompt_len]")
+        if int(capturer.config["dp_size"]) != 1:
+            raise ValueError(f"GenerationRecorder: the capturer has dp_size {capturer.config['dp_size']}; it "
+                             "commits a generate() batch of one process (rows [0, batch * tokens)), dp_size 1")
         self._mask = mask.astype(bool)
         self._batch = mask.shape[0]
         host_slots = int(capturer.config["host_slots"])
@@ -836,6 +839,7 @@ class GenerationRecorder:
         self.capturer = capturer
         self._table = RequestTable(capturer)
         self._recorded: Optional[int] = None  # positions forwarded so far; None before the first call
+        self._starts: list[int] = []  # each row's first position forwarded (its real tokens before it)
         self._offset = 0  # prompt positions input_ids leaves out (a prompt given as inputs_embeds)
         self._read: set[int] = set()  # rows routed() returned
         self._forwards: list[int] = []  # tokens per row of each forward since the last call
@@ -886,8 +890,9 @@ class GenerationRecorder:
         in_prompt = positions < prompt
         real[:, in_prompt] = self._mask[:, positions[in_prompt]]
         if first_call:  # a cache may hold the start: each row's routing starts at its first position forwarded
+            self._starts = [int(self._mask[row, :positions[0]].sum()) for row in range(batch)]
             for row in range(batch):
-                self._table.start(row, int(self._mask[row, :positions[0]].sum()))
+                self._table.start(row, self._starts[row])
             self._recorded = int(positions[0])
         slots = np.where(real, np.arange(batch)[:, None] * self._per_row + positions[None, :], -1)
         self.capturer.commit(slots.reshape(-1))
@@ -904,21 +909,26 @@ class GenerationRecorder:
         num_tokens: the sequence's length where it ended before the batch did
         (at its EOS), so the pad tokens generate forwarded after it are left
         out. Its slots are invalidated: one call per row."""
+        from . import _integer
         from .record import RoutedExperts
+        row = _integer("row", row)
         if row in self._read:
             raise ValueError(f"routed({row}) was called already; its slots were invalidated then")
         if self._recorded is None or not 0 <= row < self._batch:
             raise ValueError(f"row {row} has no routing: generate() has not called the recorder, or row is not in "
                              f"[0, {self._batch})")
+        start = self._starts[row]
+        total = start + len(self._table.slots(row)) + 1
+        if num_tokens is not None:  # checked before the read, which frees the row's slots
+            num_tokens = _integer("num_tokens", num_tokens)
+            if not start + 1 <= num_tokens <= total:
+                raise ValueError(f"num_tokens is {num_tokens}; row {row} has {total} tokens and its routing starts "
+                                 f"at position {start}")
         routed = self._table.finish(row)
         self._read.add(row)
         if num_tokens is None:
             return routed
-        total = routed.start + routed.shape[0] + 1
-        if not routed.start + 1 <= num_tokens <= total:
-            raise ValueError(f"num_tokens is {num_tokens}; row {row} has tokens up to {total} and its routing "
-                             f"starts at {routed.start}")
-        n = num_tokens - 1 - routed.start
+        n = num_tokens - 1 - start
         return RoutedExperts(routed.ids[:n], routed.num_experts,
                              weights=None if routed.weights is None else routed.weights[:n],
                              valid=routed.valid[:n], start=routed.start, layers=routed.layers,

@@ -252,9 +252,16 @@ class CapturerOps:
 # Checks the methods above make before the op, in terms Dynamo folds to constants (a traced int may be a
 # SymInt, which _integer would specialize; a fake tensor reports the device it stands for).
 def _refuse_bool(name: str, value: Any) -> None:
-    """The ops' int schema takes True as 1 and fails on floats and strings with the dispatcher's
-    RuntimeError, where the capturer's calls raise TypeError naming the argument."""
-    if isinstance(value, (bool, float, complex, str, bytes)):
+    """What the capturer's calls refuse as an int (a TypeError naming the argument), refused before the
+    op's int schema, which takes True (and NumPy's floats and bools) as 1 or fails with the dispatcher's
+    RuntimeError: anything without __index__, bools of any library, non-integer tensors."""
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        return
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int, not a {value.dtype} tensor")
+        return
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_") or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
 
 

@@ -66,8 +66,8 @@ int32_t as_int32(int64_t value, const char* function, const char* name);
 
 // An integer argument: taken as an object, so that int_argument (not
 // nanobind's int caster, which takes True as 1 and answers 2.0 or 2**64 with
-// a TypeError naming no argument) checks it. `int` in the generated stubs
-// (None is still refused by nanobind's own TypeError, as for any `int`).
+// a TypeError naming no argument) checks it. `typing.SupportsIndex` in the
+// generated stubs (None is still refused by nanobind's own TypeError).
 class Index : public nb::object {
   NB_OBJECT_DEFAULT(Index, nb::object, "typing.SupportsIndex", any_object)
 };

@@ -57,8 +57,11 @@ void keep_alive(nb::list* holder, const Borrowed& a, const Borrowed& b) {
 
 class Graph {
  public:
-  Graph(moecap_graph* graph, nb::list keep, int32_t device_type, int32_t device_id)
-      : graph_(graph), keep_(std::move(keep)), device_type_(device_type), device_id_(device_id) {}
+  // commits: the capturer's count of commits, where the graph holds one (each launch is one more).
+  Graph(moecap_graph* graph, nb::list keep, int32_t device_type, int32_t device_id,
+        std::shared_ptr<uint64_t> commits)
+      : graph_(graph), keep_(std::move(keep)), device_type_(device_type), device_id_(device_id),
+        commits_(std::move(commits)) {}
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
   ~Graph() { moecap_graph_destroy(graph_); }
@@ -66,6 +69,7 @@ class Graph {
   void launch(nb::handle stream) {
     void* s = resolve_stream(stream, device_type_, device_id_);
     check(moecap_graph_launch(live(), s));
+    if (commits_) ++*commits_;
   }
   uintptr_t native() {
     void* cu_graph = nullptr;
@@ -98,6 +102,7 @@ class Graph {
   }
   moecap_graph* graph_;
   nb::list keep_;
+  std::shared_ptr<uint64_t> commits_;
   int32_t device_type_, device_id_;
 };
 
@@ -180,7 +185,11 @@ class Capturer {
       status = moecap_commit(h, &args, s);
     }
     check(status, {{"args->", ""}});
-    ++commits_;
+    if (recording_on_) {
+      recorded_commit_ = true;  // it runs at each launch of the graph
+    } else {
+      ++*commits_;
+    }
     keep_alive(held(), slots, rows);
   }
 
@@ -351,6 +360,7 @@ class Capturer {
     check(moecap_graph_begin(live(), s));
     recording_ = std::move(fresh);
     recording_on_ = true;
+    recorded_commit_ = false;
   }
 
   Graph* graph_end() {
@@ -365,7 +375,7 @@ class Capturer {
       recording_ = std::move(fresh);
       recording_on_ = false;
     }
-    return new Graph(graph, std::move(keep), device_type_, device_id_);
+    return new Graph(graph, std::move(keep), device_type_, device_id_, recorded_commit_ ? commits_ : nullptr);
   }
 
   // Waits for calls in progress on other threads (they released the GIL),
@@ -421,7 +431,7 @@ class Capturer {
   }
   int32_t device_type() const { return device_type_; }
   int32_t device_id() const { return device_id_; }
-  uint64_t commits() const { return commits_; }
+  uint64_t commits() const { return *commits_; }
 
  private:
   moecap_capturer* live() {
@@ -441,7 +451,9 @@ class Capturer {
   int in_flight_ = 0;     // calls between InFlight's constructor and destructor (the GIL guards it)
   int recordable_in_flight_ = 0;  // ... of them, commits and invalidations
   int graph_waiting_ = 0;         // graph_begin / graph_end waiting for those: new ones wait
-  uint64_t commits_ = 0;          // commit calls that returned OK through this object (moecap.hf reads it)
+  // Commits that returned OK through this object or a graph of its recording (moecap.hf reads it).
+  std::shared_ptr<uint64_t> commits_ = std::make_shared<uint64_t>(0);
+  bool recorded_commit_ = false;  // the graph being recorded holds a commit
   bool closing_ = false;  // close() waits for in_flight_: no new calls
   int32_t device_type_, device_id_;
   nb::list recording_;
@@ -681,6 +693,6 @@ NB_MODULE(_moecap, m) {
       .def_prop_ro("device_type", &Capturer::device_type)
       .def_prop_ro("device_id", &Capturer::device_id)
       .def_prop_ro("_commits", &Capturer::commits,
-                   "Commit calls that returned OK through this object: moecap.hf tells a forward whose rows "
-                   "were never committed by it.");
+                   "Commits that returned OK through this object or a graph it recorded: moecap.hf tells a "
+                   "forward whose rows were never committed by it.");
 }

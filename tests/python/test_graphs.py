@@ -84,3 +84,23 @@ def test_graph_begin_and_end_go_on_while_other_threads_commit_and_invalidate_wit
             w.join(timeout=60)
         assert done == 20, f"{done} of 20 graphs in {time.monotonic() - started:.0f} s while the others ran"
         assert not errors and min(calls) > 0, (errors, calls)
+
+
+def test_the_commits_a_capturer_counts_include_each_launch_of_a_recorded_commit():
+    """moecap.hf tells a forward whose rows nobody committed by this count."""
+    cap = moecap.Capturer(num_layers=1, top_k=1, num_experts=4, host_slots=8, max_running_requests=2)
+    slots = np.array([1])
+    cap.commit(slots)
+    assert cap._commits == 1
+    cap.graph_begin()
+    cap.commit(slots)
+    graph = cap.graph_end()
+    assert cap._commits == 1  # recorded, not run
+    graph.launch()
+    graph.launch()
+    assert cap._commits == 3
+    cap.graph_begin()
+    cap.invalidate(slots)
+    no_commit = cap.graph_end()
+    no_commit.launch()
+    assert cap._commits == 3

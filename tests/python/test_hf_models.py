@@ -973,6 +973,9 @@ def test_generate_refuses_what_the_recorder_cannot_map_to_one_sequence_per_row()
             with hf.GenerationRecorder(model, cap, mask) as recorder, pytest.raises(ValueError, match=error):
                 model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
                                logits_processor=[recorder], **options)
+    dp2 = moecap.Capturer(generation_capturer(model).config, dp_size=2)
+    with pytest.raises(ValueError, match="the capturer has dp_size 2; it commits a generate\\(\\) batch of one"):
+        hf.GenerationRecorder(model, dp2, mask)
     small = generation_capturer(model, host_slots=4)
     with hf.attach(model, small), hf.GenerationRecorder(model, small, mask) as recorder:
         with pytest.raises(moecap.MoecapError, match="needs host_slots >= 5; host_slots is 4"):
@@ -1020,6 +1023,10 @@ def test_generate_from_a_cache_records_the_positions_it_forwards_and_a_recorder_
         with hf.GenerationRecorder(model, cap, torch.ones_like(ids)) as recorder:
             out = model.generate(ids, logits_processor=[recorder], pad_token_id=0, max_new_tokens=3,
                                  do_sample=False, return_dict_in_generate=True)
+            for bad, error in ((0, "num_tokens is 0; row 0 has 8 tokens"), (9, "num_tokens is 9"),
+                               (2.0, "num_tokens must be an int, not float"), (True, "must be an int, not bool")):
+                with pytest.raises((ValueError, TypeError), match=error):
+                    recorder.routed(0, num_tokens=bad)  # refused before the read that frees the row
             turn1 = recorder.routed(0)
             with pytest.raises(ValueError, match="routed\(0\) was called already"):
                 recorder.routed(0)

@@ -325,6 +325,10 @@ def test_the_ops_refuse_what_the_capturers_calls_refuse_before_the_dispatcher_se
         ops.capture(1.0, ids, torch.ones(1, TOP_K))  # the dispatcher's own refusal is a RuntimeError
     with pytest.raises(TypeError, match="src_start must be an int, not str"):
         ops.commit(torch.tensor([5]), "0")
+    for bad, kind in ((np.float32(1.7), "float32"), (np.True_, "bool"), (torch.tensor(1.0), "torch.float32 tensor"),
+                      (torch.tensor(True), "torch.bool tensor")):
+        with pytest.raises(TypeError, match=f"layer must be an int, not (a )?{kind}"):
+            ops.capture(bad, ids, torch.ones(1, TOP_K))  # the schema took np.float32(1.7) as layer 1
     meta = torch.empty(1, TOP_K, dtype=torch.int32, device="meta")
     for call, name in ((lambda: ops.capture(0, meta, torch.ones(1, TOP_K)), "moecap_capture: topk_ids"),
                        (lambda: ops.commit(torch.tensor([5], device="meta")), "moecap_commit: dst_slots"),
