@@ -680,6 +680,10 @@ class _Runner:
         self.ops = _compile_ops(capturer) if stream is None else None
         self.captured_at = {}  # layer -> the capturer's commit count at its last eager capture
         self.warned = False
+        import torch
+        # Traced code calls the extension through this: a graph break, then the call runs eagerly (Dynamo
+        # would call the extension's method itself, and miss its self).
+        self.capture_outside_graph = torch.compiler.disable(self.capture)
 
     def deliver(self, layer, ids, weights):
         import torch
@@ -698,9 +702,14 @@ class _Runner:
         # without ops, stays the extension's call, where Dynamo breaks the graph.
         if self.ops is not None and torch.compiler.is_compiling():
             self.ops.capture(layer.index, ids, weights)
+        elif torch.compiler.is_compiling():
+            self.capture_outside_graph(layer.index, ids, weights)
         else:
-            self._warn_if_uncommitted(layer.index)
-            self.capturer.capture(layer.index, ids, weights, stream=self.stream)
+            self.capture(layer.index, ids, weights)
+
+    def capture(self, index, ids, weights):
+        self._warn_if_uncommitted(index)
+        self.capturer.capture(index, ids, weights, stream=self.stream)
 
     def _warn_if_uncommitted(self, index):
         """A layer captured twice with no commit between overwrites the first

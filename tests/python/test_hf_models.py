@@ -770,6 +770,20 @@ def test_an_attached_model_compiles_without_graph_breaks_and_captures_what_eager
     assert (want[1][want[0] != skip] > 0).all()
 
 
+def test_hooks_capturing_on_a_stream_of_their_own_break_a_compiled_graph_and_capture_what_eager_does():
+    """attach(stream=...) keeps the extension's call, which Dynamo cannot trace:
+    the hooks call it across a graph break (Dynamo called it without its self)."""
+    model = hf_serving.build(config_or_skip("mixtral"))
+    cap = generation_capturer(model)
+    tokens = torch.randint(3, hf_serving.VOCAB, (1, 6))
+    with hf.attach(model, cap, stream=0), torch.no_grad():
+        model(tokens)
+        cap.commit(np.arange(6))
+        torch.compile(model, backend="eager")(tokens)
+        cap.commit(np.arange(6, 12))
+    assert np.array_equal(cap.read(np.arange(6, 12), strict=True), cap.read(np.arange(6), strict=True))
+
+
 def test_a_detached_capturer_is_freed_without_the_garbage_collector():
     """Neither attach's own custom ops nor a compiled forward through them
     leave the capturer holding itself."""
