@@ -102,8 +102,8 @@ class Graph {
   }
   moecap_graph* graph_;
   nb::list keep_;
-  std::shared_ptr<uint64_t> commits_;
   int32_t device_type_, device_id_;
+  std::shared_ptr<uint64_t> commits_;
 };
 
 class Capturer {
