@@ -850,7 +850,6 @@ class GenerationRecorder:
         self._recorded: Optional[int] = None  # positions forwarded so far; None before the first call
         self._starts: list[int] = []  # each row's first position forwarded (its real tokens before it)
         self._offset = 0  # prompt positions input_ids leaves out (a prompt given as inputs_embeds)
-        self._read: set[int] = set()  # rows routed() returned
         self._forwards: list[int] = []  # tokens per row of each forward since the last call
         self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
 
@@ -872,7 +871,7 @@ class GenerationRecorder:
             self._offset = self._mask.shape[1]
             length = self._offset
         refused = None
-        if self._read:
+        if not first_call and len(self._table) < self._batch:  # routed() took a row out of the table
             refused = ValueError("GenerationRecorder: routed() was called; a recorder records one generate() call")
         elif batch != self._batch:
             refused = ValueError(f"GenerationRecorder: generate runs {batch} sequences for {self._batch} prompt "
@@ -921,11 +920,11 @@ class GenerationRecorder:
         from . import _integer
         from .record import RoutedExperts
         row = _integer("row", row)
-        if row in self._read:
-            raise ValueError(f"routed({row}) was called already; its slots were invalidated then")
         if self._recorded is None or not 0 <= row < self._batch:
             raise ValueError(f"row {row} has no routing: generate() has not called the recorder, or row is not in "
                              f"[0, {self._batch})")
+        if row not in self._table:
+            raise ValueError(f"routed({row}) was called already; its slots were invalidated then")
         start = self._starts[row]
         total = start + len(self._table.slots(row)) + 1
         if num_tokens is not None:  # checked before the read, which frees the row's slots
@@ -934,7 +933,6 @@ class GenerationRecorder:
                 raise ValueError(f"num_tokens is {num_tokens}; row {row} has {total} tokens and its routing starts "
                                  f"at position {start}")
         routed = self._table.finish(row)
-        self._read.add(row)
         if num_tokens is None:
             return routed
         n = num_tokens - 1 - start

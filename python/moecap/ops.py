@@ -233,13 +233,13 @@ class CapturerOps:
         return index
 
     def capture(self, layer: int, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor] = None) -> None:
-        _refuse_bool("layer", layer)
+        _refuse_non_int("layer", layer)
         _refuse_meta("capture", "topk_ids", topk_ids, "topk_weights", topk_weights)
         torch.ops.moecap.capture(self.device_ids, self.device_weights, self.id, layer, topk_ids, topk_weights,
                                  self.histogram)
 
     def commit(self, dst_slots: torch.Tensor, src_start: int = 0, src_rows: Optional[torch.Tensor] = None) -> None:
-        _refuse_bool("src_start", src_start)
+        _refuse_non_int("src_start", src_start)
         _refuse_meta("commit", "dst_slots", dst_slots, "src_rows", src_rows)
         torch.ops.moecap.commit(self.host_ids, self.host_weights, self.host_states, self.device_ids,
                                 self.device_weights, self.id, dst_slots, src_start, src_rows)
@@ -251,7 +251,7 @@ class CapturerOps:
 
 # Checks the methods above make before the op, in terms Dynamo folds to constants (a traced int may be a
 # SymInt, which _integer would specialize; a fake tensor reports the device it stands for).
-def _refuse_bool(name: str, value: Any) -> None:
+def _refuse_non_int(name: str, value: Any) -> None:
     """What the capturer's calls refuse as an int (a TypeError naming the argument), refused before the
     op's int schema, which takes True (and NumPy's floats and bools) as 1 or fails with the dispatcher's
     RuntimeError: anything without __index__, bools of any library, non-integer tensors."""
