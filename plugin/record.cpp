@@ -2,8 +2,12 @@
 // The routing record (abi/moecap_record.h, docs/RECORD_FORMAT.md): encode and
 // decode in host memory. python/moecap/record.py calls these through the
 // binding.
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "base/status.h"
@@ -94,6 +98,292 @@ uint64_t get_code(const uint8_t* ids, const Layout& l, uint64_t i) {
   return (window >> (bit % 8)) & l.sentinel();
 }
 
+// --- Fast paths ---------------------------------------------------------------
+// The codec works in chunks of kChunk codes (a multiple of 8): each chunk's
+// codes are unpacked into (or packed from) a small uint32 scratch array by a
+// routine specialised for the code width, then checked or written by plain
+// typed loops that the compiler vectorises. get_code above stays the
+// definition (and the reference check_contents_reference below uses it).
+
+constexpr uint64_t kChunk = 2048;
+
+inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// Calls sink(j, code) for codes [first, first + n) of an id section of
+// width W, in order (first % 8 == 0, so the first code starts on a byte).
+// `avail` is how many bytes of the record follow `ids`: whole 8-byte loads
+// stay inside it.
+template <int W, class Sink>
+inline void for_codes(const uint8_t* ids, uint64_t first, uint64_t n, uint64_t avail, Sink&& sink) {
+  static_assert(W >= 1 && W <= 32, "code width");
+  const uint64_t at = first / 8 * W;  // 8 codes take exactly W bytes
+  const uint8_t* base = ids + at;
+  if constexpr (W == 8 || W == 16 || W == 32) {
+    using U = std::conditional_t<W == 8, uint8_t, std::conditional_t<W == 16, uint16_t, uint32_t>>;
+    for (uint64_t j = 0; j < n; ++j) {
+      U v;
+      std::memcpy(&v, base + j * sizeof(U), sizeof(U));
+      sink(j, static_cast<uint32_t>(v));
+    }
+    (void)avail;
+  } else {
+    constexpr uint64_t mask = (uint64_t{1} << W) - 1;
+    // Group g (codes 8g..8g+7) reads bytes [g*W, g*W + (W - 1) + 8).
+    const uint64_t left = avail - at;
+    uint64_t groups = n / 8;
+    const uint64_t safe = left >= static_cast<uint64_t>(W) + 7 ? (left - W - 7) / W + 1 : 0;
+    if (groups > safe) groups = safe;
+    for (uint64_t g = 0; g < groups; ++g) {
+      const uint8_t* q = base + g * W;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        sink(g * 8 + static_cast<uint64_t>(j), static_cast<uint32_t>((load_u64(q + (j * W) / 8) >> ((j * W) % 8)) & mask));
+      }
+    }
+    for (uint64_t j = groups * 8; j < n; ++j) {  // the last codes, byte by byte
+      const uint64_t bit = j * W;
+      uint64_t window = 0;
+      for (uint64_t b = bit / 8; b <= (bit + W - 1) / 8; ++b) window |= static_cast<uint64_t>(base[b]) << (8 * (b - bit / 8));
+      sink(j, static_cast<uint32_t>((window >> (bit % 8)) & mask));
+    }
+  }
+}
+
+template <int W>
+void unpack_codes(const uint8_t* ids, uint64_t first, uint64_t n, uint64_t avail, uint32_t* out) {
+  for_codes<W>(ids, first, n, avail, [out](uint64_t j, uint32_t c) { out[j] = c; });
+}
+
+// The largest (code + 1) mod 2^W: the sentinel counts 0, expert e counts
+// e + 1, so every code is an expert or the sentinel iff it is <= num_experts.
+template <int W>
+uint32_t top_code(const uint8_t* ids, uint64_t n, uint64_t avail) {
+  constexpr uint32_t mask = static_cast<uint32_t>((uint64_t{1} << W) - 1);
+  uint32_t top = 0;
+  for_codes<W>(ids, 0, n, avail, [&top](uint64_t, uint32_t c) {
+    const uint32_t x = (c + 1u) & mask;
+    top = x > top ? x : top;
+  });
+  return top;
+}
+
+// Ids of codes [0, n): -1 for the sentinel (codes checked, and Out holds every expert).
+template <int W, class Out>
+void decode_ids(const uint8_t* ids, uint64_t n, uint64_t avail, void* out) {
+  constexpr uint32_t sentinel = static_cast<uint32_t>((uint64_t{1} << W) - 1);
+  Out* o = static_cast<Out*>(out);
+  for_codes<W>(ids, 0, n, avail, [o](uint64_t j, uint32_t c) { o[j] = c == sentinel ? Out{-1} : static_cast<Out>(c); });
+}
+
+template <int W, int J>
+inline void pack_one(const uint32_t* codes, uint64_t* w) {
+  constexpr int bit = J * W, k = bit / 64, shift = bit % 64;
+  w[k] |= static_cast<uint64_t>(codes[J]) << shift;
+  if constexpr (shift + W > 64) w[k + 1] |= static_cast<uint64_t>(codes[J]) >> (64 - shift);
+}
+
+template <int W, size_t... J>
+inline void pack_group(const uint32_t* codes, uint64_t* w, std::index_sequence<J...>) {
+  (pack_one<W, static_cast<int>(J)>(codes, w), ...);
+}
+
+// codes[0, n) into an id section of width W from code `first` (first % 8 ==
+// 0). Every byte is written, whole bytes in order, the last one holding the
+// stream's zero padding (encode clears only the header and validity).
+template <int W>
+void pack_codes(const uint32_t* codes, uint64_t first, uint64_t n, uint8_t* ids) {
+  uint8_t* dst = ids + first / 8 * W;
+  if constexpr (W == 8 || W == 16 || W == 32) {
+    using U = std::conditional_t<W == 8, uint8_t, std::conditional_t<W == 16, uint16_t, uint32_t>>;
+    for (uint64_t j = 0; j < n; ++j) {
+      const U v = static_cast<U>(codes[j]);
+      std::memcpy(dst + j * sizeof(U), &v, sizeof(U));
+    }
+  } else {
+    // Whole groups: 8 codes fill exactly W bytes, assembled in up to four 64-bit words.
+    const uint64_t groups = n / 8;
+    for (uint64_t g = 0; g < groups; ++g) {
+      uint64_t w[4] = {0, 0, 0, 0};
+      pack_group<W>(codes + g * 8, w, std::make_index_sequence<8>{});
+      std::memcpy(dst + g * W, w, W);
+    }
+    dst += groups * W;
+    codes += groups * 8;
+    n -= groups * 8;
+    // The tail (the record's last codes), through a 64-bit buffer.
+    uint64_t buf = 0;
+    int bits = 0;
+    for (uint64_t j = 0; j < n; ++j) {
+      buf |= static_cast<uint64_t>(codes[j]) << bits;
+      bits += W;
+      if (bits >= 32) {
+        const uint32_t word = static_cast<uint32_t>(buf);
+        std::memcpy(dst, &word, 4);
+        dst += 4;
+        buf >>= 32;
+        bits -= 32;
+      }
+    }
+    for (; bits > 0; bits -= 8, buf >>= 8) *dst++ = static_cast<uint8_t>(buf);
+  }
+}
+
+using UnpackFn = void (*)(const uint8_t*, uint64_t, uint64_t, uint64_t, uint32_t*);
+using PackFn = void (*)(const uint32_t*, uint64_t, uint64_t, uint8_t*);
+
+template <size_t... I>
+constexpr std::array<UnpackFn, sizeof...(I)> unpack_table(std::index_sequence<I...>) {
+  return {&unpack_codes<static_cast<int>(I) + 1>...};
+}
+template <size_t... I>
+constexpr std::array<PackFn, sizeof...(I)> pack_table(std::index_sequence<I...>) {
+  return {&pack_codes<static_cast<int>(I) + 1>...};
+}
+constexpr auto kUnpack = unpack_table(std::make_index_sequence<32>{});
+
+using TopFn = uint32_t (*)(const uint8_t*, uint64_t, uint64_t);
+using DecodeIdsFn = void (*)(const uint8_t*, uint64_t, uint64_t, void*);
+template <size_t... I>
+constexpr std::array<TopFn, sizeof...(I)> top_table(std::index_sequence<I...>) {
+  return {&top_code<static_cast<int>(I) + 1>...};
+}
+// Rows int8, int16, int32, int64 (ids_out's dtypes).
+template <class Out, size_t... I>
+constexpr std::array<DecodeIdsFn, sizeof...(I)> decode_row(std::index_sequence<I...>) {
+  return {&decode_ids<static_cast<int>(I) + 1, Out>...};
+}
+constexpr auto kTop = top_table(std::make_index_sequence<32>{});
+constexpr std::array<std::array<DecodeIdsFn, 32>, 4> kDecodeIds = {
+    decode_row<int8_t>(std::make_index_sequence<32>{}), decode_row<int16_t>(std::make_index_sequence<32>{}),
+    decode_row<int32_t>(std::make_index_sequence<32>{}), decode_row<int64_t>(std::make_index_sequence<32>{})};
+constexpr auto kPack = pack_table(std::make_index_sequence<32>{});
+
+// Calls f(t, begin, end) for each token t's part [begin, end) of codes [i0, i1).
+template <class F>
+void for_token_runs(uint64_t i0, uint64_t i1, uint64_t row, F&& f) {
+  for (uint64_t i = i0; i < i1;) {
+    const uint64_t t = i / row;
+    const uint64_t end = (t + 1) * row < i1 ? (t + 1) * row : i1;
+    f(t, i, end);
+    i = end;
+  }
+}
+
+// Whether every code is an expert or the sentinel and every invalid token
+// holds only sentinels and zero weight bytes: check_contents_reference's
+// per-code conditions, answered without saying which one failed.
+bool codes_ok(const uint8_t* p, const Layout& l, uint64_t record_bytes) {
+  if (!(l.flags & MOECAP_RECORD_HAS_VALIDITY)) {  // every token valid: one pass, no scratch
+    return kTop[static_cast<size_t>(l.id_bits - 1)](p + l.ids_at, l.codes, record_bytes - l.ids_at) <=
+           static_cast<uint32_t>(l.num_experts);
+  }
+  const UnpackFn unpack = kUnpack[static_cast<size_t>(l.id_bits - 1)];
+  const uint32_t sentinel = static_cast<uint32_t>(l.sentinel());
+  const uint32_t experts = static_cast<uint32_t>(l.num_experts);
+  const uint64_t row = static_cast<uint64_t>(l.layers * l.top_k);
+  const uint64_t wbytes = l.weight_elem >= 0 ? static_cast<uint64_t>(elem_bytes(l.weight_elem)) : 0;
+  const uint8_t* ids = p + l.ids_at;
+  uint32_t codes[kChunk];
+  for (uint64_t i0 = 0; i0 < l.codes; i0 += kChunk) {
+    const uint64_t n = l.codes - i0 < kChunk ? l.codes - i0 : kChunk;
+    unpack(ids, i0, n, record_bytes - l.ids_at, codes);
+    // code + 1 wraps the sentinel to 0 (mod 2^W), an expert e to e + 1 <= experts: all fine iff the max is.
+    uint32_t top = 0;
+    for (uint64_t j = 0; j < n; ++j) {
+      const uint32_t x = (codes[j] + 1u) & sentinel;
+      top = x > top ? x : top;
+    }
+    if (top > experts) return false;
+    bool ok = true;
+    for_token_runs(i0, i0 + n, row, [&](uint64_t t, uint64_t b, uint64_t e) {
+      if (bit_set(p + l.validity_at, static_cast<int64_t>(t))) return;
+      uint32_t differ = 0;
+      for (uint64_t j = b; j < e; ++j) differ |= codes[j - i0] ^ sentinel;
+      uint8_t nonzero = 0;
+      const uint8_t* w = p + l.weights_at + b * wbytes;
+      for (uint64_t k = 0; k < (e - b) * wbytes; ++k) nonzero |= w[k];
+      if (differ != 0 || nonzero != 0) ok = false;
+    });
+    if (!ok) return false;
+  }
+  return true;
+}
+
+template <class Out>
+void write_ids(const uint32_t* codes, uint64_t n, uint32_t sentinel, Out* out) {
+  for (uint64_t j = 0; j < n; ++j) out[j] = codes[j] == sentinel ? Out{-1} : static_cast<Out>(codes[j]);
+}
+
+template <int32_t In>
+float load_weight(const uint8_t* p) {
+  if constexpr (In == kF32) {
+    uint32_t b;
+    std::memcpy(&b, p, 4);
+    return bits_float(b);
+  } else {
+    uint16_t b;
+    std::memcpy(&b, p, 2);
+    return In == kBF16 ? bf16_to_float(b) : f16_to_float(b);
+  }
+}
+
+// Weights of codes [0, n) from the record's (dtype In, at src) into out (dtype Out): 0 for "no expert".
+template <int32_t In, int32_t Out>
+void write_weights(const uint32_t* codes, uint64_t n, uint32_t sentinel, const uint8_t* src, void* out) {
+  constexpr uint64_t in_bytes = In == kF32 ? 4 : 2;
+  for (uint64_t j = 0; j < n; ++j) {
+    const float v = codes[j] == sentinel ? 0.0f : load_weight<In>(src + j * in_bytes);
+    store_float(out, Out, static_cast<int64_t>(j), v);
+  }
+}
+
+using WeightsFn = void (*)(const uint32_t*, uint64_t, uint32_t, const uint8_t*, void*);
+
+WeightsFn weights_fn(int32_t in, int32_t out) {
+  constexpr int32_t kF[3] = {kF32, kBF16, kF16};
+  static constexpr WeightsFn table[3][3] = {
+      {&write_weights<kF32, kF32>, &write_weights<kF32, kBF16>, &write_weights<kF32, kF16>},
+      {&write_weights<kBF16, kF32>, &write_weights<kBF16, kBF16>, &write_weights<kBF16, kF16>},
+      {&write_weights<kF16, kF32>, &write_weights<kF16, kBF16>, &write_weights<kF16, kF16>}};
+  int a = 0, b = 0;
+  while (kF[a] != in) ++a;
+  while (kF[b] != out) ++b;
+  return table[a][b];
+}
+
+// Decodes a record parse() accepted into outputs decode checked.
+void decode_codes(const uint8_t* p, uint64_t record_bytes, const Layout& l, uint8_t* ids_out, int32_t id_elem,
+                  uint8_t* weights_out, int32_t weight_elem) {
+  const UnpackFn unpack = kUnpack[static_cast<size_t>(l.id_bits - 1)];
+  const uint32_t sentinel = static_cast<uint32_t>(l.sentinel());
+  const WeightsFn weights = weight_elem >= 0 ? weights_fn(l.weight_elem, weight_elem) : nullptr;
+  const uint64_t in_bytes = weight_elem >= 0 ? static_cast<uint64_t>(elem_bytes(l.weight_elem)) : 0;
+  const uint64_t out_bytes = weight_elem >= 0 ? static_cast<uint64_t>(elem_bytes(weight_elem)) : 0;
+  const uint64_t id_bytes = static_cast<uint64_t>(elem_bytes(id_elem));
+  if (weights == nullptr) {  // ids alone: straight from the record, no scratch
+    const size_t row = id_elem == kI8 ? 0 : id_elem == kI16 ? 1 : id_elem == kI32 ? 2 : 3;
+    kDecodeIds[row][static_cast<size_t>(l.id_bits - 1)](p + l.ids_at, l.codes, record_bytes - l.ids_at, ids_out);
+    return;
+  }
+  uint32_t codes[kChunk];
+  for (uint64_t i0 = 0; i0 < l.codes; i0 += kChunk) {
+    const uint64_t n = l.codes - i0 < kChunk ? l.codes - i0 : kChunk;
+    unpack(p + l.ids_at, i0, n, record_bytes - l.ids_at, codes);
+    uint8_t* o = ids_out + i0 * id_bytes;
+    switch (id_elem) {
+      case kI8: write_ids(codes, n, sentinel, reinterpret_cast<int8_t*>(o)); break;
+      case kI16: write_ids(codes, n, sentinel, reinterpret_cast<int16_t*>(o)); break;
+      case kI32: write_ids(codes, n, sentinel, reinterpret_cast<int32_t*>(o)); break;
+      default: write_ids(codes, n, sentinel, reinterpret_cast<int64_t*>(o)); break;
+    }
+    if (weights != nullptr) weights(codes, n, sentinel, p + l.weights_at + i0 * in_bytes, weights_out + i0 * out_bytes);
+  }
+}
+
 void require_host(const DLTensor* t, const char* name) {
   if (!Backend::host_can_read(t->device)) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " is on ", device_name(t->device), "; expected host memory");
@@ -114,6 +404,40 @@ void check_last_position(int64_t start, int64_t tokens, const char* name) {
   if (tokens > 0 && start > INT64_MAX - (tokens - 1)) {
     fail(MOECAP_ERROR_INVALID_ARGUMENT, name, " is ", start, " with ", tokens,
          " tokens; the last token's position must be below 2^63");
+  }
+}
+
+template <class T>
+bool source_ids_ok_t(const T* ids, int64_t tokens, int64_t row, int64_t num_experts, const uint8_t* valid,
+                     bool* any_invalid) {
+  // v in [-1, num_experts) as two compares in T: the largest id T can hold is below num_experts or is T's max.
+  const T lo = -1;
+  const T hi = static_cast<T>(num_experts - 1 < std::numeric_limits<T>::max() ? num_experts - 1
+                                                                              : std::numeric_limits<T>::max());
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (valid != nullptr && valid[t] == 0) {
+      *any_invalid = true;
+      continue;
+    }
+    const T* r = ids + t * row;
+    T mn = r[0], mx = r[0];  // min / max reductions vectorise where a flag does not
+    for (int64_t j = 1; j < row; ++j) {
+      mn = r[j] < mn ? r[j] : mn;
+      mx = r[j] > mx ? r[j] : mx;
+    }
+    if (mn < lo || mx > hi) return false;
+  }
+  return true;
+}
+
+// Whether every id of a valid token is an expert or -1 (the loop in check_source, without naming which is not).
+bool source_ids_ok(const uint8_t* ids, int32_t elem, int64_t tokens, int64_t row, int64_t num_experts,
+                   const uint8_t* valid, bool* any_invalid) {
+  switch (elem) {
+    case kI8: return source_ids_ok_t(reinterpret_cast<const int8_t*>(ids), tokens, row, num_experts, valid, any_invalid);
+    case kI16: return source_ids_ok_t(reinterpret_cast<const int16_t*>(ids), tokens, row, num_experts, valid, any_invalid);
+    case kI32: return source_ids_ok_t(reinterpret_cast<const int32_t*>(ids), tokens, row, num_experts, valid, any_invalid);
+    default: return source_ids_ok_t(reinterpret_cast<const int64_t*>(ids), tokens, row, num_experts, valid, any_invalid);
   }
 }
 
@@ -157,6 +481,13 @@ Source check_source(const moecap_record_source* caller) {
   // Every id of a valid token must be an expert or -1; an invalid token's are ignored.
   const uint8_t* ids = tensor_data(s->ids);
   const int64_t row = l.layers * l.top_k;
+  bool any_invalid = false;
+  if (source_ids_ok(ids, out.id_elem, l.tokens, row, l.num_experts, out.valid, &any_invalid)) {
+    if (any_invalid) l.flags |= MOECAP_RECORD_HAS_VALIDITY;
+    l.place();
+    return out;
+  }
+  // Some id is out of range: the reference loop names the first one.
   for (int64_t t = 0; t < l.tokens; ++t) {
     if (!out.token_valid(t)) {
       l.flags |= MOECAP_RECORD_HAS_VALIDITY;
@@ -174,10 +505,36 @@ Source check_source(const moecap_record_source* caller) {
   return out;
 }
 
+// Codes of source ids [first, first + n) (of a valid token, checked): the id, or the sentinel for -1.
+template <class T>
+void source_codes_t(const T* ids, uint64_t n, uint32_t sentinel, uint32_t* out) {
+  for (uint64_t j = 0; j < n; ++j) out[j] = ids[j] < 0 ? sentinel : static_cast<uint32_t>(ids[j]);
+}
+
+void source_codes(const uint8_t* ids, int32_t elem, uint64_t first, uint64_t n, uint32_t sentinel, uint32_t* out) {
+  switch (elem) {
+    case kI8: return source_codes_t(reinterpret_cast<const int8_t*>(ids) + first, n, sentinel, out);
+    case kI16: return source_codes_t(reinterpret_cast<const int16_t*>(ids) + first, n, sentinel, out);
+    case kI32: return source_codes_t(reinterpret_cast<const int32_t*>(ids) + first, n, sentinel, out);
+    default: return source_codes_t(reinterpret_cast<const int64_t*>(ids) + first, n, sentinel, out);
+  }
+}
+
+// Weight bytes of codes [0, n) as given, 0 where the code is "no expert".
+template <class U>
+void copy_weights(const uint32_t* codes, uint64_t n, uint32_t sentinel, const uint8_t* in, uint8_t* out) {
+  for (uint64_t j = 0; j < n; ++j) {
+    U v;
+    std::memcpy(&v, in + j * sizeof(U), sizeof(U));
+    v = codes[j] == sentinel ? U{0} : v;
+    std::memcpy(out + j * sizeof(U), &v, sizeof(U));
+  }
+}
+
 void encode(const Source& src, uint8_t* out) {
   const moecap_record_source* s = &src.args;
   const Layout& l = src.layout;
-  std::memset(out, 0, l.total);
+  std::memset(out, 0, l.ids_at);  // header and validity; the loop below writes every id and weight byte
   std::memcpy(out, kMagic, 4);
   put_le(out + 4, MOECAP_RECORD_VERSION, 2);
   put_le(out + 6, MOECAP_RECORD_HEADER_BYTES, 2);
@@ -194,25 +551,32 @@ void encode(const Source& src, uint8_t* out) {
       if (src.token_valid(t)) out[l.validity_at + static_cast<uint64_t>(t) / 8] |= static_cast<uint8_t>(1u << (t % 8));
     }
   }
-  const uint8_t* ids = tensor_data(s->ids);
   const uint64_t row = static_cast<uint64_t>(l.layers * l.top_k);
-  uint8_t* dst = out + l.ids_at;
   const uint8_t* w = l.weight_elem >= 0 ? tensor_data(s->weights) : nullptr;
   const uint64_t w_bytes = w != nullptr ? static_cast<uint64_t>(elem_bytes(l.weight_elem)) : 0;
-  for (uint64_t i = 0; i < l.codes; ++i) {
-    const int64_t v = src.token_valid(static_cast<int64_t>(i / row)) ? load_int(ids, src.id_elem, static_cast<int64_t>(i)) : -1;
-    const uint64_t code = v < 0 ? l.sentinel() : static_cast<uint64_t>(v);
-    if (!l.packed()) {
-      put_le(dst + i * (l.width() / 8), code, l.width() / 8);
-    } else {
-      const uint64_t bit = i * l.width();
-      const uint64_t shifted = code << (bit % 8);  // at most 32 + 7 bits
-      for (uint64_t b = bit / 8; b <= (bit + l.width() - 1) / 8; ++b) {
-        dst[b] |= static_cast<uint8_t>(shifted >> (8 * (b - bit / 8)));
+  const PackFn pack = kPack[static_cast<size_t>(l.id_bits - 1)];
+  const uint32_t sentinel = static_cast<uint32_t>(l.sentinel());
+  uint32_t codes[kChunk];
+  for (uint64_t i0 = 0; i0 < l.codes; i0 += kChunk) {
+    const uint64_t n = l.codes - i0 < kChunk ? l.codes - i0 : kChunk;
+    for_token_runs(i0, i0 + n, row, [&](uint64_t t, uint64_t b, uint64_t e) {
+      if (src.token_valid(static_cast<int64_t>(t))) {
+        source_codes(tensor_data(s->ids), src.id_elem, b, e - b, sentinel, codes + (b - i0));
+      } else {
+        for (uint64_t j = b; j < e; ++j) codes[j - i0] = sentinel;
+      }
+    });
+    pack(codes, i0, n, out + l.ids_at);
+    // "No expert" keeps weight 0, as a read gives it.
+    if (w != nullptr) {
+      uint8_t* wo = out + l.weights_at + i0 * w_bytes;
+      const uint8_t* wi = w + i0 * w_bytes;
+      if (w_bytes == 4) {
+        copy_weights<uint32_t>(codes, n, sentinel, wi, wo);
+      } else {
+        copy_weights<uint16_t>(codes, n, sentinel, wi, wo);
       }
     }
-    // "No expert" keeps the memset's weight 0, as a read gives it.
-    if (w != nullptr && v >= 0) std::memcpy(out + l.weights_at + i * w_bytes, w + i * w_bytes, w_bytes);
   }
 }
 
@@ -265,8 +629,9 @@ Layout parse_header(const uint8_t* p, uint64_t bytes) {
 }
 
 // The sections the header placed: every code an expert or the sentinel,
-// invalid tokens all sentinel with zero weights, padding bits zero.
-void check_contents(const uint8_t* p, const Layout& l) {
+// invalid tokens all sentinel with zero weights, padding bits zero. One code
+// at a time: the definition, run in full only to name what codes_ok refused.
+void check_contents_reference(const uint8_t* p, const Layout& l) {
   const bool has_weights = l.weight_elem >= 0;
   const uint64_t row = static_cast<uint64_t>(l.layers * l.top_k);
   const bool validity = l.flags & MOECAP_RECORD_HAS_VALIDITY;
@@ -294,6 +659,19 @@ void check_contents(const uint8_t* p, const Layout& l) {
   }
 }
 
+// check_contents_reference's checks in its order, the per-code ones by codes_ok.
+void check_contents(const uint8_t* p, const Layout& l, uint64_t bytes) {
+  const bool validity = l.flags & MOECAP_RECORD_HAS_VALIDITY;
+  for (int64_t t = l.tokens; validity && t < ((l.tokens + 7) / 8) * 8; ++t) {
+    if (bit_set(p + l.validity_at, t)) fail(MOECAP_ERROR_INVALID_ARGUMENT, "record validity padding bits are not 0");
+  }
+  if (!codes_ok(p, l, bytes)) check_contents_reference(p, l);
+  const uint64_t used_bits = l.codes * l.width();
+  if (l.packed() && used_bits % 8 != 0 && (p[l.ids_at + used_bits / 8] >> (used_bits % 8)) != 0) {
+    fail(MOECAP_ERROR_INVALID_ARGUMENT, "record id padding bits are not 0");
+  }
+}
+
 // Reads and checks a record completely, before anything is decoded from it;
 // the Layout says where everything is.
 Layout parse(const void* data, uint64_t bytes) {
@@ -303,7 +681,7 @@ Layout parse(const void* data, uint64_t bytes) {
   }
   const uint8_t* p = static_cast<const uint8_t*>(data);
   const Layout l = parse_header(p, bytes);
-  check_contents(p, l);
+  check_contents(p, l, bytes);
   return l;
 }
 
@@ -406,19 +784,8 @@ moecap_status moecap_record_decode(const void* data, uint64_t bytes, DLTensor* i
     require_disjoint(valid_out, "valid_out", ids_out, "ids_out");
     require_disjoint(valid_out, "valid_out", weights_out, "weights_out");
     const uint8_t* p = static_cast<const uint8_t*>(data);
-    const uint64_t w_bytes = weight_elem >= 0 ? static_cast<uint64_t>(elem_bytes(l.weight_elem)) : 0;
-    for (uint64_t i = 0; i < l.codes; ++i) {
-      const uint64_t code = get_code(p + l.ids_at, l, i);
-      const bool none = code == l.sentinel();
-      store_int(tensor_data(ids_out), id_elem, static_cast<int64_t>(i), none ? -1 : static_cast<int64_t>(code));
-      if (weight_elem < 0) continue;
-      // "No expert" reads weight 0, as from moecap_read, whatever the bytes hold.
-      const uint64_t bits = none ? 0 : get_le(p + l.weights_at + i * w_bytes, w_bytes);
-      const float v = l.weight_elem == kF32 ? bits_float(static_cast<uint32_t>(bits))
-                      : l.weight_elem == kBF16 ? bf16_to_float(static_cast<uint16_t>(bits))
-                                               : f16_to_float(static_cast<uint16_t>(bits));
-      store_float(tensor_data(weights_out), weight_elem, static_cast<int64_t>(i), v);
-    }
+    decode_codes(p, bytes, l, tensor_data(ids_out), id_elem, weights_out != nullptr ? tensor_data(weights_out) : nullptr,
+                 weight_elem);
     if (valid_out != nullptr) {
       const bool validity = l.flags & MOECAP_RECORD_HAS_VALIDITY;
       for (int64_t t = 0; t < l.tokens; ++t) {

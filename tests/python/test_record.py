@@ -458,3 +458,12 @@ def test_flags_layers_and_fill_values_are_taken_as_what_they_say_never_cast():
     assert routed.to_bytes(packed=np.True_) == routed.to_bytes()
     with pytest.raises(TypeError, match="dense must be an int, not float"):
         routed.all_layers(dense=1.5)
+
+
+def test_routed_experts_take_an_array_that_only_speaks_dlpack():
+    # np.asarray made a 0-d object array of such a producer (a moecap export is one) and refused it as
+    # "not an integer array".
+    from test_interop import OnlyDLPack
+    ids = np.array([[[1, 2], [3, -1]]], dtype=np.int32)
+    routed = RoutedExperts(OnlyDLPack(ids), 4)
+    assert np.array_equal(routed.ids, ids) and routed.shape == (1, 2, 2)

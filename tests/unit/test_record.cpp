@@ -4,10 +4,14 @@
 // and every malformed input refused without writing.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "graphs/element.h"
 #include "moecap_record.h"
 #include "tests/support/tensors.h"
 
@@ -378,4 +382,276 @@ TEST_CASE("record structs follow the ABI's struct_size rules") {
   CHECK(out.info.struct_size == sizeof(moecap_record_info));
   CHECK(out.tail == 0x5555);
   CHECK(out.info.num_experts == 4);
+}
+
+// --- The codec against a one-bit-at-a-time reference of docs/RECORD_FORMAT.md ---
+
+namespace {
+
+struct Case {
+  int64_t tokens, layers, top_k;
+  int32_t experts;
+  bool packed;
+};
+
+int32_t width_of(int32_t experts, bool packed) {
+  if (!packed) return experts <= 0xff ? 8 : experts <= 0xffff ? 16 : 32;
+  int32_t bits = 1;
+  while ((int64_t{1} << bits) - 1 < experts) ++bits;
+  return bits;
+}
+
+void put(std::vector<uint8_t>& r, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) r.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+
+// The record, bit by bit: ids [i] (any value where the token is invalid), weight bytes of `wbytes` each.
+std::vector<uint8_t> reference_record(const Case& c, const std::vector<int64_t>& ids, const std::vector<uint8_t>& w,
+                                      int wbytes, int32_t wdtype, const std::vector<uint8_t>& valid) {
+  const int32_t bits = width_of(c.experts, c.packed);
+  const uint64_t sentinel = (uint64_t{1} << bits) - 1, row = static_cast<uint64_t>(c.layers * c.top_k);
+  bool some_invalid = false;
+  for (uint8_t v : valid) some_invalid |= v == 0;
+  std::vector<uint8_t> r = {'M', 'C', 'R', 'T', 1, 0, 40, 0, static_cast<uint8_t>(bits),
+                            static_cast<uint8_t>((c.packed ? 1 : 0) | (wbytes ? 2 : 0) | (some_invalid ? 4 : 0)),
+                            static_cast<uint8_t>(wdtype), 0};
+  put(r, static_cast<uint64_t>(c.layers), 4);
+  put(r, static_cast<uint64_t>(c.top_k), 4);
+  put(r, static_cast<uint64_t>(c.experts), 4);
+  put(r, static_cast<uint64_t>(c.tokens), 8);
+  put(r, 0, 8);
+  auto ok = [&](uint64_t t) { return valid.empty() || valid[t] != 0; };
+  if (some_invalid) {
+    const size_t at = r.size();
+    r.resize(at + static_cast<size_t>(c.tokens + 7) / 8, 0);
+    for (int64_t t = 0; t < c.tokens; ++t) r[at + static_cast<size_t>(t / 8)] |= static_cast<uint8_t>(ok(static_cast<uint64_t>(t)) << (t % 8));
+  }
+  const size_t at = r.size();
+  r.resize(at + (ids.size() * static_cast<size_t>(bits) + 7) / 8, 0);
+  std::vector<uint64_t> codes(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    codes[i] = ok(i / row) && ids[i] >= 0 ? static_cast<uint64_t>(ids[i]) : sentinel;
+    for (int b = 0; b < bits; ++b) {
+      const size_t bit = i * static_cast<size_t>(bits) + static_cast<size_t>(b);
+      if ((codes[i] >> b) & 1) r[at + bit / 8] |= static_cast<uint8_t>(1u << (bit % 8));
+    }
+  }
+  for (size_t i = 0; wbytes && i < ids.size(); ++i) {
+    for (int b = 0; b < wbytes; ++b) r.push_back(codes[i] == sentinel ? 0 : w[i * static_cast<size_t>(wbytes) + static_cast<size_t>(b)]);
+  }
+  return r;
+}
+
+// Code i of a record, bit by bit.
+uint64_t reference_code(const std::vector<uint8_t>& r, size_t ids_at, int32_t bits, size_t i) {
+  uint64_t code = 0;
+  for (int b = 0; b < bits; ++b) {
+    const size_t bit = i * static_cast<size_t>(bits) + static_cast<size_t>(b);
+    code |= static_cast<uint64_t>((r[ids_at + bit / 8] >> (bit % 8)) & 1) << b;
+  }
+  return code;
+}
+
+DLDataType int_type(int bits) { return DLDataType{kDLInt, static_cast<uint8_t>(bits), 1}; }
+
+// Every case: 1, 21 and 2,250 codes (past the codec's 2,048-code chunk, with a tail that is no multiple of 8 codes).
+std::vector<Case> cases_of_width(int32_t bits, bool packed) {
+  std::vector<Case> out;
+  // The fewest and the most experts of this width.
+  const int32_t lo = packed ? (bits == 1 ? 1 : static_cast<int32_t>(int64_t{1} << (bits - 1)))
+                            : bits == 8 ? 1 : bits == 16 ? 256 : 65536;
+  const int32_t hi = packed ? static_cast<int32_t>((int64_t{1} << bits) - 1) : bits == 8 ? 255 : bits == 16 ? 65535 : INT32_MAX;
+  for (int32_t experts : {lo, hi}) {
+    out.push_back({1, 1, 1, experts, packed});
+    out.push_back({3, 1, 7, experts, packed});
+    out.push_back({150, 3, 5, experts, packed});
+  }
+  return out;
+}
+
+std::vector<std::pair<int32_t, bool>> every_width() {
+  std::vector<std::pair<int32_t, bool>> out;
+  for (int32_t bits = 1; bits <= 31; ++bits) out.push_back({bits, true});  // packed: 1..31 bits (num_experts < 2^31)
+  for (int32_t bits : {8, 16, 32}) out.push_back({bits, false});
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("encode and decode match a bit-by-bit reference at every width, dtype, length, with and without weights") {
+  std::mt19937_64 rng(11);
+  const DLDataType wtypes[3] = {moecap_test::f32(), moecap_test::bf16(), moecap_test::f16()};
+  const int32_t wdtypes[3] = {MOECAP_WEIGHTS_F32, MOECAP_WEIGHTS_BF16, MOECAP_WEIGHTS_F16};
+  const int32_t welems[3] = {moecap::kF32, moecap::kBF16, moecap::kF16};
+  int round = 0;
+  for (const auto& [bits, packed] : every_width()) {
+    for (const Case& c : cases_of_width(bits, packed)) {
+      for (int weighted = -1; weighted < 3; ++weighted) {  // -1: no weights, else wtypes[weighted]
+        for (bool some_invalid : {false, true}) {
+          CAPTURE(bits);
+          CAPTURE(packed);
+          CAPTURE(c.experts);
+          CAPTURE(c.tokens);
+          CAPTURE(weighted);
+          CAPTURE(some_invalid);
+          ++round;
+          const int64_t n = c.tokens * c.layers * c.top_k;
+          // Source ids in the narrowest dtype that holds them, or a wider one in turn.
+          const int min_bits = c.experts - 1 <= INT8_MAX ? 8 : c.experts - 1 <= INT16_MAX ? 16 : 32;
+          const int in_bits = std::max(min_bits, 8 << (round % 4));
+          HostTensor ids({c.tokens, c.layers, c.top_k}, int_type(in_bits));
+          HostTensor valid({c.tokens}, moecap_test::u8());
+          std::vector<int64_t> values(static_cast<size_t>(n));
+          for (int64_t i = 0; i < n; ++i) {
+            const uint64_t pick = rng() % 8;  // -1, the extremes, or any expert
+            values[static_cast<size_t>(i)] = pick == 0 ? -1 : pick == 1 ? 0 : pick == 2 ? c.experts - 1
+                                            : static_cast<int64_t>(rng() % static_cast<uint64_t>(c.experts));
+            ids.set(i, values[static_cast<size_t>(i)]);
+          }
+          std::vector<uint8_t> valid_bytes;
+          if (some_invalid) {
+            for (int64_t t = 0; t < c.tokens; ++t) valid.as<uint8_t>()[t] = (t % 3 == 1 || t == c.tokens - 1) ? 0 : 1;
+            valid_bytes.assign(valid.as<uint8_t>(), valid.as<uint8_t>() + c.tokens);
+          }
+          const int wbytes = weighted < 0 ? 0 : wtypes[weighted].bits / 8;
+          HostTensor weights({c.tokens, c.layers, c.top_k}, weighted < 0 ? moecap_test::f32() : wtypes[weighted]);
+          std::vector<uint8_t> wsrc(static_cast<size_t>(n * wbytes));
+          for (auto& b : wsrc) b = static_cast<uint8_t>(rng());
+          if (wbytes) std::memcpy(weights.as<uint8_t>(), wsrc.data(), wsrc.size());
+          const auto r = encode(source_of(ids, c.experts, packed ? MOECAP_RECORD_PACKED : 0, wbytes ? weights.get() : nullptr,
+                                          some_invalid ? valid.get() : nullptr));
+          const auto expect = reference_record(c, values, wsrc, wbytes, weighted < 0 ? 0 : wdtypes[weighted], valid_bytes);
+          REQUIRE(r == expect);
+
+          // Decode into every ids dtype that holds the experts, and every weight dtype.
+          const size_t ids_at = 40 + (some_invalid ? static_cast<size_t>(c.tokens + 7) / 8 : 0);
+          const uint64_t sentinel = (uint64_t{1} << bits) - 1;
+          for (int out_bits : {8, 16, 32, 64}) {
+            if (out_bits < min_bits) continue;
+            for (int wout = 0; wout < (wbytes ? 3 : 1); ++wout) {
+              HostTensor back({c.tokens, c.layers, c.top_k}, int_type(out_bits));
+              HostTensor wback({c.tokens, c.layers, c.top_k}, wtypes[wout]);
+              HostTensor vback({c.tokens}, moecap_test::u8());
+              REQUIRE(moecap_record_decode(r.data(), r.size(), back.get(), wbytes ? wback.get() : nullptr, vback.get()) ==
+                      MOECAP_OK);
+              for (int64_t i = 0; i < n; ++i) {
+                const uint64_t code = reference_code(r, ids_at, bits, static_cast<size_t>(i));
+                REQUIRE(back.at(i) == (code == sentinel ? -1 : static_cast<int64_t>(code)));
+                if (!wbytes) continue;
+                // The library's element conversions, one value at a time; "no expert" reads 0.
+                const float v = code == sentinel ? 0.0f : moecap::load_float(wsrc.data(), welems[weighted], i);
+                std::vector<uint8_t> want(static_cast<size_t>(wtypes[wout].bits / 8));
+                moecap::store_float(want.data(), welems[wout], 0, v);
+                REQUIRE(std::memcmp(wback.as<uint8_t>() + static_cast<size_t>(i) * want.size(), want.data(), want.size()) == 0);
+              }
+              for (int64_t t = 0; t < c.tokens; ++t) {
+                REQUIRE(vback.as<uint8_t>()[t] == (some_invalid ? valid.as<uint8_t>()[t] : 1));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("a bad code in the middle or the tail of the ids is refused with its index, at every width") {
+  for (const auto& [bits, packed] : every_width()) {
+    // 2^(bits-1) experts leave codes between the last expert and the sentinel (none at 1 bit).
+    if (bits == 1) continue;
+    const int32_t experts = packed ? static_cast<int32_t>(int64_t{1} << (bits - 1)) : bits == 8 ? 100 : bits == 16 ? 1000 : 70000;
+    const Case c{150, 3, 5, experts, packed};
+    const int64_t n = c.tokens * c.layers * c.top_k;
+    HostTensor ids({c.tokens, c.layers, c.top_k}, moecap_test::i32());
+    for (int64_t i = 0; i < n; ++i) ids.set(i, i % experts);
+    HostTensor weights({c.tokens, c.layers, c.top_k}, moecap_test::f16());
+    HostTensor valid({c.tokens}, moecap_test::u8());
+    for (int64_t t = 0; t < c.tokens; ++t) valid.as<uint8_t>()[t] = t != 70 && t != c.tokens - 1;
+    const auto good = encode(source_of(ids, experts, packed ? MOECAP_RECORD_PACKED : 0, weights.get(), valid.get()));
+    const size_t ids_at = 40 + static_cast<size_t>(c.tokens + 7) / 8;
+    const size_t weights_at = ids_at + (static_cast<size_t>(n) * static_cast<size_t>(bits) + 7) / 8;
+    const uint64_t sentinel = (uint64_t{1} << bits) - 1;
+    auto with_code = [&](size_t i, uint64_t code) {
+      auto r = good;
+      for (int b = 0; b < bits; ++b) {
+        const size_t bit = i * static_cast<size_t>(bits) + static_cast<size_t>(b);
+        r[ids_at + bit / 8] = static_cast<uint8_t>((r[ids_at + bit / 8] & ~(1u << (bit % 8))) | (((code >> b) & 1) << (bit % 8)));
+      }
+      return r;
+    };
+    auto refused = [&](const std::vector<uint8_t>& r, const std::string& says) {
+      CAPTURE(bits);
+      CAPTURE(packed);
+      CAPTURE(says);
+      HostTensor back({c.tokens, c.layers, c.top_k}, moecap_test::i32());
+      HostTensor wback({c.tokens, c.layers, c.top_k}, moecap_test::f32());
+      for (int64_t i = 0; i < n; ++i) back.set(i, 42);
+      CHECK(moecap_record_decode(r.data(), r.size(), back.get(), wback.get(), nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+      CHECK(std::string(moecap_last_error()) == "moecap_record_decode: " + says);
+      for (int64_t i = 0; i < n; ++i) REQUIRE(back.at(i) == 42);
+      for (int64_t i = 0; i < n; ++i) REQUIRE(wback.as<float>()[i] == 0.0f);
+      moecap_record_info info{};
+      info.struct_size = sizeof info;
+      CHECK(moecap_record_parse(r.data(), r.size(), &info) == MOECAP_ERROR_INVALID_ARGUMENT);
+      CHECK(std::string(moecap_last_error()) == "moecap_record_parse: " + says);
+    };
+    const uint64_t bad = static_cast<uint64_t>(experts);  // neither an expert nor the sentinel
+    const std::string range = "; expected [0, " + std::to_string(experts) + ") or " + std::to_string(sentinel);
+    // The middle, the tail, and the last code (of an invalid token: the range is still what is named).
+    for (size_t i : {size_t{1000}, static_cast<size_t>(n) - 16, static_cast<size_t>(n) - 1}) {
+      refused(with_code(i, bad), "record id " + std::to_string(i) + " is " + std::to_string(bad) + range);
+    }
+    // An invalid token holding an expert: token 70 (the middle) and the last token (the tail).
+    refused(with_code(70 * 15 + 4, 1), "record token 70 is invalid but holds expert 1");
+    refused(with_code(static_cast<size_t>(n) - 1, 0), "record token 149 is invalid but holds expert 0");
+    // Two faults: the first is named.
+    {
+      auto r = with_code(1200, bad);
+      const auto tail = with_code(static_cast<size_t>(n) - 1, 1);  // token 149 invalid, holding expert 1
+      for (size_t b = ids_at + (static_cast<size_t>(n) - 1) * static_cast<size_t>(bits) / 8; b < weights_at; ++b) r[b] = tail[b];
+      refused(r, "record id 1200 is " + std::to_string(bad) + range);
+    }
+    // An invalid token's weight bytes not all 0.
+    {
+      auto r = good;
+      r[weights_at + (70 * 15 + 2) * 2 + 1] = 0x80;
+      refused(r, "record token 70 is invalid but its weight bytes are not all 0");
+      r = good;
+      r.back() = 1;
+      refused(r, "record token 149 is invalid but its weight bytes are not all 0");
+    }
+  }
+}
+
+TEST_CASE("encode refuses an id out of range in the middle or the tail, naming it, for every ids dtype") {
+  for (int in_bits : {8, 16, 32, 64}) {
+    for (uint32_t flags : {0u, uint32_t{MOECAP_RECORD_PACKED}}) {
+      const int64_t tokens = 150, layers = 3, top_k = 5, n = tokens * layers * top_k;
+      for (int64_t at : {int64_t{1000}, n - 1}) {
+        for (int64_t bad : {int64_t{-2}, int64_t{100}, int64_t{INT8_MAX}}) {
+          CAPTURE(in_bits);
+          CAPTURE(at);
+          CAPTURE(bad);
+          HostTensor ids({tokens, layers, top_k}, int_type(in_bits));
+          for (int64_t i = 0; i < n; ++i) ids.set(i, i % 100 - 1);
+          ids.set(at, bad);
+          HostTensor valid({tokens}, moecap_test::u8());
+          for (int64_t t = 0; t < tokens; ++t) valid.as<uint8_t>()[t] = 1;
+          valid.as<uint8_t>()[3] = 0;  // an invalid token's ids are not checked
+          ids.set(3 * layers * top_k, -5);
+          auto s = source_of(ids, 100, flags, nullptr, valid.get());
+          uint64_t bytes = 0;
+          CHECK(moecap_record_size(&s, &bytes) == MOECAP_ERROR_OUT_OF_RANGE);
+          const std::string says = "source->ids[" + std::to_string(at / 15) + ", " + std::to_string(at % 15 / 5) + ", " +
+                                   std::to_string(at % 5) + "] is " + std::to_string(bad) +
+                                   "; expected [0, num_experts = 100) or -1";
+          CHECK(std::string(moecap_last_error()) == "moecap_record_size: " + says);
+          std::vector<uint8_t> out(100000, 0xAB);
+          CHECK(moecap_record_encode(&s, out.data(), out.size(), nullptr) == MOECAP_ERROR_OUT_OF_RANGE);
+          CHECK(std::string(moecap_last_error()) == "moecap_record_encode: " + says);
+          for (uint8_t b : out) REQUIRE(b == 0xAB);
+        }
+      }
+    }
+  }
 }
