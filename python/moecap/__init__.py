@@ -23,7 +23,7 @@ import operator
 import sys
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Union, cast
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, SupportsIndex, Union, cast
 
 from . import _moecap
 from ._errors import MoecapError, Status
@@ -462,7 +462,7 @@ class Capturer(_moecap.Capturer):
             else:
                 import numpy as np
                 out = np.empty(shape, dtype=name)
-            slots = once
+            slots = cast(DLPackArray, once)  # nanobind's array of the producer's capsule: it exports DLPack too
         elif dtype is not None:
             wanted, have = _read_dtype_name(dtype), _dtype_name(getattr(out, "dtype", None))
             if have in _READ_ID_DTYPES and _NUMPY_NAMES[have] != wanted:  # a dtype we cannot name is out's to judge
@@ -500,13 +500,23 @@ class Capturer(_moecap.Capturer):
                 raise MoecapError(e.status, e._message.replace("moecap_synchronize", "slot_states")) from None
         return self._states[index]
 
-    def export(self, which: Union[str, Buffer], layer: int = 0) -> DLPackView:
+    def export(self, which: Union[str, Buffer, SupportsIndex], layer: SupportsIndex = 0) -> DLPackView:
         """A zero-copy DLPackView of a buffer: 'device_ids', 'host_ids', 'layer_ids', 'histogram', ...
-        (a name of BUFFERS, or a Buffer)."""
-        if not isinstance(which, Buffer):
+        (a name of BUFFERS, or a Buffer, or its int value)."""
+        if isinstance(which, str):
             if which not in BUFFERS:
-                raise ValueError(f"which must be one of {sorted(BUFFERS)}, not {which!r}")
+                raise ValueError(f"which must be one of {sorted(BUFFERS)} or a moecap.Buffer, not {which!r}")
             which = BUFFERS[which]
+        elif not isinstance(which, Buffer):
+            try:
+                value = _integer("which", which)
+            except TypeError:
+                raise TypeError(f"which must be a moecap.Buffer, one of BUFFERS' names or a Buffer's int value, "
+                                f"not {type(which).__name__}") from None
+            if value not in {b.value for b in Buffer}:
+                raise ValueError(f"which must be a moecap.Buffer ({', '.join(f'{b.name} = {b.value}' for b in Buffer)}) "
+                                 f"or one of their names, not {value}")
+            which = Buffer(value)
         return cast(DLPackView, self.export_view(which, layer))
 
     @property

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <string_view>
 
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
@@ -49,6 +50,17 @@ DLManagedTensor* to_legacy(DLManagedTensorVersioned* m) {
     delete self;
   };
   return legacy;
+}
+
+// A NumPy bool (numpy.True_) as the bool it holds, as moecap's own flags take
+// it; anything else is left to the caller's error.
+bool numpy_bool(nb::handle value, bool& out) {
+  const std::string_view type = Py_TYPE(value.ptr())->tp_name;
+  if (type != "numpy.bool" && type != "numpy.bool_") return false;
+  const int truth = PyObject_IsTrue(value.ptr());
+  if (truth < 0) throw nb::python_error();
+  out = truth != 0;
+  return true;
 }
 
 // A compact, 64-byte aligned host copy of a host tensor (copy=True).
@@ -137,8 +149,13 @@ class DLPackView {
     if (!max_version.is_none() && !nb::try_cast(max_version, version)) {
       throw nb::type_error("moecap: DLPackView.__dlpack__: max_version must be a (major, minor) pair of ints");
     }
+    if (!max_version.is_none() && (version.first < 0 || version.second < 0)) {
+      throw nb::value_error(("moecap: DLPackView.__dlpack__: max_version is (" + std::to_string(version.first) +
+                             ", " + std::to_string(version.second) + "); a DLPack version has no negative part")
+                                .c_str());
+    }
     bool copied = false;
-    if (!copy.is_none() && !nb::try_cast(copy, copied)) {
+    if (!copy.is_none() && !nb::try_cast(copy, copied) && !numpy_bool(copy, copied)) {
       throw nb::type_error("moecap: DLPackView.__dlpack__: copy must be None, True or False");
     }
     if (managed_ == nullptr) throw nb::buffer_error("moecap: this DLPackView was already consumed (export again)");

@@ -128,7 +128,9 @@ class Capturer {
     borrow(topk_ids, "topk_ids", false, ids, &call);
     const DLTensor* w = borrow_optional(topk_weights, "topk_weights", false, weights, &call);
     void* s = resolve_stream(stream, device_type_, device_id_, &ids);
-    check(moecap_capture(live(), layer_index, ids.get(), w, s), {{"topk_weights is NULL", "topk_weights is None"}});
+    const moecap_status status = call_taking_lock(
+        [&](moecap_capturer* h) { return moecap_capture(h, layer_index, ids.get(), w, s); }, true);
+    check(status, {{"topk_weights is NULL", "topk_weights is None"}});
     keep_alive(held(), ids, weights);
   }
 
@@ -284,7 +286,8 @@ class Capturer {
   }
 
   void histogram_reset(nb::handle stream) {
-    check(moecap_histogram_reset(live(), resolve_stream(stream, device_type_, device_id_)));
+    void* s = resolve_stream(stream, device_type_, device_id_);
+    check(call_taking_lock([s](moecap_capturer* h) { return moecap_histogram_reset(h, s); }, false));
   }
 
   std::tuple<int64_t, int64_t, int64_t> local_rows(Index dp_rank, IndexSequence tokens_per_rank_arg,
@@ -350,6 +353,23 @@ class Capturer {
   // Before a commit or invalidate counts itself in flight.
   void pass_graph_gate() {
     wait_until([this] { return graph_waiting_ == 0; });
+  }
+
+  // A short C call that takes the capturer's lock, with the GIL held unless
+  // a call on another thread released it. Only such a call can be holding
+  // the lock (it let go of the GIL before taking the lock and gives the lock
+  // back before taking the GIL again), and waiting for it with the GIL held
+  // would stall every Python thread for as long as it runs (a read of many
+  // slots). With none in flight, capture keeps the GIL: no release and
+  // reacquire on the hot path. recordable: a graph may record the call.
+  template <class Call>
+  moecap_status call_taking_lock(Call c_call, bool recordable) {
+    if (in_flight_ == 0) return c_call(live());
+    if (recordable) pass_graph_gate();
+    moecap_capturer* h = live();
+    InFlight busy(*this, recordable);
+    GilRelease unlocked;
+    return c_call(h);
   }
 
   void graph_begin(nb::handle stream) {

@@ -432,6 +432,12 @@ def test_a_view_converts_every_keyword_before_it_hands_itself_out():
             with pytest.raises(TypeError, match=next(iter(keywords))):
                 view.__dlpack__(**keywords)
             assert not view.consumed  # refused: still whole
+        with pytest.raises(ValueError, match=r"max_version is \(-1, 5\); a DLPack version has no negative part"):
+            view.__dlpack__(max_version=(-1, 5))
+        assert not view.consumed
+        host_ids = np.from_dlpack(cap.export("host_ids"))
+        copied = torch.utils.dlpack.from_dlpack(cap.export("host_ids").__dlpack__(copy=np.True_))  # as moecap's flags
+        assert copied.shape == host_ids.shape and copied.data_ptr() != host_ids.ctypes.data
         view = cap.export("host_ids")
         taken = []
 

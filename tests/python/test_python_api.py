@@ -341,6 +341,61 @@ def test_close_waits_for_calls_in_progress_on_other_threads():
     assert len(outcomes) == 600 and "closed" in outcomes
 
 
+def test_a_capture_waiting_for_a_long_read_on_another_thread_lets_other_python_threads_run():
+    # The read releases the GIL and holds the capturer's lock while it fills its output; a capture on a
+    # second thread waits for that lock. It used to wait with the GIL held: no Python thread ran until the
+    # read ended (the main thread's ticks below stopped for the whole wait).
+    import sys
+    import threading
+    import time
+
+    cap = moecap.Capturer(num_layers=64, top_k=8, num_experts=128, host_slots=32768, max_running_requests=8)
+    slots = np.arange(32768)
+    waits = []
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # a thread waiting for a free GIL gets it within 0.5 ms
+    try:
+        for attempt in range(8):
+            out = np.empty((32768, 64, 8), np.int64)  # 128 MB: its pages are first touched inside the read
+            reading = threading.Event()
+            window = []
+
+            def reader():
+                reading.set()
+                cap.read(slots, out=out)
+
+            def capturer():
+                reading.wait()
+                time.sleep(0.002)  # the reader is inside the library by now
+                start = time.perf_counter()
+                cap.capture(0, np.zeros((1, 8), np.int32))
+                window.extend((start, time.perf_counter()))
+
+            threads = [threading.Thread(target=reader), threading.Thread(target=capturer)]
+            for t in threads:
+                t.start()
+            ticks = []
+            while threads[1].is_alive():
+                ticks.append(time.perf_counter())
+            for t in threads:
+                t.join()
+            start, end = window
+            inside = [t for t in ticks if start <= t <= end]
+            longest_pause = max(b - a for a, b in zip([start] + inside, inside + [end]))
+            waits.append((round(end - start, 4), round(longest_pause, 4)))
+            # The capture did wait for the read, and the main thread ran meanwhile (a busy machine may
+            # pause it a while anyway, hence a few attempts).
+            if end - start > 0.01 and longest_pause < 0.5 * (end - start):
+                break
+        else:
+            pytest.fail(f"in no attempt did the main thread run while a capture waited for a read "
+                        f"(each attempt's wait and longest pause, in s): {waits}")
+    finally:
+        sys.setswitchinterval(switch_interval)
+    assert out[0, 0, 0] == -1  # the read itself ran: slot 0 holds no routing
+    cap.close()
+
+
 def test_a_capturer_closed_or_left_while_it_records_a_graph_is_released_and_keeps_the_callers_exception():
     # moecap_destroy is refused while recording; the capturer used to stay alive and unreachable.
     cap = moecap.Capturer(**CONFIG)
@@ -466,6 +521,19 @@ def test_every_buffer_the_library_exports_is_a_buffer_member():
             except moecap.MoecapError as e:
                 assert e.status == moecap.Status.INVALID_ARGUMENT
         assert exported == sorted(int(b) for b in moecap.Buffer)
+
+
+def test_export_takes_a_buffer_its_name_or_its_int_value_and_names_all_three_when_refused():
+    with moecap.Capturer(**CONFIG) as cap:
+        for which in (moecap.Buffer.LAYER_IDS, "layer_ids", int(moecap.Buffer.LAYER_IDS), np.int64(6)):
+            assert np.from_dlpack(cap.export(which, 1)).shape == np.from_dlpack(cap.export("layer_ids", 1)).shape
+        with pytest.raises(ValueError, match="which must be a moecap.Buffer .*LAYER_IDS = 6.* not 99"):
+            cap.export(99)
+        with pytest.raises(ValueError, match="which must be one of .*'host_ids'.* or a moecap.Buffer, not 'ids'"):
+            cap.export("ids")
+        for wrong in (None, 6.0, True):
+            with pytest.raises(TypeError, match=f"which must be a moecap.Buffer, .* not {type(wrong).__name__}"):
+                cap.export(wrong)
 
 
 def test_every_dtype_enum_member_names_its_own_dtype_and_never_the_other_kinds():
