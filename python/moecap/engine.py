@@ -94,12 +94,35 @@ def batch_slots(attention_mask: ArrayLike, slots_per_row: Sequence[ArrayLike]) -
         raise ValueError(f"slots_per_row has {len(slots_per_row)} rows; attention_mask is {list(mask.shape)} "
                          "([batch, seq]): one slot list per row")
     out = np.full(mask.shape, -1, dtype=np.int64)
-    for b, given in enumerate(slots_per_row):
+    real = mask.sum(axis=1).tolist()
+    if _cpu_int_tensors(slots_per_row):  # what _ints takes as is: one torch.cat, no NumPy conversion per row
+        tensors: list[Any] = list(slots_per_row)
+        for b, given in enumerate(tensors):
+            if given.shape[0] != real[b]:
+                raise ValueError(f"row {b} has {real[b]} real tokens but {given.shape[0]} slots")
+        if tensors:
+            import torch  # present: the rows are its tensors
+            out[mask] = torch.cat(tensors).to(torch.int64).numpy()
+        return out.reshape(-1)
+    rows = []
+    for b, given in enumerate(slots_per_row):  # each row checked in turn: the first bad one is the one named
         row_slots = _ints(given, f"slots_per_row[{b}]")
-        if row_slots.shape[0] != int(mask[b].sum()):
-            raise ValueError(f"row {b} has {int(mask[b].sum())} real tokens but {row_slots.shape[0]} slots")
-        out[b, mask[b]] = row_slots
+        if row_slots.shape[0] != real[b]:
+            raise ValueError(f"row {b} has {real[b]} real tokens but {row_slots.shape[0]} slots")
+        rows.append(row_slots)
+    if rows:  # one masked assign (row-major, as the rows' real tokens are in order), not one per row
+        out[mask] = np.concatenate(rows)
     return out.reshape(-1)
+
+
+# torch dtypes _ints converts to int64 unchanged, and torch.cat promotes among without loss.
+_TORCH_INTS = frozenset(("torch.int8", "torch.int16", "torch.int32", "torch.int64", "torch.uint8"))
+
+
+def _cpu_int_tensors(rows: Sequence[Any]) -> bool:
+    """Every row a plain 1-D integer CPU torch tensor (of _TORCH_INTS)."""
+    return all(type(r).__module__ == "torch" and type(r).__name__ == "Tensor" and r.ndim == 1
+               and r.device.type == "cpu" and str(r.dtype) in _TORCH_INTS for r in rows)
 
 
 class RequestTable:
@@ -144,7 +167,8 @@ class RequestTable:
     def append(self, rid: Any, slots: ArrayLike) -> None:
         """The slots of the request's next tokens (in order), each in [0, host_slots)."""
         slots = _ints(slots, "slots")
-        outside = np.flatnonzero((slots < 0) | (slots >= self.host_slots)) if self.host_slots is not None else ()
+        outside: Union[np.ndarray, tuple[int, ...]] = (
+            np.flatnonzero((slots < 0) | (slots >= self.host_slots)) if self.host_slots is not None else ())
         if len(outside):  # refused now: finish() and abort() would refuse it at every call, and the request never end
             i = int(outside[0])
             raise MoecapError(Status.OUT_OF_RANGE, f"slots[{i}] is {slots[i]}; a token's KV slot is in "

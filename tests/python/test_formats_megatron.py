@@ -92,6 +92,10 @@ def test_megatron_has_no_value_for_no_routing():
     # On request, the tokens without routing take the distinct route arange(top_k); `missing` names them.
     filled = r.to_megatron(invalid="arange")
     assert megatron.missing(r).tolist() == [False, True, False, False]
+    # Each layer's tensor is its own allocation: a pipeline stage's slice of the list, or a pickle of one
+    # layer, carries that layer only.
+    assert len({t.untyped_storage().data_ptr() for t in filled}) == len(filled)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in filled)
     assert all(t[1].tolist() == list(range(TOP_K)) for t in filled)
     replay.set_target_indices(filled[0])
     _, routing_map = topk_routing_with_score_function(logits, TOP_K, use_pre_softmax=True, router_replay=replay)

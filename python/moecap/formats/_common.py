@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from .. import _integer
-from ..record import MAX_LAYERS, RoutedExperts
+from ..record import MAX_LAYERS, RoutedExperts, layer_runs
 
 
 def sequence_length(routed, num_tokens, consumer, whole=True):
@@ -35,7 +35,10 @@ def routed_tokens(routed):
     can still hold -1 in some layer (a layer not captured in the row's step, an
     id out of range at capture: VALID | INVALID_IDS); no format has a value for
     one missing expert inside a routed token, so such a token has no routing."""
-    return routed.valid & ~(routed.ids < 0).any(axis=(1, 2))
+    ids = routed.ids
+    if ids.size == 0 or ids.min() >= 0:  # nearly every routing: no bool temporary of the ids' size to reduce
+        return routed.valid.copy()
+    return routed.valid & ~(ids < 0).any(axis=(1, 2))
 
 
 def require_routing(routed, consumer, instead=""):
@@ -51,14 +54,38 @@ def moe_rows(routed, layout):
     """[tokens, layers, top_k] ids in the routing's signed dtype: every model
     layer with dense ones 0 ("full", what engines send), or the MoE layers only
     ("moe"); -1 throughout a token without routing (routed_tokens)."""
-    routed_rows = routed_tokens(routed)[:, None, None]
+    missing = np.flatnonzero(~routed_tokens(routed))
     if layout == "full":
-        full = routed.all_layers(dense=0)
-        full[:, list(routed.layers), :] = np.where(routed_rows, routed.ids, -1)
-        return full
+        return full_rows(routed, routed.ids.dtype, missing=missing)
     if layout == "moe":
-        return np.where(routed_rows, routed.ids, -1).astype(routed.ids.dtype)
+        rows = routed.ids.copy()
+        rows[missing] = -1
+        return rows
     raise ValueError(f"layout must be 'full' or 'moe', not {layout!r}")
+
+
+def full_rows(routed, dtype, fill=-1, missing=None, out=None):
+    """moe_rows(routed, "full") written straight into an array of `dtype`
+    (values cast as astype casts them), with `fill` in the MoE layers of the
+    tokens without routing (`missing`: their indices, default from
+    routed_tokens): one pass, where building the rows in the ids' dtype and
+    casting them after would copy everything twice. out: a zeroed array of
+    that shape to write into instead."""
+    if missing is None:
+        missing = np.flatnonzero(~routed_tokens(routed))
+    if out is None:
+        out = np.zeros((routed.shape[0], routed.num_hidden_layers, routed.shape[2]), dtype=dtype)
+    return routed._place(out, missing, fill)
+
+
+def fitted_rows(routed, dtype, consumer):
+    """fits(moe_rows(routed, "full"), dtype, consumer), in one pass where every
+    id (and the -1 of a token without routing) fits dtype, so fits has nothing
+    to refuse."""
+    target = np.dtype(dtype).newbyteorder("<")  # the dtype fits casts to
+    if np.can_cast(routed.ids.dtype, target):
+        return full_rows(routed, target)
+    return fits(moe_rows(routed, "full"), dtype, consumer)
 
 
 def fits(ids, dtype, consumer):
@@ -144,17 +171,39 @@ def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start
     elif width == num_hidden_layers:
         if layers and layers[-1] >= width:
             raise ValueError(f"layers names model layer {layers[-1]}; the {consumer} payload has {width} layers")
-        dense = sorted(set(range(width)) - set(layers))
-        rows = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(valid)
-        if dense and (ids[rows][:, dense] != 0).any():
-            bad = next(d for d in dense if (ids[rows][:, d] != 0).any())
-            raise ValueError(f"{consumer} payload: layer {bad} is dense (not in layers) but holds expert ids")
-        moe = ids[:, layers]
+        if layers and layers[0] >= 0 and all(a < b for a, b in zip(layers, layers[1:])):
+            moe = _moe_layers(ids, layers, valid, consumer)
+        else:  # layers the constructor refuses: as before, whatever fails first
+            dense = sorted(set(range(width)) - set(layers))
+            rows = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(valid)
+            if dense and (ids[rows][:, dense] != 0).any():
+                bad = next(d for d in dense if (ids[rows][:, d] != 0).any())
+                raise ValueError(f"{consumer} payload: layer {bad} is dense (not in layers) but holds expert ids")
+            moe = ids[:, layers]
     else:
         raise ValueError(f"the {consumer} payload has {width} layers; expected {len(layers)} (MoE layers only) or "
                          f"{num_hidden_layers} (every model layer)")
-    moe = moe.astype(np.int64)
     if valid is not None:
-        moe = np.where(np.asarray(valid)[:, None, None], moe, -1)
+        moe = np.where(np.asarray(valid)[:, None, None], moe.astype(np.int64), -1)
+    # Otherwise the ids as the payload holds them (checked in [0, num_experts)): the constructor's one cast to
+    # its signed dtype is the only copy of a MoE-only payload.
     return RoutedExperts(moe, num_experts, valid=valid, start=start, layers=layers,
                          num_hidden_layers=num_hidden_layers)
+
+
+def _moe_layers(ids, layers, valid, consumer):
+    """ids[:, layers] of an every-layer payload (ids >= 0; layers strictly increasing, in [0, width)), its dense
+    layers checked to read 0 in the rows `valid` (default all). A slice per contiguous run of layers (layer_runs):
+    no list index on the middle axis, no copy of the payload to check its dense layers; one run is a view."""
+    runs = layer_runs(tuple(layers))
+    dense_from = 0
+    for model, _ in runs + ((slice(ids.shape[1], None), None),):  # the dense layers: between the runs, and after
+        if model.start > dense_from:
+            part = ids[:, dense_from:model.start] if valid is None else ids[np.asarray(valid), dense_from:model.start]
+            if part.any():  # ids >= 0: any nonzero is an expert id
+                bad = dense_from + int(np.flatnonzero(part.any(axis=(0, 2)))[0])
+                raise ValueError(f"{consumer} payload: layer {bad} is dense (not in layers) but holds expert ids")
+        dense_from = model.stop
+    if len(runs) == 1:
+        return ids[:, runs[0][0]]
+    return np.concatenate([ids[:, model] for model, _ in runs], axis=1)

@@ -61,13 +61,24 @@ def encode(routed, dtype="int64", num_tokens=None, invalid="raise"):
         raise ValueError(f"{CONSUMER} has no value for 'no routing', and {int(holes.sum())} token(s) have none (the "
                          f"first at position {routed.start + int(np.argmax(holes))}); pass invalid='arange' to route "
                          "them to experts arange(top_k) and keep them out of the loss")
-    filler = np.arange(top_k, dtype=np.int64)
-    ids = np.where(holes[:, None, None], filler, routed.ids.astype(np.int64))
     if num_tokens is not None:
         sequence_length(routed, num_tokens, CONSUMER)
-        ids = np.concatenate([ids, np.broadcast_to(filler, (1, ids.shape[1], top_k))])
-    np_dtype = np.dtype(name)
-    return [torch.from_numpy(np.ascontiguousarray(ids[:, layer, :]).astype(np_dtype)) for layer in range(ids.shape[1])]
+    # Each layer's [rows, top_k] tensor its own allocation (a pickle or a pipeline stage's slice of the list
+    # carries that layer only), cast from a layer-major copy of the ids in their narrow dtype: one transpose
+    # of the small ids, then one contiguous cast per layer (no int64 copy of the whole routing cast again).
+    tokens, layers, _ = routed.shape
+    filler = torch.arange(top_k, dtype=getattr(torch, name))
+    ids = torch.from_numpy(routed.ids).permute(1, 0, 2).contiguous()
+    hole_rows = torch.from_numpy(np.flatnonzero(holes)) if holes.any() else None
+    per_layer = []
+    for layer in range(layers):
+        out = torch.empty((tokens + (num_tokens is not None), top_k), dtype=filler.dtype)
+        out[:tokens] = ids[layer]
+        out[tokens:] = filler  # the last token's row, where num_tokens adds it
+        if hole_rows is not None:
+            out[hole_rows] = filler
+        per_layer.append(out)
+    return per_layer
 
 
 def decode(per_layer, num_experts, num_tokens=None, layers=None, num_hidden_layers=None, start=0):

@@ -23,21 +23,30 @@ import base64
 import numpy as np
 
 from .. import _integer
-from ._common import array_from_base64, dimensions, from_layer_axis, moe_rows, require_routing, sequence_length
+from ._common import array_from_base64, dimensions, from_layer_axis, full_rows, require_routing, sequence_length
 
 CONSUMER = "prime-rl"
 _DTYPES = {"uint8": np.dtype("u1"), "uint16": np.dtype("<u2")}
 
 
-def encode(routed, num_tokens=None):
-    """``{"data", "shape", "start", "dtype"}``, keys in that order."""
+def _rows(routed, num_tokens, extra=0):
+    """The payload's [T-1-start, L, K] rows in its dtype, as the first rows of an array with `extra` rows more."""
     require_routing(routed, CONSUMER)
     sequence_length(routed, num_tokens, CONSUMER, whole=False)
-    rows = moe_rows(routed, "full")
-    top = int(rows.max()) if rows.size else 0
+    # Every token is routed (ids >= 0), so the rows' largest id is the ids' own (or 0 with no rows).
+    top = int(routed.ids.max()) if routed.ids.size else 0
     if top > 0xFFFF:
         raise ValueError(f"prime-rl's payload holds ids up to 65535; expert {top} does not fit")
-    rows = rows.astype(_DTYPES["uint8" if top <= 0xFF else "uint16"])
+    tokens, _, top_k = routed.shape
+    dtype = _DTYPES["uint8" if top <= 0xFF else "uint16"]
+    out = np.zeros((tokens + extra, routed.num_hidden_layers, top_k), dtype=dtype)
+    full_rows(routed, out.dtype, out=out[:tokens])
+    return out
+
+
+def encode(routed, num_tokens=None):
+    """``{"data", "shape", "start", "dtype"}``, keys in that order."""
+    rows = _rows(routed, num_tokens)
     return {"data": base64.b64encode(rows.tobytes()).decode("ascii"), "shape": list(rows.shape),
             "start": routed.start, "dtype": rows.dtype.name}
 
@@ -48,12 +57,11 @@ def trainer_array(routed, num_tokens=None):
     row. None where there is no row to copy (no token from start was
     forwarded): verifiers then leaves the node without routing, so the
     sample has none, and no zero row is replayed as experts 0."""
-    payload = encode(routed, num_tokens)
-    rows = np.frombuffer(base64.b64decode(payload["data"]), dtype=_DTYPES[payload["dtype"]])
-    rows = rows.reshape(payload["shape"])
-    if rows.shape[0] == 0:
+    rows = _rows(routed, num_tokens, extra=1)  # the payload's rows, not encoded and decoded back
+    if rows.shape[0] == 1:
         return None
-    return np.concatenate([rows, rows[-1:]])
+    rows[-1] = rows[-2]
+    return rows
 
 
 def decode(payload, num_experts, layers=None, num_hidden_layers=None):

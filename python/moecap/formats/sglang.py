@@ -27,7 +27,7 @@ import base64
 
 import numpy as np
 
-from ._common import fits, from_layer_axis, moe_rows, require_routing, routed_tokens, row_shape, sequence_length
+from ._common import fitted_rows, from_layer_axis, full_rows, require_routing, row_shape, sequence_length
 
 CONSUMER = "SGLang"
 DTYPE = np.dtype("<i4")
@@ -47,10 +47,9 @@ def encode(routed, num_tokens=None, invalid="raise"):
     if invalid == "raise":
         require_routing(routed, CONSUMER, "pass invalid='zero' to send 0 for them as SGLang does")
     sequence_length(routed, num_tokens, CONSUMER, whole=False)
-    rows = moe_rows(routed, "full")
-    if invalid == "zero":
-        rows = np.where(routed_tokens(routed)[:, None, None], rows, 0)
-    return fits(rows, DTYPE, CONSUMER)
+    if invalid == "zero":  # int32 holds every id of a RoutedExperts, and 0
+        return full_rows(routed, DTYPE.newbyteorder("<"), fill=0)  # the dtype fits casts to
+    return fitted_rows(routed, DTYPE, CONSUMER)
 
 
 def b64(array):

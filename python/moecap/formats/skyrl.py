@@ -18,7 +18,7 @@ import base64
 
 import numpy as np
 
-from ._common import (array_from_base64, dimensions, from_layer_axis, moe_rows, require_expert_ids, require_routing,
+from ._common import (array_from_base64, dimensions, from_layer_axis, full_rows, require_expert_ids, require_routing,
                       sequence_length)
 
 CONSUMER = "SkyRL"
@@ -35,8 +35,9 @@ def encode(routed, num_tokens=None):
     """``{"data", "shape", "dtype"}``, keys in that order, shape [T-1, L, K]."""
     require_routing(routed, CONSUMER)
     sequence_length(routed, num_tokens, CONSUMER)
-    rows = moe_rows(routed, "full")
-    rows = rows.astype(canonical_dtype(rows))
+    # Every token is routed (ids >= 0), so the rows' largest id is the ids' own (or 0 with no rows): the rows
+    # are written in that dtype at once.
+    rows = full_rows(routed, canonical_dtype(routed.ids))
     return {"data": base64.b64encode(rows.tobytes()).decode("ascii"), "shape": list(rows.shape),
             "dtype": rows.dtype.name}
 

@@ -20,7 +20,7 @@ import base64
 
 import numpy as np
 
-from ._common import fits, from_layer_axis, moe_rows, require_routing, row_shape, sequence_length
+from ._common import fitted_rows, from_layer_axis, require_routing, row_shape, sequence_length
 
 CONSUMER = "slime"
 DTYPE = np.int32
@@ -31,7 +31,7 @@ def encode(routed, num_tokens=None):
     reshapes rollout_routed_experts to."""
     require_routing(routed, CONSUMER)
     sequence_length(routed, num_tokens, CONSUMER, whole=False)
-    return fits(moe_rows(routed, "full"), DTYPE, CONSUMER)
+    return fitted_rows(routed, DTYPE, CONSUMER)
 
 
 def meta_info(routed, num_tokens=None):

@@ -19,7 +19,7 @@ be replayed as expert 0.
 """
 import numpy as np
 
-from ._common import from_layer_axis, moe_rows, require_routing, sequence_length, fits
+from ._common import fitted_rows, from_layer_axis, require_routing, sequence_length
 
 CONSUMER = "verl"
 DTYPE = np.int16
@@ -44,7 +44,7 @@ def encode(routed, prompt_len, prompt_width, response_width):
     tensor)."""
     require_routing(routed, CONSUMER)
     start_pos, total = _placement(routed, prompt_len, prompt_width, response_width)
-    rows = fits(moe_rows(routed, "full"), DTYPE, CONSUMER)
+    rows = fitted_rows(routed, DTYPE, CONSUMER)
     out = np.zeros((1, total, routed.num_hidden_layers, routed.shape[2]), dtype=DTYPE)
     out[0, start_pos:start_pos + rows.shape[0]] = rows
     return out
@@ -57,7 +57,7 @@ def aligned(routed, num_tokens=None):
     require_routing(routed, CONSUMER)
     tokens = sequence_length(routed, num_tokens, CONSUMER)
     out = np.zeros((tokens, routed.num_hidden_layers, routed.shape[2]), dtype=DTYPE)
-    out[:tokens - 1] = fits(moe_rows(routed, "full"), DTYPE, CONSUMER)
+    out[:tokens - 1] = fitted_rows(routed, DTYPE, CONSUMER)
     return out
 
 

@@ -27,7 +27,7 @@ import io
 
 import numpy as np
 
-from ._common import from_layer_axis, moe_rows, require_routing, routed_tokens, sequence_length
+from ._common import from_layer_axis, full_rows, require_routing, sequence_length
 
 CONSUMER = "vLLM"
 INVALID = ("raise", "zero")
@@ -51,9 +51,8 @@ def encode(routed, num_tokens=None, invalid="raise"):
         require_routing(routed, CONSUMER, "pass invalid='zero' to send 0 for them as vLLM does")
     sequence_length(routed, num_tokens, CONSUMER, whole=False)
     dtype = output_dtype(routed.num_experts)
-    rows = moe_rows(routed, "full")
-    rows = np.where(routed_tokens(routed)[:, None, None], rows, 0)
-    return np.ascontiguousarray(rows.astype(dtype))
+    # 0 in every layer of a token without routing; the ids are in [0, num_experts), which dtype holds.
+    return full_rows(routed, dtype, fill=0)
 
 
 def npy_b64(array):

@@ -31,6 +31,7 @@ changes); ``uninstall()`` puts SGLang's back. Call it in every process that
 builds a model runner (docs/ENGINES.md).
 """
 import logging
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +46,7 @@ INVALID = ("omit", "raise", "zero")
 
 
 def _sglang():
-    from sglang.srt.state_capturer import routed_experts
+    from sglang.srt.state_capturer import routed_experts  # type: ignore[import-untyped]
     return routed_experts
 
 
@@ -57,7 +58,7 @@ def _torch():
 def _moe_layers_of(model):
     # Every SGLang MoE layer owns a TopK whose layer_id is its global layer index.
     try:
-        from sglang.srt.layers.moe.topk import TopK
+        from sglang.srt.layers.moe.topk import TopK  # type: ignore[import-untyped]
     except ImportError:  # pragma: no cover - SGLang without the module
         return None
     if model is None or not hasattr(model, "modules"):
@@ -156,7 +157,7 @@ class MoecapRoutedExpertsCapturer:
     @staticmethod
     def create(*, model, model_config, num_tokens, max_running_requests, device, **options):
         """SGLang's factory: None unless --enable-return-routed-experts."""
-        from sglang.srt.runtime_context import get_exec
+        from sglang.srt.runtime_context import get_exec  # type: ignore[import-untyped]
         if not get_exec().features.enable_return_routed_experts:
             return None
         if _scattered_a2a():
@@ -268,8 +269,10 @@ class MoecapRoutedExpertsCapturer:
         extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
         if not mode.is_extend_without_speculative() or extend is None:
             return  # decode and verify forwards run the late layers over every row
-        from sglang.kernels.ops.attention.dsv4.attn_metadata_kernels import late_layer_tail_lens
-        from sglang.srt.layers.attention.deepseek_v4_backend import SWA_WINDOW, late_layer_whole_extend
+        from sglang.kernels.ops.attention.dsv4.attn_metadata_kernels import (  # type: ignore[import-untyped]
+            late_layer_tail_lens)
+        from sglang.srt.layers.attention.deepseek_v4_backend import (  # type: ignore[import-untyped]
+            SWA_WINDOW, late_layer_whole_extend)
         extend = [int(e) for e in extend]
         spec = getattr(forward_batch, "spec_algorithm", None)
         dspark = bool(spec is not None and getattr(spec, "is_dspark", lambda: False)())
@@ -317,7 +320,7 @@ class MoecapRoutedExpertsCapturer:
                 raise
             logger.error("routed_experts left out of the request in req_to_token row %s: %s", req_pool_idx, e)
             return None
-        return torch.from_numpy(rows.astype(np.int32))
+        return torch.from_numpy(rows.astype(np.int32, copy=False))
 
     def destroy(self):
         self.capturer.close()
@@ -334,7 +337,7 @@ class MoecapRoutedExpertsCapturer:
         valid = (np.asarray(self.capturer.slot_states(slots)) & SLOT_VALID).astype(bool) if slots.size else \
             np.ones(0, dtype=bool)
         # A valid slot whose row holds a -1 (a layer left unwritten, an id out of range) is no routing either.
-        valid &= ~(ids < 0).any(axis=(1, 2))
+        valid &= ids.min(axis=(1, 2), initial=0) >= 0
         return RoutedExperts(ids, self.num_experts, valid=valid, start=start, layers=self.moe_layers,
                              num_hidden_layers=self.num_layers)
 
@@ -354,7 +357,7 @@ class MoecapRoutedExpertsCapturer:
     def _local_rank(self, tokens_per_rank):
         if self._dp_rank is not None:
             return int(self._dp_rank)
-        from sglang.srt.layers.dp_attention import dp_slot_in
+        from sglang.srt.layers.dp_attention import dp_slot_in  # type: ignore[import-untyped]
         return int(dp_slot_in(tokens_per_rank))
 
 
@@ -363,7 +366,7 @@ def _unsupported_schedule():
     (docs/ENGINES.md): two-batch overlap, whose child batches each capture
     from row 0, and tree speculative decoding, whose accepted KV is moved to
     other slots after the commit. Its name, or None."""
-    from sglang.srt import runtime_context as rc
+    from sglang.srt import runtime_context as rc  # type: ignore[import-untyped]
     try:
         if getattr(rc.get_exec().overlap, "enable_two_batch_overlap", False):
             return "two-batch overlap (--enable-two-batch-overlap)"
@@ -380,7 +383,7 @@ def _unsupported_schedule():
 
 def _scattered_a2a():
     try:
-        from sglang.srt.layers.moe import get_moe_a2a_backend
+        from sglang.srt.layers.moe import get_moe_a2a_backend  # type: ignore[import-untyped]
         backend = get_moe_a2a_backend()
         return backend.is_deepep() or backend.is_deepep_v2()
     except Exception:  # a backend not initialised yet is not DeepEP
@@ -420,7 +423,7 @@ def _runtime_sizes():
     return out
 
 
-_installed_options = {}
+_installed_options: dict[str, Any] = {}
 _original_create = None
 
 

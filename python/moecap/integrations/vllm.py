@@ -30,6 +30,8 @@ interface over a ``moecap.Capturer``:
 changes); ``uninstall()`` restores vLLM's.
 """
 
+from typing import Any
+
 from .. import Capturer
 from ..record import LayerMap
 from . import _model
@@ -99,6 +101,14 @@ class MoecapRoutedExpertsCapturer:
         ops = self.capturer.ops
         self._device_ids = ops.device_ids  # [moe_layers, rows, top_k], moecap's device dtype
         self._layer_index = torch.tensor(layers, dtype=torch.long, device=self._device_ids.device)
+        # (first layer, last + 1, ordinal of the first): the MoE layers as runs of consecutive layers.
+        self._layer_runs = []
+        for ordinal, layer in enumerate(layers):
+            if self._layer_runs and self._layer_runs[-1][1] == layer:
+                first, _, start = self._layer_runs[-1]
+                self._layer_runs[-1] = (first, layer + 1, start)
+            else:
+                self._layer_runs.append((layer, layer + 1, ordinal))
         self._drop = torch.full((self.capturer.plan["device_rows"],), -1, dtype=torch.int64,
                                 device=self._device_ids.device)
 
@@ -163,23 +173,30 @@ class MoecapRoutedExpertsCapturer:
         n = int(num_tokens)
         if n > self._device_ids.shape[1]:
             raise ValueError(f"num_tokens is {n}; the capturer holds {self._device_ids.shape[1]} rows")
-        moe = self._routing_int32(self._device_ids[:, :n, :])  # a copy, taken before the consume
+        ids = self._device_ids[:, :n, :]  # [moe_layers, n, top_k] in moecap's device dtype
+        # Taken before the consume: cast in moecap's layout, then moved into vLLM's a run of consecutive MoE
+        # layers at a time, each token's top_k ids as one wide integer (a transposing copy of single ids, and
+        # an int32 detour with an index_put over the layer axis before it, took several times as long).
+        wide = _wide_dtype(torch, self.shape_per_token[1] * self.output_dtype.itemsize)
+        moved = ids.to(self.output_dtype).view(wide)
+        out = torch.zeros((n, *self.shape_per_token), dtype=self.output_dtype, device=ids.device)
+        for first, last, ordinal in self._layer_runs:
+            out.view(wide)[:, first:last, :].copy_(moved[ordinal:ordinal + last - first].permute(1, 0, 2))
+        # A row without routing holds an id outside [0, num_experts) in some layer ("none": -1, 0xff in u8).
+        bad = ((ids.amin(dim=0) < 0) | (ids.amax(dim=0) >= self.num_experts)).any(dim=1)
         # Every device row is consumed, not only the n read: a CUDA-graph batch captured its padding rows
         # past n too, which a later step's skipped layer would otherwise hand back as routing. It also
         # ends the step (an idle DP rank's too).
         self.capturer.commit(self._drop, src_start=0)
-        bad = (moe < 0).any(dim=2).any(dim=1)
         if self.invalid == "raise" and bool(bad.any()):
             first = int(torch.nonzero(bad)[0, 0])
             raise RuntimeError(f"routed experts: {int(bad.sum())} of {n} rows of this step have no routing in some "
                                f"MoE layer (the first: row {first}): a layer's router did not capture them, or an "
                                "id was out of range; vLLM's uint8/uint16 output has no value for 'none' "
                                "(invalid='zero' sends 0)")
-        moe = moe.masked_fill(bad[:, None, None], 0)
-        # Placed as int32, narrowed last: torch's CPU index_put has no uint16 kernel.
-        out = torch.zeros((n, *self.shape_per_token), dtype=moe.dtype, device=moe.device)
-        out[:, self._layer_index, :] = moe
-        return out.to(self.output_dtype)
+        # Through the wide view: torch's CPU masked_fill has no uint16 kernel, and is faster on fewer elements.
+        out.view(wide).masked_fill_(bad[:, None, None], 0)
+        return out
 
     # vLLM's name for its buffer, for code that reads it: the rows as vLLM lays them out.
     @property
@@ -205,9 +222,15 @@ class MoecapRoutedExpertsCapturer:
             self.capturer.close()
 
 
+def _wide_dtype(torch, row_bytes):
+    """The widest integer dtype whose size divides a row's bytes."""
+    return next(dtype for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                if row_bytes % dtype.itemsize == 0)
+
+
 _original_bind = None
 _original_class = None
-_installed_options = {}
+_installed_options: dict[str, Any] = {}
 
 
 def _factory(max_num_batched_tokens, vllm_config):
