@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union, cast
 
 from ._errors import MoecapError, Status
 from .integrations import _model
@@ -354,8 +355,8 @@ def default_selector(router: Any, inputs: Any, output: Any) -> tuple[torch.Tenso
         # which forces the scores only, the experts the scores hold (by weight).
         own = logits.topk(router.top_k, dim=1).indices
         held = (scores.gather(1, own) != 0).all(dim=1, keepdim=True)
-        ids = torch.where(held, own, scores.topk(router.top_k, dim=1).indices)
-        return ids, scores.gather(1, ids)
+        picked = torch.where(held, own, scores.topk(router.top_k, dim=1).indices)
+        return picked, scores.gather(1, picked)
     _, weights, ids = _router_output_order(router, output)
     if type(router).__name__.startswith(_WITH_SKIP_EXPERT):
         return _skip_picks_restored(router, output[ids], output[weights]), output[weights]
@@ -421,15 +422,15 @@ def _experts_call(block: Any, args: tuple, kwargs: dict, remedy: str) -> tuple[U
     module (an argument position, or a keyword): (ids key, weights key),
     checked to be an integer tensor and a floating one of its shape; else
     UnknownArchitecture, ending with `remedy`."""
-    keys = tuple(position if len(args) > position else name
-                 for position, name in ((1, "top_k_index"), (2, "top_k_weights")))
-    ids, weights = (_call_value(args, kwargs, key) for key in keys)
+    ids_key, weights_key = (position if len(args) > position else name
+                            for position, name in ((1, "top_k_index"), (2, "top_k_weights")))
+    ids, weights = _call_value(args, kwargs, ids_key), _call_value(args, kwargs, weights_key)
     if not (hasattr(ids, "dtype") and hasattr(weights, "dtype") and not ids.dtype.is_floating_point
             and weights.dtype.is_floating_point and tuple(ids.shape) == tuple(weights.shape)):
         raise UnknownArchitecture(
             f"{type(block).__name__}.experts was not called as experts(hidden_states, top_k_index [n, k] int, "
             f"top_k_weights [n, k] float); {remedy}")
-    return keys
+    return ids_key, weights_key
 
 
 def _call_value(args: tuple, kwargs: dict, key: Union[int, str]) -> Any:
@@ -438,13 +439,13 @@ def _call_value(args: tuple, kwargs: dict, key: Union[int, str]) -> Any:
 
 def _with_values(args: tuple, kwargs: dict, values: dict) -> tuple[tuple, dict]:
     """(args, kwargs) with the entries at `values`' keys replaced."""
-    args, kwargs = list(args), dict(kwargs)
+    new_args, kwargs = list(args), dict(kwargs)
     for key, value in values.items():
         if isinstance(key, int):
-            args[key] = value
+            new_args[key] = value
         else:
             kwargs[key] = value
-    return tuple(args), kwargs
+    return tuple(new_args), kwargs
 
 
 class MoELayer:
@@ -678,7 +679,12 @@ class _Runner:
         self.stream = stream
         self.pending = {}  # block id -> (ids, weights) waiting for the shared gate
         self.ops = _compile_ops(capturer) if stream is None else None
-        self.captured_at = {}  # layer -> the capturer's commit count at its last eager capture
+        # layer -> the capturer's commit count at its last eager capture, shared by every attach to the
+        # capturer: two models capturing one layer before a commit overwrite each other's rows too.
+        try:
+            self.captured_at = _CAPTURED_AT.setdefault(capturer, {})
+        except TypeError:  # a capturer of another library's that cannot be weakly referenced or hashed: its own
+            self.captured_at = {}
         self.warned = False
         import torch
         # Traced code calls the extension through this: a graph break, then the call runs eagerly (Dynamo
@@ -722,8 +728,29 @@ class _Runner:
             warnings.warn(f"moecap.hf: MoE layer {index} captured again with no commit since its last capture, so "
                           "this forward's rows overwrite the last one's: commit each forward's rows (with "
                           "model.generate(), pass logits_processor=[moecap.hf.GenerationRecorder(...)])",
-                          UncommittedCaptureWarning, stacklevel=2)
+                          UncommittedCaptureWarning, stacklevel=_caller_outside_frameworks())
         self.captured_at[index] = commits
+
+
+_CAPTURED_AT: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _caller_outside_frameworks() -> int:
+    """The stacklevel, for a warning issued by this function's caller, of the
+    first frame outside moecap, torch and transformers: the line of the
+    user's code that ran the forward (a hook sits under torch's module call
+    and the model's own forward)."""
+    import os
+    import sys
+
+    packages = (__name__.split(".")[0], "torch", "transformers")
+    files = (getattr(sys.modules.get(name), "__file__", None) for name in packages)
+    folders = tuple(os.path.dirname(file) + os.sep for file in files if file)
+    frame: Optional[Any] = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(folders):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Selector] = None,
@@ -803,6 +830,14 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     return Attached(layers, hooks, runner, mapped)
 
 
+_PACKED = ("GenerationRecorder: the model ran continuous batching (generate_batch, or generate with "
+           "cache_implementation='paged'), which packs every request's tokens into one row and calls no logits "
+           "processor; the recorder records generate()'s batches of one row per sequence")
+
+# Recorders that have recorded and whose table still holds rows not read (they share the capturer's slots).
+_RECORDERS_HOLDING_ROWS: weakref.WeakSet[GenerationRecorder] = weakref.WeakSet()
+
+
 class GenerationRecorder:
     """A logits processor that commits every forward of one ``model.generate()``
     call and reads each sequence's routing back::
@@ -827,8 +862,13 @@ class GenerationRecorder:
     recorder per generate() call. Refused with a ValueError: more than one
     sequence per prompt row (beam search, num_return_sequences > 1: repeat the
     prompt rows instead), decoding that runs other than one forward between
-    two calls (assisted generation, chunked prefill), and a second generate()
-    call. One process: no attention-DP gather.
+    two calls (assisted generation, chunked prefill), a second generate()
+    call, an attention_mask narrower or wider than generate's input_ids, an
+    encoder-decoder model, and continuous batching (generate_batch, or
+    cache_implementation="paged": it packs every request into one row and
+    calls no logits processor). Recorders on one capturer share its slots: a
+    second one refuses to record while another still holds rows routed() has
+    not read. One process: no attention-DP gather.
     """
 
     def __init__(self, model: torch.nn.Module, capturer: Capturer, attention_mask: Any) -> None:
@@ -841,19 +881,41 @@ class GenerationRecorder:
         if int(capturer.config["dp_size"]) != 1:
             raise ValueError(f"GenerationRecorder: the capturer has dp_size {capturer.config['dp_size']}; it "
                              "commits a generate() batch of one process (rows [0, batch * tokens)), dp_size 1")
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            raise ValueError(f"GenerationRecorder: {type(model).__name__} is an encoder-decoder model; the recorder "
+                             "records a decoder-only generate() (an encoder's layers run outside the forwards it "
+                             "counts)")
         self._mask = mask.astype(bool)
         self._batch = mask.shape[0]
         host_slots = int(capturer.config["host_slots"])
         self._per_row = host_slots // max(self._batch, 1)
         self.capturer = capturer
-        self._table = RequestTable(capturer)
+        self._table = RequestTable(capturer)  # a row enters it when routed() reads it
+        self._unread: set[int] = set()  # rows recorded and not yet read by routed()
+        # Each forward's [batch, tokens] slots (-1: padding, or a position recorded before), kept per forward
+        # and joined per row in routed(): no Python loop over the rows at each token.
+        self._recorded_slots: list[Any] = []
         self._recorded: Optional[int] = None  # positions forwarded so far; None before the first call
         self._starts: list[int] = []  # each row's first position forwarded (its real tokens before it)
         self._offset = 0  # prompt positions input_ids leaves out (a prompt given as inputs_embeds)
         self._forwards: list[int] = []  # tokens per row of each forward since the last call
-        self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+        self._packed = False  # the model ran a continuous-batching forward
+        # The hook holds the recorder weakly: a recorder dropped unclosed holds no slots (_RECORDERS_HOLDING_ROWS).
+        # Counted for `model` only: copy.deepcopy of the model (an RL reference model) copies this hook too.
+        recorder, counted = weakref.ref(self), weakref.ref(model)
+
+        def count_tokens(module: Any, args: tuple, kwargs: dict) -> None:
+            alive = recorder()
+            if alive is not None and module is counted():
+                alive._count_tokens(module, args, kwargs)
+
+        self._hook = model.register_forward_pre_hook(count_tokens, with_kwargs=True)
+        weakref.finalize(self, self._hook.remove)
 
     def _count_tokens(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if "logits_indices" in kwargs or "cu_seq_lens_q" in kwargs:  # transformers' continuous batching
+            self._packed = True
+            return
         tokens = kwargs.get("input_ids", args[0] if args else None)
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
@@ -870,8 +932,19 @@ class GenerationRecorder:
             # input_ids hold only the tokens generated so far: the prompt went in as inputs_embeds.
             self._offset = self._mask.shape[1]
             length = self._offset
-        refused = None
-        if not first_call and len(self._table) < self._batch:  # routed() took a row out of the table
+        refused: Optional[Exception] = None
+        holder = next((r for r in _RECORDERS_HOLDING_ROWS if r.capturer is self.capturer and r._unread), None) \
+            if first_call else None
+        if self._packed:
+            refused = ValueError(_PACKED)
+        elif holder is not None:
+            refused = ValueError(f"GenerationRecorder: another recorder on this capturer still holds the rows of "
+                                 f"{len(holder._unread)} sequence{'s' if len(holder._unread) > 1 else ''} in the "
+                                 "slots this one writes: read them with its routed() (or drop it) first")
+        elif first_call and self._offset == 0 and length != self._mask.shape[1]:
+            refused = ValueError(f"GenerationRecorder: attention_mask has {self._mask.shape[1]} positions; "
+                                 f"generate's input_ids have {length}: give the recorder generate's attention_mask")
+        elif not first_call and len(self._unread) < self._batch:  # routed() read a row
             refused = ValueError("GenerationRecorder: routed() was called; a recorder records one generate() call")
         elif batch != self._batch:
             refused = ValueError(f"GenerationRecorder: generate runs {batch} sequences for {self._batch} prompt "
@@ -880,7 +953,7 @@ class GenerationRecorder:
         elif len(forwards) != 1:
             refused = ValueError(f"GenerationRecorder: {len(forwards)} forwards since the last call; it records "
                                  "generate's one forward per new token (not assisted generation or chunked prefill)")
-        elif forwards[0] > length or (not first_call and length != self._recorded + 1):
+        elif forwards[0] > length or (self._recorded is not None and length != self._recorded + 1):
             refused = ValueError(f"GenerationRecorder: a forward of {forwards[0]} tokens up to position {length - 1} "
                                  f"after {self._recorded} positions; a recorder records one generate() call: make "
                                  "a new one for each")
@@ -897,16 +970,16 @@ class GenerationRecorder:
         real = np.ones((batch, positions.size), dtype=bool)
         in_prompt = positions < prompt
         real[:, in_prompt] = self._mask[:, positions[in_prompt]]
-        if first_call:  # a cache may hold the start: each row's routing starts at its first position forwarded
+        if self._recorded is None:  # the first call: a cache may hold the start, so each row's routing starts
+            # at its first position forwarded
             self._starts = [int(self._mask[row, :positions[0]].sum()) for row in range(batch)]
-            for row in range(batch):
-                self._table.start(row, self._starts[row])
             self._recorded = int(positions[0])
+            self._unread = set(range(batch))
+            _RECORDERS_HOLDING_ROWS.add(self)
         slots = np.where(real, np.arange(batch)[:, None] * self._per_row + positions[None, :], -1)
         self.capturer.commit(slots.reshape(-1))
         new = positions >= self._recorded  # a forward without the cache takes every position again
-        for row in range(batch):
-            self._table.append(row, slots[row, new & real[row]])
+        self._recorded_slots.append(np.where(new[None, :], slots, -1))
         self._recorded = length
         return scores
 
@@ -917,22 +990,32 @@ class GenerationRecorder:
         num_tokens: the sequence's length where it ended before the batch did
         (at its EOS), so the pad tokens generate forwarded after it are left
         out. Its slots are invalidated: one call per row."""
+        import numpy as np
+
         from . import _integer
         from .record import RoutedExperts
         row = _integer("row", row)
+        if self._recorded is None and self._packed:
+            raise ValueError(_PACKED)
         if self._recorded is None or not 0 <= row < self._batch:
             raise ValueError(f"row {row} has no routing: generate() has not called the recorder, or row is not in "
                              f"[0, {self._batch})")
-        if row not in self._table:
+        if row not in self._unread:
             raise ValueError(f"routed({row}) was called already; its slots were invalidated then")
         start = self._starts[row]
-        total = start + len(self._table.slots(row)) + 1
+        slots = np.concatenate([forward[row] for forward in self._recorded_slots])
+        slots = slots[slots >= 0]
+        total = start + slots.size + 1
         if num_tokens is not None:  # checked before the read, which frees the row's slots
             num_tokens = _integer("num_tokens", num_tokens)
             if not start + 1 <= num_tokens <= total:
                 raise ValueError(f"num_tokens is {num_tokens}; row {row} has {total} tokens and its routing starts "
                                  f"at position {start}")
+        if row not in self._table:  # (there already where a read failed)
+            self._table.start(row, start)
+            self._table.append(row, slots)
         routed = self._table.finish(row)
+        self._unread.discard(row)
         if num_tokens is None:
             return routed
         n = num_tokens - 1 - start
@@ -1243,7 +1326,8 @@ def replay(model: torch.nn.Module, ids: Sequence[Any], weights: Optional[Sequenc
         if _picked_by_block(layer):
             keep, force = make_picked(layer)
             hooks.append(layer.router.register_forward_hook(keep, prepend=True))
-            hooks.append(layer.block.experts.register_forward_pre_hook(force, with_kwargs=True, prepend=True))
+            experts = cast("torch.nn.Module", layer.block.experts)  # _picked_by_block: the block has experts
+            hooks.append(experts.register_forward_pre_hook(force, with_kwargs=True, prepend=True))
         else:
             hooks.append(layer.router.register_forward_hook(make(layer), prepend=True))
     try:

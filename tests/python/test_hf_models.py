@@ -5,6 +5,8 @@ read back from the capturer equals the model's own output_router_logits top-k
 (ids exactly, weights within float32 precision), at dp 1 and at dp 2 with
 ranks that are idle for some steps and one that serves nothing at all."""
 import contextlib
+import copy
+import gc
 import os
 import warnings
 
@@ -999,6 +1001,67 @@ def test_generate_refuses_what_the_recorder_cannot_map_to_one_sequence_per_row()
         with pytest.raises(moecap.MoecapError, match="needs host_slots >= 5; host_slots is 4"):
             model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
                            logits_processor=[recorder])
+    padded = torch.tensor([[0, 0, 1, 2, 3]])
+    with hf.attach(model, cap):
+        for wrong in (mask, torch.ones(1, 7, dtype=torch.long)):  # the mask of the prompt before padding, a wider one
+            with hf.GenerationRecorder(model, cap, wrong) as recorder, pytest.raises(
+                    ValueError, match=f"attention_mask has {wrong.shape[1]} positions; generate's input_ids have 5"):
+                model.generate(padded, attention_mask=torch.tensor([[0, 0, 1, 1, 1]]), max_new_tokens=2,
+                               do_sample=False, pad_token_id=0, logits_processor=[recorder])
+    switch = transformers.SwitchTransformersForConditionalGeneration(transformers.SwitchTransformersConfig(
+        vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, num_experts=2))
+    with pytest.raises(ValueError, match="SwitchTransformersForConditionalGeneration is an encoder-decoder model"):
+        hf.GenerationRecorder(switch, cap, mask)
+
+
+def test_continuous_batching_is_named_by_the_recorder_it_bypasses():
+    """generate_batch packs every request into one row and calls no logits
+    processor: the recorder says so instead of "not called" or "4 forwards"."""
+    model = hf_serving.build(config_or_skip("mixtral"))
+    cap = generation_capturer(model)
+    config = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=1)
+    with hf.attach(model, cap), warnings.catch_warnings():
+        warnings.simplefilter("ignore", hf.UncommittedCaptureWarning)  # its captures do overwrite each other
+        with hf.GenerationRecorder(model, cap, torch.ones(2, 3, dtype=torch.long)) as recorder:
+            model.generate_batch([[5, 6, 7], [1, 2, 3]], generation_config=config, warmup=False,
+                                 logits_processor=[recorder])
+            with pytest.raises(ValueError, match="the model ran continuous batching .* calls no logits processor"):
+                recorder.routed(0)
+            with pytest.raises(ValueError, match="the model ran continuous batching"):
+                model.generate(torch.tensor([[5, 6, 7], [1, 2, 3]]), max_new_tokens=2, do_sample=False,
+                               pad_token_id=0, logits_processor=[recorder])
+
+
+def test_a_second_recorder_on_a_capturer_refuses_while_the_first_holds_rows_not_read():
+    """Every recorder writes row b, position p to slot b * (host_slots // batch)
+    + p: a second generate() overwrote the first one's rows, which routed()
+    then returned as valid."""
+    model = hf_serving.build(config_or_skip("mixtral"))
+    cap = generation_capturer(model)
+    mask = torch.ones(2, 3, dtype=torch.long)
+
+    def generate(prompt, recorder):
+        model.generate(prompt, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                       logits_processor=[recorder])
+
+    with hf.attach(model, cap):
+        first = hf.GenerationRecorder(model, cap, mask)
+        generate(torch.tensor([[5, 6, 7], [1, 2, 3]]), first)
+        before = first.routed(1)  # row 0's rows are still held
+        second = hf.GenerationRecorder(model, cap, mask)
+        with pytest.raises(ValueError, match="another recorder on this capturer still holds the rows of 1 sequence in the slots"):
+            generate(torch.tensor([[9, 9, 9], [8, 8, 8]]), second)
+        held = first.routed(0)
+        assert held.valid.all() and held.shape[0] == 4
+        generate(torch.tensor([[9, 9, 9], [8, 8, 8]]), second)  # nothing held now
+        assert second.routed(1) != before
+        third = hf.GenerationRecorder(model, cap, mask)
+        del second  # a recorder dropped holds nothing
+        gc.collect()
+        copy.deepcopy(model)(torch.tensor([[1, 2, 3]]))  # a copy's forward is not one of this model's
+        assert third._forwards == []
+        generate(torch.tensor([[5, 6, 7], [1, 2, 3]]), third)
+        assert third.routed(1) == before
 
 
 def test_a_forward_whose_rows_were_never_committed_is_warned_of_at_the_next_capture():
@@ -1007,8 +1070,9 @@ def test_a_forward_whose_rows_were_never_committed_is_warned_of_at_the_next_capt
     model = hf_serving.build(config_or_skip("mixtral"))
     cap = generation_capturer(model)
     with hf.attach(model, cap):
-        with pytest.warns(hf.UncommittedCaptureWarning, match="MoE layer [0-9] captured again with no commit"):
+        with pytest.warns(hf.UncommittedCaptureWarning, match="MoE layer [0-9] captured again with no commit") as got:
             model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        assert got[0].filename == __file__  # the line that called generate(), not moecap's or torch's
         cap.commit(np.full(3, -1))
         with warnings.catch_warnings():
             warnings.simplefilter("error", hf.UncommittedCaptureWarning)
@@ -1031,6 +1095,16 @@ def test_a_forward_whose_rows_were_never_committed_is_warned_of_at_the_next_capt
         model.eval()
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert len([w for w in caught if w.category is hf.UncommittedCaptureWarning]) == 1  # once, not per layer
+
+
+def test_two_models_capturing_into_one_capturer_with_no_commit_between_are_warned_of():
+    # Each attach tracked only its own captures: the second model's rows replaced the first's unwarned.
+    first, second = (hf_serving.build(config_or_skip("mixtral")) for _ in range(2))
+    cap = generation_capturer(first)
+    with hf.attach(first, cap), hf.attach(second, cap), torch.no_grad():
+        first(torch.tensor([[1, 2, 3]]))
+        with pytest.warns(hf.UncommittedCaptureWarning, match="MoE layer 0 captured again with no commit"):
+            second(torch.tensor([[1, 2, 3]]))
 
 
 def test_generate_from_a_cache_records_the_positions_it_forwards_and_a_recorder_records_one_call():
