@@ -228,6 +228,22 @@ def test_rows_a_layer_did_not_write_are_refused_not_sent_as_expert_0(vl):
     assert not zero.snapshot_routing_data(3).any()
 
 
+def test_a_snapshot_of_a_count_that_is_not_a_row_count_is_refused_and_consumes_nothing(vl):
+    cfg = vl.config()
+    theirs, ours = pair(vl, cfg)
+    rows = np.random.default_rng(3).integers(0, NUM_EXPERTS, size=(3, len(MOE_LAYERS), TOP_K))
+    torch = vl.torch
+    with vl.set_forward_context(None, cfg, num_tokens=3):
+        for cap in (theirs, ours):
+            for i, layer in enumerate(MOE_LAYERS):
+                cap.capture(layer, torch.from_numpy(rows[:, i, :]).to(torch.int64))
+    for wrong, error, message in ((2.9, TypeError, "num_tokens must be an int"), (True, TypeError, "num_tokens"),
+                                  (-1, ValueError, "num_tokens is -1"), (MAX_TOKENS + 1, ValueError, "num_tokens is")):
+        with pytest.raises(error, match=message):
+            ours.snapshot_routing_data(wrong)
+    assert torch.equal(ours.snapshot_routing_data(np.int64(3)), theirs.snapshot_routing_data(3))  # nothing was consumed
+
+
 def test_a_graph_batchs_padding_rows_are_never_sent_by_a_later_step(vl):
     """A CUDA-graph step captures its padded batch (8 rows) and vLLM snapshots
     the 5 real ones; the next step's 7 rows include two of that padding, and

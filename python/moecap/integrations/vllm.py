@@ -32,7 +32,7 @@ changes); ``uninstall()`` restores vLLM's.
 
 from typing import Any
 
-from .. import Capturer
+from .. import Capturer, _integer
 from ..record import LayerMap
 from . import _model
 
@@ -170,8 +170,8 @@ class MoecapRoutedExpertsCapturer:
         the rows are consumed (see the module)."""
         self._ensure()
         torch = _torch()
-        n = int(num_tokens)
-        if n > self._device_ids.shape[1]:
+        n = _integer("num_tokens", num_tokens)  # 2.9 is not 2 tokens; refused before any row is consumed
+        if not 0 <= n <= self._device_ids.shape[1]:
             raise ValueError(f"num_tokens is {n}; the capturer holds {self._device_ids.shape[1]} rows")
         ids = self._device_ids[:, :n, :]  # [moe_layers, n, top_k] in moecap's device dtype
         # Taken before the consume: cast in moecap's layout, then moved into vLLM's a run of consecutive MoE
