@@ -33,7 +33,7 @@ changes); ``uninstall()`` restores vLLM's.
 from typing import Any
 
 from .. import Capturer, _integer
-from ..record import LayerMap
+from ..record import LayerMap, layer_runs
 from . import _model
 
 INVALID = ("raise", "zero")
@@ -101,14 +101,7 @@ class MoecapRoutedExpertsCapturer:
         ops = self.capturer.ops
         self._device_ids = ops.device_ids  # [moe_layers, rows, top_k], moecap's device dtype
         self._layer_index = torch.tensor(layers, dtype=torch.long, device=self._device_ids.device)
-        # (first layer, last + 1, ordinal of the first): the MoE layers as runs of consecutive layers.
-        self._layer_runs = []
-        for ordinal, layer in enumerate(layers):
-            if self._layer_runs and self._layer_runs[-1][1] == layer:
-                first, _, start = self._layer_runs[-1]
-                self._layer_runs[-1] = (first, layer + 1, start)
-            else:
-                self._layer_runs.append((layer, layer + 1, ordinal))
+        self._layer_runs = layer_runs(tuple(layers))  # (model layers, device-buffer layers) slice pairs
         self._drop = torch.full((self.capturer.plan["device_rows"],), -1, dtype=torch.int64,
                                 device=self._device_ids.device)
 
@@ -180,8 +173,8 @@ class MoecapRoutedExpertsCapturer:
         wide = _wide_dtype(torch, self.shape_per_token[1] * self.output_dtype.itemsize)
         moved = ids.to(self.output_dtype).view(wide)
         out = torch.zeros((n, *self.shape_per_token), dtype=self.output_dtype, device=ids.device)
-        for first, last, ordinal in self._layer_runs:
-            out.view(wide)[:, first:last, :].copy_(moved[ordinal:ordinal + last - first].permute(1, 0, 2))
+        for model, held in self._layer_runs:
+            out.view(wide)[:, model, :].copy_(moved[held].permute(1, 0, 2))
         # A row without routing holds an id outside [0, num_experts) in some layer ("none": -1, 0xff in u8).
         bad = ((ids.amin(dim=0) < 0) | (ids.amax(dim=0) >= self.num_experts)).any(dim=1)
         # Every device row is consumed, not only the n read: a CUDA-graph batch captured its padding rows
