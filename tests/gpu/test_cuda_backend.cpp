@@ -387,7 +387,8 @@ TEST_CASE("slots fail closed on CUDA: never committed, invalidated (also by a gr
   CHECK(host[static_cast<size_t>(0)] == -1);              // never committed
   CHECK(hw[static_cast<size_t>(11 * row)] == 0.0f);
 
-  // A graph that commits and invalidates, replayed with new slot contents.
+  // A graph that captures, commits and invalidates, replayed with new slot
+  // contents (each replay captures again: a commit consumes the rows it reads).
   HostTensor gslots({4}, i64());
   HostTensor gfreed({1}, i64());
   DeviceTensor dgslots(gslots);
@@ -398,6 +399,10 @@ TEST_CASE("slots fail closed on CUDA: never committed, invalidated (also by a gr
     const bool cuda = h == p.cuda;
     void* s = cuda ? static_cast<void*>(p.stream) : nullptr;
     REQUIRE(moecap_graph_begin(h, s) == MOECAP_OK);
+    for (int32_t l = 0; l < c.num_layers; ++l) {
+      REQUIRE_MESSAGE(moecap_capture(h, l, cuda ? dids.get() : ids.get(), cuda ? dw.get() : w.get(), s) == MOECAP_OK,
+                      std::string(moecap_last_error()));
+    }
     moecap_commit_args ga{sizeof ga, 0, nullptr, cuda ? dgslots.get() : gslots.get()};
     REQUIRE_MESSAGE(moecap_commit(h, &ga, s) == MOECAP_OK, std::string(moecap_last_error()));
     REQUIRE_MESSAGE(moecap_invalidate(h, cuda ? dgfreed.get() : gfreed.get(), s) == MOECAP_OK,
@@ -419,6 +424,8 @@ TEST_CASE("slots fail closed on CUDA: never committed, invalidated (also by a gr
   CHECK(after[static_cast<size_t>(31 * row)] == -1);  // by the third
   CHECK(after[static_cast<size_t>(32 * row)] == 3);   // committed by the third (row 1)
   CHECK(after[static_cast<size_t>(22 * row)] == 1);
+  CHECK(after[static_cast<size_t>(20 * row)] == 1);   // every replay's rows, not only the first's
+  CHECK(after[static_cast<size_t>(42 * row)] == 7);   // row 3, its id in range
   moecap_graph_destroy(hg);
   moecap_graph_destroy(cg);
 

@@ -8,9 +8,12 @@
 
 #include <cuda_runtime.h>
 
+#include <deque>
+#include <string>
 #include <thread>
 
 #include "tests/cuda_standin/engine_api.h"
+#include "tests/support/step_rows.h"
 
 using namespace engine;
 using namespace moecap_scenarios;
@@ -48,6 +51,29 @@ TEST_CASE("get_errors(CLEAR) while another thread replays: no count lost") {
   destroy(g);
   moecap_destroy(h);
   cudaStreamDestroy(s);
+}
+
+// Consumption that holds at dp >= 2 (tests/support/step_rows.h), as the host
+// backend and the stand-in run it, with the claim and release kernels on a GPU.
+TEST_CASE("a step's rows are unusable after its commits at dp 2 and 4, skipped layers read -1 (GPU)") {
+  for (int32_t dp : {2, 4}) {
+    CAPTURE(dp);
+    const moecap_config c = moecap_step_rows::config(dp, MOECAP_DEVICE_CUDA);
+    moecap_capturer* h = nullptr;
+    REQUIRE_MESSAGE(moecap_create(&c, &h) == MOECAP_OK, std::string(moecap_last_error()));
+    std::deque<Tensor> held;  // every step's ids live until the test ends: no upload overwrites a queued capture's input
+    moecap_step_rows::Memory m;
+    Stream s = new_stream();
+    m.stream = s;
+    m.ids = [&held](const std::vector<int32_t>& v, int64_t n, int32_t top_k) {
+      held.emplace_back(std::vector<int64_t>{n, top_k}, moecap_test::i32(), kDLCUDA);
+      if (!v.empty()) held.back().upload(v);
+      return held.back().get();
+    };
+    moecap_step_rows::run(h, c, m);
+    CHECK(moecap_destroy(h) == MOECAP_OK);
+    cudaStreamDestroy(s);
+  }
 }
 
 #include "tests/gpu/gpu_main.h"
