@@ -129,16 +129,18 @@ def _through_device_buffers(cap: Capturer, device_ids: torch.Tensor, device_weig
 @torch.library.custom_op("moecap::capture", mutates_args=("device_ids", "device_weights", "histogram"))
 def capture(device_ids: torch.Tensor, device_weights: Optional[torch.Tensor], capturer: int, layer: int,
             topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor],
-            histogram: Optional[torch.Tensor] = None) -> None:
+            histogram: Optional[torch.Tensor]) -> None:
     """Capturer.capture on torch's current stream; device_ids/device_weights (and histogram, which
-    capture counts into) are the capturer's buffers."""
+    capture counts into) are the capturer's buffers. No mutated argument has a default: the
+    dispatcher drops trailing arguments equal to their default, and torch 2.11's custom_op indexes
+    every mutated argument by position (IndexError; torch 2.14 checks the length first)."""
     cap = _capturer(capturer)
     _through_device_buffers(cap, device_ids, device_weights, lambda: cap.capture(layer, topk_ids, topk_weights),
                             histogram)
 
 
 @capture.register_fake
-def _(device_ids, device_weights, capturer, layer, topk_ids, topk_weights, histogram=None):
+def _(device_ids, device_weights, capturer, layer, topk_ids, topk_weights, histogram):
     return None
 
 

@@ -260,7 +260,7 @@ def test_opcheck_schema_fake_and_mutations():
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
     weights = torch.full((2, TOP_K), 0.25)
     torch.library.opcheck(torch.ops.moecap.capture.default,
-                          (ops.device_ids, ops.device_weights, cap.id, 1, ids, weights))
+                          (ops.device_ids, ops.device_weights, cap.id, 1, ids, weights, None))
     # opcheck hands every check copies of the arguments, and commit/invalidate refuse a copy
     # of the host cache (test_commit_and_invalidate_refuse_...): check their fake impls directly.
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -277,12 +277,22 @@ def test_opcheck_schema_fake_and_mutations():
     assert cap.read(np.array([9]))[0, 1].tolist() == [5, 6, 7, 8]
 
 
+def test_no_mutated_argument_of_the_ops_has_a_default():
+    """The dispatcher drops trailing arguments equal to their default before the ADInplaceOrView
+    kernel, and torch 2.11's custom_op indexes every mutated argument by position there: a
+    defaulted histogram=None raised IndexError on every capture without a histogram."""
+    for op in (torch.ops.moecap.capture, torch.ops.moecap.commit, torch.ops.moecap.invalidate):
+        mutated = [a for a in op.default._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        assert mutated
+        assert [a.name for a in mutated if a.has_default_value()] == []
+
+
 def test_dead_capturer_is_a_clear_error():
     cap = make()
     ops = cap.ops
     with pytest.raises(moecap.MoecapError, match="no live capturer has id"):
         torch.ops.moecap.capture(ops.device_ids, ops.device_weights, 10**9, 0,
-                                 torch.zeros(1, TOP_K, dtype=torch.int32), torch.zeros(1, TOP_K))
+                                 torch.zeros(1, TOP_K, dtype=torch.int32), torch.zeros(1, TOP_K), None)
 
 
 @pytest.mark.cuda
