@@ -6,15 +6,19 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "base/cuda_driver.h"
 #include "base/cuda_owners.h"
+#include "base/detached_work.h"
 #include "base/status.h"
 #include "base/stream.h"
 #include "graphs/cuda_graph.h"
@@ -139,17 +143,46 @@ struct GraphHold {
   std::shared_ptr<GraphCommits> commits;
 };
 
+struct GraphReleases;
+GraphReleases& graph_releases();
+void drain_graph_releases();
+
+// The threads that free graph holds, process-wide, and the holds they could
+// not take (no thread could be started, or the process is exiting), kept
+// reachable until the process ends. First used by a backend's constructor,
+// after cuInit, so its atexit handler runs before the driver's and the
+// tools' exit handlers: exit waits for a capturer still being freed instead
+// of tearing the driver down under it (a crash after main returned). Never
+// destroyed: a release may outlive static destruction when the drain times out.
+struct GraphReleases {
+  DetachedWork threads;
+  std::mutex mu;
+  std::vector<GraphHold*> kept;
+};
+GraphReleases& graph_releases() {
+  static GraphReleases* releases = [] {
+    auto* r = new GraphReleases;
+    std::atexit(drain_graph_releases);
+    return r;
+  }();
+  return *releases;
+}
+void drain_graph_releases() { graph_releases().threads.drain(std::chrono::seconds(5)); }
+
 // The user object's destructor. The driver calls it on its own thread, where
 // no CUDA call is allowed: it only marks the graph gone, and the capturer
 // (whose destruction frees driver memory) is released on a thread of moecap's.
-// If no thread can be started (thread limits, process teardown) the hold is
-// leaked rather than let an exception out of the driver's C callback.
+// A hold no thread takes is kept, never freed during the driver's teardown,
+// and no exception leaves the driver's C callback.
 void release_graph_hold(void* held) noexcept {
   auto* hold = static_cast<GraphHold*>(held);
   hold->commits->graph_alive = false;
+  GraphReleases& releases = graph_releases();
+  if (releases.threads.run([hold] { delete hold; })) return;
+  std::lock_guard<std::mutex> lock(releases.mu);
   try {
-    std::thread([hold] { delete hold; }).detach();
-  } catch (...) {
+    releases.kept.push_back(hold);
+  } catch (...) {  // out of memory as well: the hold is leaked
   }
 }
 
@@ -171,6 +204,7 @@ class CudaBackend final : public Backend {
     check(d_, d_.cuDeviceGet(&device, ordinal_), "cuDeviceGet");
     // Every owner below frees its object if a later step throws.
     ctx_ = PrimaryContext(d_, device);
+    graph_releases();  // its exit handler goes after the driver's (tools' too): it runs before them
     HostCallScope scope(d_, ctx());
     CUmodule module = nullptr;
     check_module_load(d_, d_.cuModuleLoadData(&module, moecap_kernels_fatbin));

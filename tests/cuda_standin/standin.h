@@ -64,7 +64,10 @@
 //   the one that introduced it (the ABI asked for), as the real driver does.
 //
 // Environment: STANDIN_DRIVER_VERSION (default 13000), STANDIN_MODULE_LOAD_ERROR
-// (a CUresult cuModuleLoadData returns; default 0).
+// (a CUresult cuModuleLoadData returns; default 0), STANDIN_EXIT_CHECK (an exit
+// handler registered at cuInit after which any driver call ends the process
+// with status 70), STANDIN_SLOW_FREE_MS and STANDIN_SLOW_USER_OBJECT_MS (a
+// cuMemFree, or a user object's destructor, that waits that long first).
 #pragma once
 
 #include <stdint.h>

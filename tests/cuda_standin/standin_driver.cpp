@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -142,6 +144,27 @@ thread_local int t_capture_mode = kModeGlobal;
 thread_local bool t_in_callback = false;
 thread_local std::vector<void*> t_contexts;
 
+// STANDIN_EXIT_CHECK=1: a driver that tears itself down in an exit handler
+// registered at cuInit, as exit() runs it after the caller's later handlers.
+// A driver call after it ran (a thread still freeing what a capturer held
+// while the process exits) ends the process with status 70; the handler waits
+// half a second for such late calls to show up.
+std::atomic<bool> g_exited{false};
+[[noreturn]] void late_call(const char* what) {
+  std::fprintf(stderr, "stand-in: %s called after the driver's exit handler ran\n", what);
+  std::fflush(stderr);
+  std::_Exit(70);
+}
+void driver_exit_handler() {
+  g_exited = true;
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+}
+// STANDIN_SLOW_FREE_MS, STANDIN_SLOW_USER_OBJECT_MS: a free, or a user
+// object's destructor, that takes this long to start.
+void slow(const char* knob) {
+  if (const char* ms = std::getenv(knob)) std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
+}
+
 void violation(const std::string& what) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   if (g_violations++ == 0) g_first_violation = what;
@@ -156,6 +179,7 @@ CUresult unknown_event(const Event* e) {
 }
 
 #define ENTER()                                                                  \
+  if (g_exited.load()) late_call(__func__);                                      \
   if (t_in_callback) {                                                           \
     violation(std::string(__func__) + " called from a user-object destructor");  \
     return kNotPermitted;                                                        \
@@ -372,6 +396,7 @@ void release_user_object(UserObject* u, int64_t count) {
   ++g_running_callbacks;
   std::thread([u] {
     t_in_callback = true;
+    slow("STANDIN_SLOW_USER_OBJECT_MS");
     u->destroy(u->ptr);
     delete u;
     std::lock_guard<std::recursive_mutex> lock(g_mu);
@@ -438,6 +463,7 @@ CUresult cuMemAlloc(unsigned long long* out, size_t bytes) {
   return kOk;
 }
 CUresult cuMemFree(unsigned long long p) {
+  slow("STANDIN_SLOW_FREE_MS");
   ENTER();
   if (CUresult r = unsafe_call()) return r;
   return free_alloc(reinterpret_cast<void*>(p), false);
@@ -874,7 +900,11 @@ using namespace standin_impl;
 
 extern "C" {
 
-__attribute__((visibility("default"))) int cuInit(unsigned) { return kOk; }
+__attribute__((visibility("default"))) int cuInit(unsigned) {
+  static std::once_flag exit_check;
+  if (std::getenv("STANDIN_EXIT_CHECK") != nullptr) std::call_once(exit_check, [] { std::atexit(driver_exit_handler); });
+  return kOk;
+}
 
 __attribute__((visibility("default"))) int cuDriverGetVersion(int* version) {
   const char* v = std::getenv("STANDIN_DRIVER_VERSION");

@@ -399,3 +399,27 @@ TEST_CASE("moecap_destroy waits for captures queued on each thread's own CU_STRE
   }
   CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
 }
+
+// Run alone by ctest with STANDIN_EXIT_CHECK (the stand-in's exit handler
+// then ends the process with 70 at any later driver call): the last graph
+// holding a capturer is destroyed as the process ends, so its release is on
+// moecap's thread (STANDIN_SLOW_FREE_MS) or still in the driver's destructor
+// callback (STANDIN_SLOW_USER_OBJECT_MS) when exit() begins. Exit waits for a
+// release in flight and refuses one that starts later; either way no driver
+// call comes after the driver's exit handler. Run in the whole suite, it only
+// checks that the graph's hold is released.
+TEST_CASE("a process ending right after it destroys the last graph holding a capturer calls no driver after exit") {
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  Tensor slots = index_tensor({6}, kDLCUDA);
+  moecap_capturer* h = make_capturer();
+  REQUIRE(driver().begin_capture(s, kModeGlobal) == 0);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slots.get(), s);
+  Graph graph = nullptr;
+  REQUIRE(driver().end_capture(s, &graph) == 0);
+  REQUIRE(moecap_destroy(h) == MOECAP_OK);  // the graph holds the capturer now
+  const int64_t live = standin_live_user_objects();
+  driver().graph_destroy(graph);            // its release starts on other threads
+  CHECK(standin_live_user_objects() == live - 1);
+}
