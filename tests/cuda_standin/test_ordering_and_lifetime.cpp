@@ -64,6 +64,17 @@ void check_freed_during_engine_capture(Stream engine, int64_t held, int64_t viol
   CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
 }
 
+// A new capturer whose capture and commit the engine's global-mode capture on
+// `s` records into *graph (the graph then holds the capturer).
+moecap_capturer* record_into_engine_graph(Stream s, Tensor& ids, Tensor& slots, Graph* graph) {
+  moecap_capturer* h = make_capturer();
+  REQUIRE(driver().begin_capture(s, kModeGlobal) == 0);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slots.get(), s);
+  REQUIRE(driver().end_capture(s, graph) == 0);
+  return h;
+}
+
 }  // namespace
 
 TEST_CASE("get_errors waiting for commits does not hold the capturer's lock") {
@@ -154,12 +165,8 @@ TEST_CASE("the thread releasing a graph's last hold on the capturer frees it dur
   Stream engine = new_stream();
   Tensor ids = routing_buffer();
   Tensor slots = index_tensor({6}, kDLCUDA);
-  moecap_capturer* h = make_capturer();
-  REQUIRE(driver().begin_capture(s, kModeGlobal) == 0);
-  capture_layers(h, ids.get(), 1, s);
-  commit(h, slots.get(), s);
   Graph graph = nullptr;
-  REQUIRE(driver().end_capture(s, &graph) == 0);
+  moecap_capturer* h = record_into_engine_graph(s, ids, slots, &graph);
   Exec exec = nullptr;
   REQUIRE(driver().instantiate(&exec, graph, 0) == 0);
   REQUIRE(moecap_destroy(h) == MOECAP_OK);  // the graph and its exec hold the capturer now
@@ -412,13 +419,8 @@ TEST_CASE("a process ending right after it destroys the last graph holding a cap
   Stream s = new_stream();
   Tensor ids = routing_buffer();
   Tensor slots = index_tensor({6}, kDLCUDA);
-  moecap_capturer* h = make_capturer();
-  REQUIRE(driver().begin_capture(s, kModeGlobal) == 0);
-  capture_layers(h, ids.get(), 1, s);
-  commit(h, slots.get(), s);
   Graph graph = nullptr;
-  REQUIRE(driver().end_capture(s, &graph) == 0);
-  REQUIRE(moecap_destroy(h) == MOECAP_OK);  // the graph holds the capturer now
+  REQUIRE(moecap_destroy(record_into_engine_graph(s, ids, slots, &graph)) == MOECAP_OK);  // the graph holds it now
   const int64_t live = standin_live_user_objects();
   driver().graph_destroy(graph);            // its release starts on other threads
   CHECK(standin_live_user_objects() == live - 1);
