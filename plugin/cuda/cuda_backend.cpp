@@ -3,6 +3,8 @@
 // portable, device-mapped pinned memory that the commit kernel writes
 // directly, kernels from the embedded fatbin, all on the primary context of
 // the configured device. Capture-path calls only launch on the given stream.
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -158,6 +160,7 @@ struct GraphReleases {
   DetachedWork threads;
   std::mutex mu;
   std::vector<GraphHold*> kept;
+  pid_t process = getpid();  // a forked child inherits the counts of threads it does not have
 };
 GraphReleases& graph_releases() {
   static GraphReleases* releases = [] {
@@ -167,7 +170,10 @@ GraphReleases& graph_releases() {
   }();
   return *releases;
 }
-void drain_graph_releases() { graph_releases().threads.drain(std::chrono::seconds(5)); }
+void drain_graph_releases() {
+  GraphReleases& releases = graph_releases();
+  if (releases.process == getpid()) releases.threads.drain(std::chrono::seconds(5));
+}
 
 // The user object's destructor. The driver calls it on its own thread, where
 // no CUDA call is allowed: it only marks the graph gone, and the capturer

@@ -13,6 +13,7 @@
 
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <thread>
@@ -82,8 +83,8 @@ class Hold {
   ~Hold() { open(); }
   Hold(const Hold&) = delete;
   Hold& operator=(const Hold&) = delete;
-  void open() {
-    if (state_ != nullptr) release(std::exchange(state_, nullptr));
+  void open() {  // once, from whichever thread comes first: release() drops the caller's share of the state
+    if (HoldState* s = state_.exchange(nullptr)) release(s);
   }
   // For a call that blocks until the stream moves: opens it from another thread.
   std::thread open_after(int ms) {
@@ -94,7 +95,7 @@ class Hold {
   }
 
  private:
-  HoldState* state_;
+  std::atomic<HoldState*> state_;
 };
 
 // Engine memory as a tensor: device or pinned host.

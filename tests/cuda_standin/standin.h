@@ -67,7 +67,8 @@
 // (a CUresult cuModuleLoadData returns; default 0), STANDIN_EXIT_CHECK (an exit
 // handler registered at cuInit after which any driver call ends the process
 // with status 70), STANDIN_SLOW_FREE_MS and STANDIN_SLOW_USER_OBJECT_MS (a
-// cuMemFree, or a user object's destructor, that waits that long first).
+// cuMemFree, or a user object's destructor, that waits that long first;
+// standin_set_slow_free_ms overrides the first).
 #pragma once
 
 #include <stdint.h>
@@ -109,6 +110,9 @@ int64_t standin_live_allocations(void);
 // `result` (a CUresult) and launches nothing, as a launch the driver refuses;
 // NULL cancels.
 void standin_fail_next_launch(const char* kernel, int result);
+// cuMemFree waits `ms` milliseconds before it starts (0: not at all; -1: as
+// STANDIN_SLOW_FREE_MS says, the default).
+void standin_set_slow_free_ms(int ms);
 // Whether [p, p + bytes) lies in live pinned memory from cuMemHostAlloc.
 int standin_is_pinned(const void* p, uint64_t bytes);
 

@@ -164,6 +164,12 @@ void driver_exit_handler() {
 void slow(const char* knob) {
   if (const char* ms = std::getenv(knob)) std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
 }
+std::atomic<int> g_slow_free_ms{-1};  // standin_set_slow_free_ms; -1: the environment's
+void slow_free() {
+  const int ms = g_slow_free_ms.load();
+  if (ms < 0) return slow("STANDIN_SLOW_FREE_MS");
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
 
 void violation(const std::string& what) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
@@ -178,8 +184,11 @@ CUresult unknown_event(const Event* e) {
   return kInvalidHandle;
 }
 
+#define NOT_AFTER_EXIT() \
+  if (g_exited.load()) late_call(__func__)
+
 #define ENTER()                                                                  \
-  if (g_exited.load()) late_call(__func__);                                      \
+  NOT_AFTER_EXIT();                                                              \
   if (t_in_callback) {                                                           \
     violation(std::string(__func__) + " called from a user-object destructor");  \
     return kNotPermitted;                                                        \
@@ -415,6 +424,7 @@ void release_all(const std::map<UserObject*, int64_t>& refs) {
 // --- the Driver API ------------------------------------------------------------
 
 CUresult cuGetErrorName(CUresult r, const char** out) {
+  NOT_AFTER_EXIT();
   switch (r) {
     case kCaptureUnsupported: *out = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"; break;
     case kCaptureInvalidated: *out = "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"; break;
@@ -427,26 +437,33 @@ CUresult cuGetErrorName(CUresult r, const char** out) {
 CUresult cuGetErrorString(CUresult r, const char** out) { return cuGetErrorName(r, out); }
 
 CUresult cuDeviceGetCount(int* n) {
+  NOT_AFTER_EXIT();
   *n = 1;
   return kOk;
 }
 CUresult cuDeviceGet(int* d, int ordinal) {
+  NOT_AFTER_EXIT();
   if (ordinal != 0) return kInvalidValue;
   *d = 0;
   return kOk;
 }
 int g_context_tag;
 CUresult cuDevicePrimaryCtxRetain(void** ctx, int) {
+  NOT_AFTER_EXIT();
   *ctx = &g_context_tag;
   return kOk;
 }
-CUresult cuDevicePrimaryCtxRelease(int) { return kOk; }
+CUresult cuDevicePrimaryCtxRelease(int) {
+  NOT_AFTER_EXIT();
+  return kOk;
+}
 CUresult cuCtxPushCurrent(void* ctx) {
   ENTER();
   t_contexts.push_back(ctx);
   return kOk;
 }
 CUresult cuCtxPopCurrent(void** ctx) {
+  NOT_AFTER_EXIT();
   if (t_contexts.empty()) return kInvalidValue;
   if (ctx != nullptr) *ctx = t_contexts.back();
   t_contexts.pop_back();
@@ -463,7 +480,7 @@ CUresult cuMemAlloc(unsigned long long* out, size_t bytes) {
   return kOk;
 }
 CUresult cuMemFree(unsigned long long p) {
-  slow("STANDIN_SLOW_FREE_MS");
+  slow_free();
   ENTER();
   if (CUresult r = unsafe_call()) return r;
   return free_alloc(reinterpret_cast<void*>(p), false);
@@ -996,6 +1013,7 @@ __attribute__((visibility("default"))) int64_t standin_spin_waits(void) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   return g_spin_waits;
 }
+__attribute__((visibility("default"))) void standin_set_slow_free_ms(int ms) { g_slow_free_ms = ms; }
 __attribute__((visibility("default"))) void standin_drain_callbacks(void) {
   std::unique_lock<std::recursive_mutex> lock(g_mu);
   g_callbacks_done.wait(lock, [] { return g_running_callbacks == 0; });

@@ -5,6 +5,9 @@
 // commit events freed with their graphs.
 #include <doctest/doctest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -408,20 +411,55 @@ TEST_CASE("moecap_destroy waits for captures queued on each thread's own CU_STRE
 }
 
 // Run alone by ctest with STANDIN_EXIT_CHECK (the stand-in's exit handler
-// then ends the process with 70 at any later driver call): the last graph
-// holding a capturer is destroyed as the process ends, so its release is on
-// moecap's thread (STANDIN_SLOW_FREE_MS) or still in the driver's destructor
-// callback (STANDIN_SLOW_USER_OBJECT_MS) when exit() begins. Exit waits for a
-// release in flight and refuses one that starts later; either way no driver
-// call comes after the driver's exit handler. Run in the whole suite, it only
-// checks that the graph's hold is released.
-TEST_CASE("a process ending right after it destroys the last graph holding a capturer calls no driver after exit") {
+// then ends the process with 70 at any later driver call), the last graph
+// holding a capturer destroyed as the process ends: no driver call may come
+// after the driver's exit handler. Run in the whole suite, they only check
+// that the graph's hold is released.
+namespace {
+
+void destroy_last_graph_holding_a_capturer() {
   Stream s = new_stream();
   Tensor ids = routing_buffer();
   Tensor slots = index_tensor({6}, kDLCUDA);
   Graph graph = nullptr;
   REQUIRE(moecap_destroy(record_into_engine_graph(s, ids, slots, &graph)) == MOECAP_OK);  // the graph holds it now
   const int64_t live = standin_live_user_objects();
-  driver().graph_destroy(graph);            // its release starts on other threads
+  driver().graph_destroy(graph);  // its release starts on other threads
   CHECK(standin_live_user_objects() == live - 1);
+}
+
+}  // namespace
+
+// With STANDIN_SLOW_FREE_MS: the driver's destructor callback has handed the
+// capturer to moecap's thread, which is still freeing it when main returns:
+// exit waits for it.
+TEST_CASE("exit waits for a capturer still being freed after its last graph was destroyed") {
+  destroy_last_graph_holding_a_capturer();
+  standin_drain_callbacks();  // the release is on moecap's thread now
+}
+
+// With STANDIN_SLOW_USER_OBJECT_MS: the driver's destructor callback comes
+// after exit began: moecap keeps the capturer rather than free it then.
+TEST_CASE("a capturer whose last graph's release comes during exit is kept, not freed under the driver") {
+  destroy_last_graph_holding_a_capturer();
+}
+
+// The child of a fork() taken while moecap's thread frees a capturer has no
+// such thread: its exit must not wait for it (the drain's limit is 5 s).
+TEST_CASE("a child forked while a capturer is being freed exits at once") {
+  standin_set_slow_free_ms(400);
+  destroy_last_graph_holding_a_capturer();
+  standin_drain_callbacks();  // the release is on moecap's thread, in its frees
+  std::fflush(nullptr);  // the child's exit flushes only what is its own
+  const auto start = std::chrono::steady_clock::now();
+  const pid_t child = fork();
+  if (child == 0) std::exit(0);  // the exit handlers run in the child
+  int status = 0;
+  const pid_t waited = waitpid(child, &status, 0);
+  const auto took = std::chrono::steady_clock::now() - start;
+  standin_set_slow_free_ms(-1);
+  REQUIRE(waited == child);
+  CHECK(WIFEXITED(status));  // not its status: under LeakSanitizer the child reports its parent's threads' memory
+  CHECK(took < std::chrono::seconds(3));
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // the parent's release ends its last slow free
 }
