@@ -146,6 +146,7 @@ class RequestTable:
         self.host_slots = config.get("host_slots")
         self._slots: dict[Any, list[np.ndarray]] = {}
         self._start: dict[Any, int] = {}
+        self._late: set[Any] = set()  # requests started past 2^62, whose end append checks against 2^63
 
     def __contains__(self, rid: object) -> bool:
         return rid in self._slots
@@ -163,9 +164,51 @@ class RequestTable:
             raise ValueError(f"position is {position}; a position in a sequence is in [0, 2^63)")
         self._slots[rid] = []
         self._start[rid] = position
+        if position >= 2**62:
+            self._late.add(rid)
 
     def append(self, rid: Any, slots: ArrayLike) -> None:
         """The slots of the request's next tokens (in order), each in [0, host_slots)."""
+        slots = self._checked_slots(slots)
+        self._check_end(rid, len(slots))
+        # A copy: engines reuse their slot buffers from step to step.
+        self._slots[rid].append(np.array(slots))
+
+    def append_step(self, rids: Sequence[Any], slots: ArrayLike, counts: Optional[ArrayLike] = None) -> None:
+        """One step's slots for several running requests, in the order the step lists them: rids[i]
+        takes the next counts[i] entries of `slots` (one each when counts is None: a decode step).
+        The same as append(rid, its entries) for each in turn, checked in full first: a refused step
+        appends nothing."""
+        slots = np.array(self._checked_slots(slots))  # one copy for the step: engines reuse their buffers
+        rids = list(rids)
+        if not self._slots.keys() >= set(rids):
+            missing = next(rid for rid in rids if rid not in self._slots)
+            raise KeyError(f"request {missing!r} is not running (start() it first)")
+        if counts is None:
+            if len(slots) != len(rids):
+                raise ValueError(f"slots has {len(slots)} entries for {len(rids)} requests; a step where a request "
+                                 "has more or fewer than one token passes counts=")
+            parts: Union[np.ndarray, list[np.ndarray]] = slots.reshape(len(rids), 1)  # its rows
+        else:
+            counts = _ints(counts, "counts")
+            if len(counts) != len(rids):
+                raise ValueError(f"counts has {len(counts)} entries for {len(rids)} requests")
+            if len(counts) and counts.min() < 0:
+                i = int(np.argmin(counts))
+                raise ValueError(f"counts[{i}] is {counts[i]}; a request's token count is >= 0")
+            if int(counts.sum()) != len(slots):
+                raise ValueError(f"counts add up to {int(counts.sum())}; slots has {len(slots)} entries")
+            ends = np.cumsum(counts).tolist()  # slices, not np.split: a tenth of its time at 256 requests
+            parts = [slots[end - count:end] for end, count in zip(ends, counts.tolist())]
+        if self._late and not self._late.isdisjoint(rids):  # append's rare check, with this step's earlier parts
+            adding: dict[Any, int] = {}
+            for rid, part in zip(rids, parts):
+                adding[rid] = adding.get(rid, 0) + len(part)
+                self._check_end(rid, adding[rid])
+        for rid, part in zip(rids, parts):
+            self._slots[rid].append(part)
+
+    def _checked_slots(self, slots: ArrayLike) -> np.ndarray:
         slots = _ints(slots, "slots")
         outside: Union[np.ndarray, tuple[int, ...]] = (
             np.flatnonzero((slots < 0) | (slots >= self.host_slots)) if self.host_slots is not None else ())
@@ -173,15 +216,16 @@ class RequestTable:
             i = int(outside[0])
             raise MoecapError(Status.OUT_OF_RANGE, f"slots[{i}] is {slots[i]}; a token's KV slot is in "
                               f"[0, host_slots = {self.host_slots})")
+        return slots
+
+    def _check_end(self, rid: Any, adding: int) -> None:
         # The record's positions are int64 (finish would refuse it at every call); only a start past 2^62
         # can get there, so the count of tokens so far is summed only then.
-        if self._start[rid] >= 2**62:
-            last = self._start[rid] + sum(len(p) for p in self._slots[rid]) + len(slots) - 1
+        if rid in self._late:
+            last = self._start[rid] + sum(len(p) for p in self._slots[rid]) + adding - 1
             if last >= 2**63:
                 raise ValueError(f"request {rid!r} would end at position {last}; a position in a sequence is in "
                                  "[0, 2^63)")
-        # A copy: engines reuse their slot buffers from step to step.
-        self._slots[rid].append(np.array(slots))
 
     def slots(self, rid: Any) -> np.ndarray:
         parts = self._slots[rid]
@@ -228,6 +272,7 @@ class RequestTable:
         if invalidate is not None and slots.shape[0]:
             invalidate(slots)
         del self._slots[rid], self._start[rid]
+        self._late.discard(rid)
 
 
 def write_routed(capturer: Capturer, slots: Slots, routed: RoutedExperts) -> None:

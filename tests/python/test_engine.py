@@ -260,3 +260,50 @@ def test_a_request_takes_only_slots_it_could_finish_with():
     cap.commit(np.array([3, 63]))
     assert table.finish("r").shape == (2, LAYERS, TOP_K)  # the refused appends left nothing behind
     assert "r" not in table
+
+
+def test_append_step_gives_each_request_its_entries_of_the_step_as_append_would():
+    cap = capturer()
+    batched, one_by_one = RequestTable(cap), RequestTable(cap)
+    for table in (batched, one_by_one):
+        for rid in ("a", "b", "c"):
+            table.start(rid)
+    # A mixed step: a prefill chunk of 3 for "a", "b" idle, 2 verify tokens for "c"; then a decode step.
+    step = np.array([10, 11, 12, 20, 21])
+    batched.append_step(["a", "b", "c"], step, counts=[3, 0, 2])
+    step[:] = -1  # the engine reuses its buffer
+    batched.append_step(["c", "a", "b"], np.array([22, 13, 30]))
+    for rid, part in (("a", [10, 11, 12]), ("b", []), ("c", [20, 21]), ("c", [22]), ("a", [13]), ("b", [30])):
+        one_by_one.append(rid, np.array(part, dtype=np.int64))
+    for rid in ("a", "b", "c"):
+        assert batched.slots(rid).tolist() == one_by_one.slots(rid).tolist()
+    assert batched.slots("a").tolist() == [10, 11, 12, 13]
+    # The table finishes a request from batched steps like any other.
+    capture_rows(cap, 4)
+    cap.commit(np.array([10, 11, 12, 13]))
+    routed = batched.finish("a")
+    assert routed.valid.all() and routed.ids[:, 0, 0].tolist() == expected(range(4))[:, 0, 0].tolist()
+
+
+def test_a_refused_step_appends_nothing_to_any_request():
+    cap = capturer()
+    table = RequestTable(cap)
+    table.start("a")
+    table.start("b", position=2**63 - 1)  # one token fits, two do not
+    refusals = [
+        ((["a", "x"], [1, 2], None), KeyError, "request 'x' is not running"),
+        ((["a", "b"], [1, 2, 3], None), ValueError, "slots has 3 entries for 2 requests; a step where"),
+        ((["a", "b"], [1, 2, 3], [1, 1]), ValueError, "counts add up to 2; slots has 3 entries"),
+        ((["a", "b"], [1, 2], [1]), ValueError, "counts has 1 entries for 2 requests"),
+        ((["a", "b"], [1, 2], [3, -1]), ValueError, r"counts\[1\] is -1; a request's token count is >= 0"),
+        ((["a", "b"], [1, 2], [0.5, 1.5]), moecap.MoecapError, "counts has dtype float64"),
+        ((["a", "b"], [1, 64], None), moecap.MoecapError, r"slots\[1\] is 64; a token's KV slot is in"),
+        ((["a", "b"], [1, 2, 3], [1, 2]), ValueError, f"request 'b' would end at position {2**63}"),
+        ((["b", "b"], [1, 2], None), ValueError, f"request 'b' would end at position {2**63}"),  # its two entries
+    ]
+    for (rids, slots, counts), error, message in refusals:
+        with pytest.raises(error, match=message):
+            table.append_step(rids, slots, counts=counts)
+        assert table.slots("a").tolist() == [] and table.slots("b").tolist() == []
+    table.append_step(["a", "b"], [1, 2])  # one token each fits
+    assert table.slots("b").tolist() == [2]
