@@ -517,6 +517,8 @@ class Capturer(_moecap.Capturer):
                 raise ValueError(f"which must be a moecap.Buffer ({', '.join(f'{b.name} = {b.value}' for b in Buffer)}) "
                                  f"or one of their names, not {value}")
             which = Buffer(value)
+        if layer is None:  # the extension's own check names the argument; nanobind refuses None before it runs
+            raise TypeError("moecap_export: layer must be an int, not NoneType")
         return cast(DLPackView, self.export_view(which, layer))
 
     @property

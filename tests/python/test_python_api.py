@@ -534,6 +534,9 @@ def test_export_takes_a_buffer_its_name_or_its_int_value_and_names_all_three_whe
         for wrong in (None, 6.0, True):
             with pytest.raises(TypeError, match=f"which must be a moecap.Buffer, .* not {type(wrong).__name__}"):
                 cap.export(wrong)
+            with pytest.raises(TypeError, match=f"^moecap_export: layer must be an int, not {type(wrong).__name__}$"):
+                cap.export("layer_ids", wrong)  # None was nanobind's "export_view(): incompatible function arguments"
+        assert np.from_dlpack(cap.export("layer_ids", np.int32(1))).shape == np.from_dlpack(cap.export("layer_ids", 1)).shape
 
 
 def test_every_dtype_enum_member_names_its_own_dtype_and_never_the_other_kinds():
