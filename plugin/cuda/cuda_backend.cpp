@@ -145,10 +145,6 @@ struct GraphHold {
   std::shared_ptr<GraphCommits> commits;
 };
 
-struct GraphReleases;
-GraphReleases& graph_releases();
-void drain_graph_releases();
-
 // The threads that free graph holds, process-wide, and the holds they could
 // not take (no thread could be started, or the process is exiting), kept
 // reachable until the process ends. First used by a backend's constructor,
@@ -162,6 +158,7 @@ struct GraphReleases {
   std::vector<GraphHold*> kept;
   pid_t process = getpid();  // a forked child inherits the counts of threads it does not have
 };
+void drain_graph_releases();
 GraphReleases& graph_releases() {
   static GraphReleases* releases = [] {
     auto* r = new GraphReleases;
