@@ -5,6 +5,9 @@
 #include <benchmark/benchmark.h>
 #include <dlfcn.h>
 #include <sys/mman.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -330,6 +333,54 @@ void BM_Commit_MemcpyRows(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * n);
 }
 
+// The least a commit from S device ids into u8 host rows can do: each
+// finished row's ids, slot-major already (no transpose), narrowed to u8
+// by truncation (no range check) into its slot, row by row, and with
+// `consume` all ones written back over them, the device buffer's "no
+// routing". A commit has to write them: a top-k kernel may write moecap's
+// layer views directly, so the ids are the only mark a later step sees of
+// what this one wrote. `row` ids a row, a multiple of 32. False where the
+// CPU lacks AVX2. A bound only with sequential slots: into cold random
+// slots its stores wait behind the misses that moecap requests ahead.
+#if defined(__x86_64__)
+template <class S>
+__attribute__((target("avx2"))) void narrow_rows_avx2(S* src, uint8_t* dst, const int64_t* at, int64_t n,
+                                                      int64_t row, bool consume) {
+  const __m256i ones = _mm256_set1_epi8(-1);
+  for (int64_t i = 0; i < n; ++i) {
+    S* from = src + i * row;
+    uint8_t* to = dst + at[i] * row;
+    for (int64_t j = 0; j < row; j += 32) {
+      auto* in = reinterpret_cast<__m256i*>(from + j);
+      if constexpr (sizeof(S) == 1) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + j), _mm256_loadu_si256(in));
+        if (consume) _mm256_storeu_si256(in, ones);
+      } else {
+        const __m256i lo = _mm256_and_si256(_mm256_loadu_si256(in), _mm256_set1_epi16(0xff));
+        const __m256i hi = _mm256_and_si256(_mm256_loadu_si256(in + 1), _mm256_set1_epi16(0xff));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + j),
+                            _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xd8));
+        if (consume) {
+          _mm256_storeu_si256(in, ones);
+          _mm256_storeu_si256(in + 1, ones);
+        }
+      }
+    }
+  }
+}
+#endif
+template <class S>
+bool narrow_rows(S* src, uint8_t* dst, const int64_t* at, int64_t n, int64_t row, bool consume) {
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2")) {
+    narrow_rows_avx2(src, dst, at, n, row, consume);
+    return true;
+  }
+#endif
+  (void)src, (void)dst, (void)at, (void)n, (void)row, (void)consume;
+  return false;
+}
+
 // Commit and its floor paired: every iteration rewrites the rows and
 // commits them, then rewrites them again and scatters the floor's rows to
 // the same walk of slots on 2 MB pages (the floor, floor_over_commit), and
@@ -340,10 +391,16 @@ void BM_Commit_MemcpyRows(benchmark::State& state) {
 // alone) and floor / commit: interleaved, they see the same machine state,
 // where the separate cases above run half a minute apart.
 // With weights (weight_bytes per weight), the floor scatters each row's
-// weights too, into host weights of their own as moecap's are.
+// weights too, into host weights of their own as moecap's are. With
+// `narrowing_floors` (u8 host rows of a multiple of 32 ids, no weights), two more loops
+// paired the same way, from device-width ids (narrow_rows):
+// narrow_floor_over_commit narrows them into their slots, and
+// narrow_consume_floor_over_commit writes "no routing" back over them as
+// well. They move more memory between the commits, so their cases are
+// separate from the plain floor's, whose ratios stay comparable run to run.
 void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int32_t top_k = kTopK,
                           int32_t experts = kExperts, int32_t weight_dtype = MOECAP_WEIGHTS_NONE,
-                          int64_t weight_bytes = 0) {
+                          int64_t weight_bytes = 0, bool narrowing_floors = false) {
   using Clock = std::chrono::steady_clock;
   CommitCase c(state, device_id_dtype, top_k, experts, weight_dtype);
   const int64_t n = c.n;
@@ -370,6 +427,30 @@ void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int3
     benchmark::ClobberMemory();
     return std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
   };
+  // The narrowing floors' device-width source, slot-major, refilled with
+  // routing before each call as the device rows are.
+  const bool u8_device = device_id_dtype == MOECAP_IDS_U8;
+  const int64_t row_ids = int64_t{kLayers} * top_k;
+  narrowing_floors = narrowing_floors && weight_row == 0 && experts <= 256 && row_ids % 32 == 0;
+  const int64_t narrow_bytes = narrowing_floors ? n * row_ids * (u8_device ? 1 : 2) : 0;
+  std::vector<uint8_t> narrow_routing(static_cast<size_t>(narrow_bytes), 3);
+  std::vector<uint8_t> narrow_src(narrow_routing.size());
+  FloorBytes narrow_dst(narrowing_floors ? slots * row : 1, true);
+  SlotWalk narrow_slots(n, state.range(1), slots);
+  std::vector<double> narrow_ns, narrow_consume_ns;
+  bool have_narrowing_floors = narrowing_floors;
+  const auto narrow = [&](bool consume) {
+    c.rewrite();
+    std::memcpy(narrow_src.data(), narrow_routing.data(), narrow_src.size());
+    benchmark::ClobberMemory();
+    const int64_t* at = narrow_slots.next();
+    const auto t0 = Clock::now();
+    auto* const ids16 = reinterpret_cast<int16_t*>(narrow_src.data());
+    have_narrowing_floors = u8_device ? narrow_rows(narrow_src.data(), narrow_dst.data(), at, n, row_ids, consume)
+                                      : narrow_rows(ids16, narrow_dst.data(), at, n, row_ids, consume);
+    benchmark::ClobberMemory();
+    return std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
+  };
   for (auto _ : state) {
     c.rewrite();
     const auto t0 = Clock::now();
@@ -378,6 +459,10 @@ void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int3
     commit_ns.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count());
     floor_ns.push_back(scatter(dst, weight_dst, floor_slots));
     small_pages_ns.push_back(scatter(small_pages_dst, small_pages_weight_dst, small_pages_slots));
+    if (have_narrowing_floors) {
+      narrow_ns.push_back(narrow(false));
+      narrow_consume_ns.push_back(narrow(true));
+    }
   }
   if (!c.committed_routing()) state.SkipWithError("commit stored no routing");
   auto median = [](std::vector<double>& v) {
@@ -390,11 +475,24 @@ void commit_against_floor(benchmark::State& state, int32_t device_id_dtype, int3
   state.counters["floor_over_commit"] = floor / commit;
   state.counters["small_pages_floor_ns"] = small_pages;
   state.counters["small_pages_floor_over_commit"] = small_pages / commit;
+  if (have_narrowing_floors && !narrow_ns.empty()) {
+    state.counters["narrow_floor_ns"] = median(narrow_ns);
+    state.counters["narrow_floor_over_commit"] = median(narrow_ns) / commit;
+    state.counters["narrow_consume_floor_ns"] = median(narrow_consume_ns);
+    state.counters["narrow_consume_floor_over_commit"] = median(narrow_consume_ns) / commit;
+  }
   state.SetItemsProcessed(state.iterations() * n);
 }
 
 void BM_Commit_AgainstFloor(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO); }
 void BM_Commit_AgainstFloor_U8Device(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_U8); }
+// The same beside the narrowing loops (narrow_rows).
+void BM_Commit_AgainstNarrowing(benchmark::State& state) {
+  commit_against_floor(state, MOECAP_IDS_AUTO, kTopK, kExperts, MOECAP_WEIGHTS_NONE, 0, true);
+}
+void BM_Commit_AgainstNarrowing_U8Device(benchmark::State& state) {
+  commit_against_floor(state, MOECAP_IDS_U8, kTopK, kExperts, MOECAP_WEIGHTS_NONE, 0, true);
+}
 // The same at the other top-k the one-pass range commit covers (int16 device ids).
 void BM_Commit_AgainstFloor_Top6(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 6); }
 void BM_Commit_AgainstFloor_Top4(benchmark::State& state) { commit_against_floor(state, MOECAP_IDS_AUTO, 4); }
@@ -565,6 +663,8 @@ void top_k_commit_args(benchmark::internal::Benchmark* b) {
     b->Args({rows, 2, kLargeHostSlots});
   }
 }
+BENCHMARK(BM_Commit_AgainstNarrowing)->Apply(top_k_commit_args);
+BENCHMARK(BM_Commit_AgainstNarrowing_U8Device)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top6)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top4)->Apply(top_k_commit_args);
 BENCHMARK(BM_Commit_AgainstFloor_Top2)->Apply(top_k_commit_args);

@@ -109,6 +109,26 @@ def u8_device_rows(c):
     return rows
 
 
+def narrowing_floor_rows(c):
+    """What is left of the commit once narrowing and consuming are paid for: the int16 and u8 device
+    buffers' commit beside a memcpy per row and two bare loops over device-width, slot-major rows (no
+    transpose, no checks), paired call by call: each id narrowed into its slot, and narrowed then all ones
+    written back over it (the consumption a commit cannot skip). With sequential slots the loops are the floor
+    of a commit from a slot-major buffer; into fresh random slots they are slower than moecap, which requests
+    the slots' rows ahead."""
+    rows = []
+    for case, what in (("", "int16"), ("_U8Device", "u8")):
+        for n, order, slots in ((4096, 0, SMALL), (512, 0, SMALL), (64, 0, SMALL), (4096, 2, LARGE),
+                                (512, 2, LARGE), (64, 2, LARGE)):
+            b = c.get(f"BM_Commit_AgainstNarrowing{case}/{n}/{order}/{slots}")
+            if b and "narrow_consume_floor_ns" in b:
+                kind = ("sequential slots", "", f"fresh random slots of {slots:,}")[order]
+                rows.append((f"{what} ids: commit {n} rows, {kind}", fmt_ns(b["commit_ns"]), fmt_ns(b["floor_ns"]),
+                             fmt_ns(b["narrow_floor_ns"]), fmt_ns(b["narrow_consume_floor_ns"]),
+                             f"{b['floor_over_commit']:.2f}x", f"{b['narrow_consume_floor_over_commit']:.2f}x"))
+    return rows
+
+
 def top_k_rows(c):
     """The commit at top-6 (DeepSeek-V2), top-4 (gpt-oss) and top-2 (Mixtral), at top-8 of 384 experts into
     u16 host ids (Kimi K2), at top-1 (Llama 4), at top-10 of 512 and top-12 of 768 into u16 (Qwen3-Next,
@@ -194,6 +214,8 @@ def main():
     print(table(("case", "moecap", "baseline", "ratio"), host_rows(cases)))
     print(table(("u8 device buffer: case", "commit", "memcpy per row", "x memcpy per row",
                  "x memcpy per row, 4 KB pages", "int16 device buffer"), u8_device_rows(cases)))
+    print(table(("narrowing floors: case", "commit", "memcpy per row", "narrow per row", "narrow and consume per row",
+                 "x memcpy per row", "x narrow and consume"), narrowing_floor_rows(cases)))
     print(table(("other top-k: case", "commit", "memcpy per row", "x memcpy per row", "x memcpy per row, 4 KB pages"),
                 top_k_rows(cases)))
     print(table(("case (CUDA)", "moecap", "baseline", "ratio"), cuda_rows(cases)))
