@@ -64,10 +64,15 @@ struct Layout {
   void place() {
     codes = mul(mul(static_cast<uint64_t>(tokens), static_cast<uint64_t>(layers), "tokens * layers"),
                 static_cast<uint64_t>(top_k), "tokens * layers * top_k");
-    const uint64_t id_bytes = (mul(codes, static_cast<uint64_t>(id_bits), "the id section") + 7) / 8;
+    // Bits rounded up to bytes without an addition: near 2^64 bits, `+ 7`
+    // would wrap to an empty id section that a 40-byte buffer satisfies.
+    const uint64_t id_bits_total = mul(codes, static_cast<uint64_t>(id_bits), "the id section");
+    const uint64_t id_bytes = id_bits_total / 8 + (id_bits_total % 8 != 0 ? 1 : 0);
     validity_at = MOECAP_RECORD_HEADER_BYTES;
     ids_at = validity_at + ((flags & MOECAP_RECORD_HAS_VALIDITY) ? (static_cast<uint64_t>(tokens) + 7) / 8 : 0);
-    weights_at = ids_at + id_bytes;
+    if (__builtin_add_overflow(ids_at, id_bytes, &weights_at)) {
+      fail(MOECAP_ERROR_INVALID_ARGUMENT, "the record size overflows 64 bits");
+    }
     const uint64_t weight_bytes = weight_elem < 0 ? 0 : mul(codes, static_cast<uint64_t>(elem_bytes(weight_elem)), "the weight section");
     if (__builtin_add_overflow(weights_at, weight_bytes, &total)) {
       fail(MOECAP_ERROR_INVALID_ARGUMENT, "the record size overflows 64 bits");

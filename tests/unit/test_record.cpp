@@ -318,6 +318,34 @@ TEST_CASE("malformed records are refused before anything is decoded") {
   CHECK(back.at(8) == 8);
 }
 
+TEST_CASE("a header whose id section is within 7 bits of 2^64 is refused, not read past its 40 bytes") {
+  // Packed ids, no weights, no validity: the sizes a header could make wrap
+  // to an empty id section. 1-bit ids (1 expert) at 3 layers, top-5 and
+  // (2^64 - 1) / 15 tokens: 2^64 - 1 bits; 2-bit ids (2 experts) at 7
+  // layers, top-1 and (2^63 - 1) / 7 tokens: 2^64 - 2 bits.
+  struct Wrap {
+    int32_t experts, layers, top_k;
+    uint64_t tokens;
+  };
+  for (const Wrap& w : {Wrap{1, 3, 5, UINT64_MAX / 15}, Wrap{2, 7, 1, (UINT64_MAX / 2) / 7}}) {
+    CAPTURE(w.experts);
+    HostTensor ids({1, w.layers, w.top_k}, moecap_test::i32());
+    for (int64_t i = 0; i < int64_t{w.layers} * w.top_k; ++i) ids.set(i, 0);
+    auto r = encode(source_of(ids, w.experts, MOECAP_RECORD_PACKED));
+    r.resize(MOECAP_RECORD_HEADER_BYTES);
+    for (int b = 0; b < 8; ++b) r[24 + b] = static_cast<uint8_t>(w.tokens >> (8 * b));
+    moecap_record_info info{};
+    info.struct_size = sizeof info;
+    info.num_tokens = 42;
+    CHECK(moecap_record_parse(r.data(), r.size(), &info) == MOECAP_ERROR_INVALID_ARGUMENT);
+    CHECK(info.num_tokens == 42);
+    HostTensor back({1, w.layers, w.top_k}, moecap_test::i32());
+    back.set(0, 42);
+    CHECK(moecap_record_decode(r.data(), r.size(), back.get(), nullptr, nullptr) == MOECAP_ERROR_INVALID_ARGUMENT);
+    CHECK(back.at(0) == 42);
+  }
+}
+
 TEST_CASE("every single-byte corruption and truncation is either refused untouched or decodes in range") {
   HostTensor ids({5, 2, 3}, moecap_test::i32());
   for (int64_t i = 0; i < ids.numel(); ++i) ids.set(i, (i * 7) % 11);
