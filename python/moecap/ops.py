@@ -37,6 +37,7 @@ Inductor keeps in order.
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -235,13 +236,13 @@ class CapturerOps:
         return index
 
     def capture(self, layer: int, topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor] = None) -> None:
-        _refuse_non_int("layer", layer)
+        layer = _op_int("capture", "layer", layer, 32)
         _refuse_meta("capture", "topk_ids", topk_ids, "topk_weights", topk_weights)
         torch.ops.moecap.capture(self.device_ids, self.device_weights, self.id, layer, topk_ids, topk_weights,
                                  self.histogram)
 
     def commit(self, dst_slots: torch.Tensor, src_start: int = 0, src_rows: Optional[torch.Tensor] = None) -> None:
-        _refuse_non_int("src_start", src_start)
+        src_start = _op_int("commit", "src_start", src_start, 64)
         _refuse_meta("commit", "dst_slots", dst_slots, "src_rows", src_rows)
         torch.ops.moecap.commit(self.host_ids, self.host_weights, self.host_states, self.device_ids,
                                 self.device_weights, self.id, dst_slots, src_start, src_rows)
@@ -253,27 +254,47 @@ class CapturerOps:
 
 # Checks the methods above make before the op, in terms Dynamo folds to constants (a traced int may be a
 # SymInt, which _integer would specialize; a fake tensor reports the device it stands for).
-def _refuse_non_int(name: str, value: Any) -> None:
-    """What the capturer's calls refuse as an int (a TypeError naming the argument), refused before the
-    op's int schema, which takes True (and NumPy's floats and bools) as 1 or fails with the dispatcher's
-    RuntimeError: anything without __index__, bools of any library, non-integer tensors."""
-    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
-        return
+def _op_int(caller: str, name: str, value: Any, bits: int) -> Any:
+    """value for the op's int schema, refused as the capturer's calls refuse it: a TypeError naming the
+    argument for anything without __index__, bools of any library and non-integer tensors (the schema
+    would take True, and NumPy's floats and bools, as 1), MoecapError OUT_OF_RANGE past the C argument's
+    int`bits` (past int64 the dispatcher's own error names neither). An integer tensor is read as the
+    capturer's calls read it, but not in compiled code, where its value is a read of device memory that
+    a graph cannot hold."""
+    if isinstance(value, torch.SymInt):
+        return value
     if isinstance(value, torch.Tensor):
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must be an int, not a {value.dtype} tensor")
-        return
+        if torch.compiler.is_compiling():
+            raise TypeError(f"{name} must be an int in compiled code, not a tensor (its value is a read of the "
+                            "tensor's memory, which a graph cannot hold): pass a Python int")
+        return _integer(name, value)
     if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_") or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if type(value) is not int:
+        value = operator.index(value)
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if not low <= value <= high:
+        raise MoecapError(Status.OUT_OF_RANGE, f"moecap_{caller}: {name} is {value}; it must fit in int{bits} "
+                          f"[{low}, {high}]")
+    return value
 
 
 def _refuse_meta(caller: str, name: str, tensor: Optional[torch.Tensor], other: str,
                  other_tensor: Optional[torch.Tensor]) -> None:
-    """A meta tensor has no memory: the dispatcher would send it to the fake implementation, and the
-    call would do nothing; the capturer's own calls refuse it as on the wrong device. (is_meta, not
-    .device: it costs a tenth, on every layer's capture.)"""
+    """A torch tensor with memory: the ops' schema takes torch tensors only (the capturer's own calls take
+    any DLPack producer), and a meta tensor has no memory: the dispatcher would send it to the fake
+    implementation, and the call would do nothing; the capturer's own calls refuse it as on the wrong
+    device. (is_meta, not .device: it costs a tenth, on every layer's capture.)"""
     for label, t in ((name, tensor), (other, other_tensor)):
-        if t is not None and t.is_meta:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"moecap_{caller}: {label} must be a torch.Tensor for the torch ops, not "
+                            f"{type(t).__module__}.{type(t).__name__} (the capturer's own {caller}() takes any "
+                            "DLPack producer)")
+        if t.is_meta:
             raise MoecapError(Status.INVALID_ARGUMENT, f"moecap_{caller}: {label} is a meta tensor; it has no "
                               "memory to read")
 

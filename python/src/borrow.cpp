@@ -691,10 +691,11 @@ void* resolve_stream(nb::handle stream, int32_t device_type, int32_t device_id, 
   }
   PyObject* value = stream.ptr();
   nb::object attribute;
+  // A bool is an int to Python: True would be the legacy stream's handle 1, False the NULL stream.
+  constexpr const char* kStreamKinds = "must be None, an int (CUstream) or an object with .cuda_stream";
+  if (PyBool_Check(value)) type_error("stream", stream, kStreamKinds);
   if (!PyLong_Check(value)) {
-    if (!nb::hasattr(stream, "cuda_stream")) {
-      type_error("stream", stream, "must be None, an int (CUstream) or an object with .cuda_stream");
-    }
+    if (!nb::hasattr(stream, "cuda_stream")) type_error("stream", stream, kStreamKinds);
     attribute = stream.attr("cuda_stream");
     value = attribute.ptr();
   }

@@ -243,6 +243,11 @@ def test_errors_raise_with_the_message():
             cap.read(np.array([0]), out=ro)
         with pytest.raises(TypeError, match="argument 'stream' must be None, an int"):
             cap.capture(0, np.zeros((1, 2), dtype=np.int32), stream="the default one")
+        for flag in (True, False):  # not the legacy stream's handle 1 or the NULL stream
+            with pytest.raises(TypeError, match="argument 'stream' must be None, an int .*, not <class 'bool'>"):
+                cap.capture(0, np.zeros((1, 2), dtype=np.int32), stream=flag)
+            with pytest.raises(TypeError, match="argument 'stream' must be None, an int .*, not <class 'bool'>"):
+                cap.commit(np.array([0]), stream=flag)
     with pytest.raises(moecap.MoecapError) as e:
         moecap.Capturer(**dict(CONFIG, top_k=0))
     assert "top_k" in str(e.value)

@@ -345,10 +345,44 @@ def test_the_ops_refuse_what_the_capturers_calls_refuse_before_the_dispatcher_se
                        (lambda: ops.invalidate(torch.tensor([5], device="meta")), "moecap_invalidate: slots")):
         with pytest.raises(moecap.MoecapError, match=f"{name} is a meta tensor"):
             call()  # the dispatcher would run the fake implementation: nothing done, no error
+    for call, name, kind in ((lambda: ops.capture(0, ids.numpy(), torch.ones(1, TOP_K)), "moecap_capture: topk_ids",
+                              "numpy.ndarray"),
+                             (lambda: ops.capture(0, ids, [[1.0] * TOP_K]), "moecap_capture: topk_weights",
+                              "builtins.list"),
+                             (lambda: ops.commit(np.array([5])), "moecap_commit: dst_slots", "numpy.ndarray"),
+                             (lambda: ops.invalidate([5]), "moecap_invalidate: slots", "builtins.list")):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor for the torch ops, not {kind}"):
+            call()  # not the AttributeError of a missing is_meta
+    # Past int64 the dispatcher's own error names no range; the capturer's calls give OUT_OF_RANGE.
+    with pytest.raises(moecap.MoecapError, match="moecap_capture: layer is 1180591620717411303424; it must fit in "
+                       "int32"):
+        ops.capture(2**70, ids, torch.ones(1, TOP_K))
+    with pytest.raises(moecap.MoecapError, match="moecap_commit: src_start is -1180591620717411303424; it must fit "
+                       "in int64"):
+        ops.commit(torch.tensor([5]), -(2**70))
     assert cap.read(torch.tensor([5]))[0, 0, 0] == -1
     ops.capture(0, ids, torch.ones(1, TOP_K))
     ops.commit(torch.tensor([5]))
     assert cap.read(torch.tensor([5]))[0, 0].tolist() == [1, 2, 3, 4]
+
+
+def test_the_ops_read_an_integer_tensor_layer_eagerly_and_refuse_it_in_compiled_code():
+    """Eagerly an integer 0-d tensor is a layer, as for the capturer's calls; compiled, its value would be
+    a read of its memory the graph cannot hold, so the ops name the argument instead of failing inside the
+    backend."""
+    cap = make()
+    ops = cap.ops
+    ids = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    ops.capture(torch.tensor(1), ids, torch.ones(1, TOP_K))
+    ops.commit(torch.tensor([5]), torch.tensor(0))
+    assert cap.read(torch.tensor([5]))[0, 1].tolist() == [1, 2, 3, 4]
+    compiled = torch.compile(lambda layer, ids: ops.capture(layer, ids, torch.ones(1, TOP_K)), fullgraph=True,
+                             backend="eager")
+    with pytest.raises(Exception, match="layer must be an int in compiled code, not a tensor"):
+        compiled(torch.tensor(1), ids)
+    compiled(1, ids)
+    ops.commit(torch.tensor([6]))
+    assert cap.read(torch.tensor([6]))[0, 1].tolist() == [1, 2, 3, 4]
 
 
 def test_the_ops_are_one_capturers_handle_shared_by_copies_and_refused_by_deep_copies_and_pickles():
