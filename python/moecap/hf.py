@@ -788,6 +788,12 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     config = getattr(capturer, "config", {})
     # A selector's model may keep its dims where attach cannot read them: the capturer's then.
     top_k, num_experts = _routing_dims(model, layers[0].router, config if selector is not None else None)
+    # HunYuan's config may give each layer its own top_k; a capturer holds one width.
+    widths = [getattr(layer.router, "top_k", None) for layer in layers]
+    if any(isinstance(k, int) and not isinstance(k, bool) and k != top_k for k in widths):
+        raise ValueError(f"{type(model).__name__}'s MoE layers pick different numbers of experts per token "
+                         f"({', '.join(f'layer {layer.index}: {k}' for layer, k in zip(layers, widths))}); a "
+                         "capturer holds one top_k for every layer")
     own_selector, selector = selector, selector or default_selector
     extra = int(config.get("extra_columns", 0))
     has_shared = any(layer.shared is not None for layer in layers)

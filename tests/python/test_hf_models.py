@@ -292,6 +292,34 @@ def test_capturer_shape_mismatch_is_refused():
         hf.attach(model, cap)
 
 
+def test_a_top_k_per_layer_is_one_top_k_where_the_layers_agree_and_refused_at_attach_where_not():
+    """HunYuan's config may list moe_topk per layer. Where every layer has the same, it is the model's top_k,
+    for attach and for the engine adapters' config reading; where they differ, attach refuses the model naming
+    each layer's, rather than the first capture of a wider layer failing mid-forward."""
+    for widths in ([2, 2, 2], [2, 3, 2]):
+        config = copy.deepcopy(config_or_skip("hunyuan_v1_moe"))
+        config.moe_topk = widths
+        model = hf_serving.build(config)
+        cap = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=8, max_running_requests=1,
+                              chunked_prefill_size=8)
+        raw = {"moe_topk": widths}  # as config.json holds it, with no num_experts_per_tok beside it
+        if len(set(widths)) == 1:
+            assert _model.config_int(raw, _model.TOP_K_KEYS, "experts per token") == 2
+            handle = hf.attach(model, cap)
+            with torch.no_grad():
+                model(torch.randint(3, hf_serving.VOCAB, (1, 4)))
+            cap.commit(np.arange(4))
+            assert cap.read(np.arange(4), strict=True).shape == (4, 3, 2)
+            handle.detach()
+        else:
+            with pytest.raises(ValueError, match=r"moe_topk differs between layers \(\[2, 3, 2\]\); moecap captures "
+                               "one experts per token for every layer"):
+                _model.config_int(raw, _model.TOP_K_KEYS, "experts per token")
+            with pytest.raises(ValueError, match="MoE layers pick different numbers of experts per token "
+                               r"\(layer 0: 2, layer 1: 3, layer 2: 2\)"):
+                hf.attach(model, cap)
+
+
 def test_detach_removes_every_hook():
     model = hf_serving.build(config_or_skip("olmoe"))
     cap = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=8, max_running_requests=1,

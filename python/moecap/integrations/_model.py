@@ -14,13 +14,21 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts", "moe_
 def config_int(config, keys, what):
     """The first positive int under one of `keys` in the config or, for a
     multimodal wrapper, its text_config, or in DBRX's ffn_config (a config
-    or, as a config.json holds it, a dict); ValueError naming `what` if none."""
+    or, as a config.json holds it, a dict); a per-layer list (HunYuan's
+    moe_topk) counts where every layer has the same. ValueError naming
+    `what` if none, or if the layers' values differ: one capturer holds one
+    width for every layer."""
     for c in (config, getattr(config, "text_config", None), getattr(config, "ffn_config", None)):
         for key in keys:
             value = c.get(key) if isinstance(c, dict) else getattr(c, key, None)
+            if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and v > 0 for v in value):
+                if len(set(value)) > 1:
+                    raise ValueError(f"the model config's {key} differs between layers ({list(value)}); moecap "
+                                     f"captures one {what} for every layer")
+                value = value[0]
             if isinstance(value, int) and value > 0:
                 return value
-    raise ValueError(f"the model config names no {what} (looked for {', '.join(keys)}); pass it")
+    raise ValueError(f"the model config names no {what} (looked for {', '.join(keys)})")
 
 
 def num_experts(config):
@@ -38,7 +46,10 @@ def num_experts(config):
         if getattr(c, "model_type", None) == "zaya" and getattr(c, "zaya_use_mod", True):
             past_routed = 1
             break
-    return config_int(config, EXPERT_KEYS, "routed expert count") + past_routed
+    try:
+        return config_int(config, EXPERT_KEYS, "routed expert count") + past_routed
+    except ValueError as e:
+        raise ValueError(f"{e}; pass num_experts=") from None
 
 
 def decoder_layers(config):
