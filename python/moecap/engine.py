@@ -39,6 +39,16 @@ def _ints(values: Any, name: str) -> np.ndarray:
     array = array.reshape(-1)
     if array.size == 0:
         return np.empty(0, dtype=np.int64)
+    if isinstance(values, (list, tuple)):
+        # NumPy makes [5, True] int64 and [-1, 2**63] float64: each element's own type says what was meant.
+        types = set(map(type, values))
+        if array.dtype.kind in "iu" and (bool in types or np.bool_ in types):
+            i = next(i for i, v in enumerate(values) if isinstance(v, (bool, np.bool_)))
+            raise MoecapError(Status.INVALID_ARGUMENT, f"{name}[{i}] is a bool; expected an int")
+        if array.dtype.kind not in "iu" and all(issubclass(t, (int, np.integer)) for t in types):
+            past = next(((i, int(v)) for i, v in enumerate(values) if not -2**63 <= int(v) < 2**63), None)
+            if past is not None:
+                raise MoecapError(Status.OUT_OF_RANGE, f"{name}[{past[0]}] is {past[1]}, past int64")
     if array.dtype.kind not in "iu":
         raise MoecapError(Status.INVALID_ARGUMENT, f"{name} has dtype {array.dtype}; expected integers")
     if array.dtype == np.uint64 and array.max() > np.iinfo(np.int64).max:  # as int64 it would wrap to a slot
@@ -53,8 +63,12 @@ def _index_array(slots: Any) -> Any:
 
 
 def _length(slots: Any) -> int:
+    """Entries of slots as _index_array hands them on (a tensor, or _ints' 1-D array)."""
     shape = getattr(slots, "shape", None)
-    return int(shape[0]) if shape is not None else len(slots)
+    if shape is None or len(shape) != 1:
+        raise MoecapError(Status.INVALID_ARGUMENT, f"slots has ndim {0 if shape is None else len(shape)}; "
+                          "expected 1")
+    return int(shape[0])
 
 
 def commit_batch(capturer: Capturer, slots: Slots, dp_rank: int = 0, tokens_per_rank: Optional[Sequence[int]] = None,
@@ -70,7 +84,8 @@ def commit_batch(capturer: Capturer, slots: Slots, dp_rank: int = 0, tokens_per_
     moves nothing but ends the step (see moecap_capture, "Steps"). Returns
     (start, count, total) of this rank's rows.
     """
-    n = _length(slots)
+    index = _index_array(slots)
+    n = _length(index)
     if tokens_per_rank is None:
         tokens_per_rank = [n]
     tokens_per_rank = [_integer(f"tokens_per_rank[{i}]", t) for i, t in enumerate(tokens_per_rank)]
@@ -81,7 +96,7 @@ def commit_batch(capturer: Capturer, slots: Slots, dp_rank: int = 0, tokens_per_
         raise ValueError(f"slots has {n} entries; tokens_per_rank[{dp_rank}] says this rank has "
                          f"{tokens_per_rank[dp_rank]} rows")
     start, count, total = capturer.local_rows(dp_rank, tokens_per_rank, padded_tokens_per_rank)
-    capturer.commit(_index_array(slots), src_start=start, stream=stream)
+    capturer.commit(index, src_start=start, stream=stream)
     return start, count, total
 
 
@@ -140,6 +155,8 @@ class RequestTable:
         self.capturer = capturer
         config = getattr(capturer, "config", {})
         self.num_experts = _integer("num_experts", num_experts if num_experts is not None else config["num_experts"])
+        if not 1 <= self.num_experts < 2**31:  # refused now: every finish() would refuse it
+            raise ValueError(f"num_experts is {self.num_experts}; must be in [1, 2^31)")
         self.num_layers = int(config["num_layers"])
         self.top_k = int(config["top_k"])
         self.weights = config.get("weight_dtype") is not None
@@ -167,8 +184,15 @@ class RequestTable:
         if position >= 2**62:
             self._late.add(rid)
 
+    def _running(self, rid: Any) -> list[np.ndarray]:
+        parts = self._slots.get(rid)
+        if parts is None:
+            raise KeyError(f"request {rid!r} is not running (start() it first)")
+        return parts
+
     def append(self, rid: Any, slots: ArrayLike) -> None:
         """The slots of the request's next tokens (in order), each in [0, host_slots)."""
+        self._running(rid)
         slots = self._checked_slots(slots)
         self._check_end(rid, len(slots))
         # A copy: engines reuse their slot buffers from step to step.
@@ -228,7 +252,7 @@ class RequestTable:
                                  "[0, 2^63)")
 
     def slots(self, rid: Any) -> np.ndarray:
-        parts = self._slots[rid]
+        parts = self._running(rid)
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
     def finish(self, rid: Any, free: Optional[ArrayLike] = None) -> RoutedExperts:
@@ -279,6 +303,9 @@ def write_routed(capturer: Capturer, slots: Slots, routed: RoutedExperts) -> Non
     """Stores a RoutedExperts (e.g. RoutedExperts.from_bytes of a prefill
     instance's record) at `slots`, one per token; its invalid tokens leave
     their slots empty. Weights go along iff the capturer keeps them."""
+    if not isinstance(routed, RoutedExperts):
+        raise TypeError(f"routed must be a RoutedExperts (RoutedExperts.from_bytes of a record), not "
+                        f"{type(routed).__name__}")
     index = _index_array(slots)
     if _length(index) != routed.shape[0]:
         raise ValueError(f"slots has {_length(index)} entries; the routing has {routed.shape[0]} tokens")

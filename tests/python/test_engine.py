@@ -231,6 +231,56 @@ def test_a_record_from_a_prefill_instance_lands_in_the_decode_instances_slots():
     write_routed(decode, [60, 61, 62, 63], RoutedExperts.from_bytes(wire).with_layer_map(range(1, LAYERS + 1)))
 
 
+def test_a_bool_among_ints_is_refused_where_numpy_would_make_it_slot_1():
+    """np.asarray([5, True]) is int64 [5, 1]: the element's own type says it is no slot. Nothing is committed,
+    appended, counted or invalidated."""
+    cap = capturer()
+    capture_rows(cap, 2)
+    with pytest.raises(moecap.MoecapError, match=r"slots\[1\] is a bool; expected an int"):
+        commit_batch(cap, [5, True])
+    assert (cap.slot_states(np.arange(64)) == moecap.SLOT_EMPTY).all()
+    with pytest.raises(moecap.MoecapError, match=r"slots_per_row\[0\]\[1\] is a bool"):
+        batch_slots(np.ones((1, 2)), [[4, np.True_]])
+    table = RequestTable(cap)
+    table.start("a")
+    table.start("b")
+    with pytest.raises(moecap.MoecapError, match=r"slots\[1\] is a bool"):
+        table.append("a", [5, True])
+    with pytest.raises(moecap.MoecapError, match=r"counts\[1\] is a bool"):
+        table.append_step(["a", "b"], [5, 6], counts=[1, True])
+    assert table.slots("a").size == 0 and table.slots("b").size == 0
+    table.append("a", [5, 6])
+    cap.commit(np.array([5, 6]))
+    with pytest.raises(moecap.MoecapError, match=r"free\[1\] is a bool"):
+        table.abort("a", free=[5, True])
+    assert (cap.slot_states(np.array([5, 6])) & moecap.SLOT_VALID).all() and "a" in table
+    with pytest.raises(moecap.MoecapError, match=r"slots\[1\] is a bool"):
+        write_routed(cap, [9, True], RoutedExperts(np.zeros((2, LAYERS, TOP_K), dtype=np.int32), EXPERTS))
+    assert cap.slot_states(np.array([1, 9])).tolist() == [moecap.SLOT_EMPTY] * 2
+    # [-1, 2**63] is float64 to NumPy: the int past int64 is named, not a float dtype.
+    with pytest.raises(moecap.MoecapError, match=r"slots\[1\] is 9223372036854775808, past int64"):
+        table.append("a", [-1, 2**63])
+
+
+def test_the_helpers_name_what_they_cannot_use():
+    cap = capturer()
+    with pytest.raises(moecap.MoecapError, match="slots has dtype object; expected integers"):
+        commit_batch(cap, None)  # not len()'s TypeError
+    capture_rows(cap, 1)
+    assert commit_batch(cap, np.array(5)) == (0, 1, 1)  # one slot, as append takes it
+    assert cap.slot_states(np.array([5]))[0] & moecap.SLOT_VALID
+    table = RequestTable(cap)
+    for call in (lambda: table.append("zz", [1]), lambda: table.slots("zz"), lambda: table.finish("zz"),
+                 lambda: table.abort("zz")):
+        with pytest.raises(KeyError, match="request 'zz' is not running"):
+            call()
+    for experts in (0, -3, 2**31):  # every finish() would refuse them
+        with pytest.raises(ValueError, match=f"num_experts is {experts}; must be in"):
+            RequestTable(cap, num_experts=experts)
+    with pytest.raises(TypeError, match="routed must be a RoutedExperts .*, not ndarray"):
+        write_routed(cap, [1], np.zeros((1, LAYERS, TOP_K), dtype=np.int32))
+
+
 def test_slots_of_another_shape_are_refused_never_flattened():
     # A [ranks, rows] array flattened would commit other ranks' rows to this rank's slots.
     cap = capturer(dp_size=2)
