@@ -34,7 +34,7 @@ if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
     dir="$root/build-standin-$sanitizer"
     cmake -S "$root" -B "$dir" -DCMAKE_BUILD_TYPE=Debug -DMOECAP_SANITIZE=$sanitizer -DMOECAP_CUDA=ON \
       -DMOECAP_BUILD_BENCH=OFF -DMOECAP_BUILD_EXAMPLES=OFF -DMOECAP_PYTHON=/usr/bin/python3 >/dev/null
-    cmake --build "$dir" -j "$jobs" --target moecap_standin_tests >/dev/null
+    cmake --build "$dir" -j "$jobs" --target moecap_standin_tests moecap_standin_dlclose >/dev/null
     ASAN_OPTIONS=halt_on_error=1:detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
       ctest --test-dir "$dir" -L standin --output-on-failure

@@ -304,7 +304,9 @@ MOECAP_API moecap_status moecap_create(const moecap_config* config, moecap_captu
  * and, on CUDA, while any CUgraph or CUgraphExec holding moecap's nodes
  * exists (the engine's captures, moecap graphs, their child-graph clones):
  * each holds a CUDA user object, and the memory is freed, on a thread of
- * moecap's, once the driver releases the last of them; reads into GPU
+ * moecap's, once the driver releases the last of them (a CUDA capturer
+ * keeps this library loaded until the process ends, so a dlclose before
+ * then does not unmap it); reads into GPU
  * tensors still queued on their streams finish before the memory they
  * gather from is freed (the freeing waits for them), as do captures and
  * histogram resets still queued on the engine's streams, which write the

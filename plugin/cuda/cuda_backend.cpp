@@ -3,6 +3,7 @@
 // portable, device-mapped pinned memory that the commit kernel writes
 // directly, kernels from the embedded fatbin, all on the primary context of
 // the configured device. Capture-path calls only launch on the given stream.
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -152,6 +153,9 @@ struct GraphHold {
 // tools' exit handlers: exit waits for a capturer still being freed instead
 // of tearing the driver down under it (a crash after main returned). Never
 // destroyed: a release may outlive static destruction when the drain times out.
+// It also keeps this library loaded for the rest of the process: a graph may
+// release its hold after the engine dlclose()s moecap, and the driver then
+// calls release_graph_hold, which must still be mapped.
 struct GraphReleases {
   DetachedWork threads;
   std::mutex mu;
@@ -159,10 +163,15 @@ struct GraphReleases {
   pid_t process = getpid();  // a forked child inherits the counts of threads it does not have
 };
 void drain_graph_releases();
+void release_graph_hold(void* held) noexcept;
 GraphReleases& graph_releases() {
   static GraphReleases* releases = [] {
     auto* r = new GraphReleases;
     std::atexit(drain_graph_releases);
+    Dl_info self{};
+    if (dladdr(reinterpret_cast<void*>(&release_graph_hold), &self) != 0 && self.dli_fname != nullptr) {
+      static_cast<void>(dlopen(self.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE));  // never closed
+    }
     return r;
   }();
   return *releases;
@@ -362,9 +371,12 @@ class CudaBackend final : public Backend {
       if (d_.cuEventRecord(done.event.get(), s) == kSuccess) commits_.push_back(std::move(done));
       throw;
     }
-    if (snap != nullptr) check(d_, d_.cuEventRecord(snap->done.get(), s), "cuEventRecord (snapshot)");
-    check(d_, d_.cuEventRecord(done.event.get(), s), "cuEventRecord (commit)");
-    commits_.push_back(std::move(done));
+    // The commit is queued: tracked even where marking it fails, so later reads and destroy still wait.
+    const CUresult marked = snap != nullptr ? d_.cuEventRecord(snap->done.get(), s) : kSuccess;
+    const CUresult recorded = d_.cuEventRecord(done.event.get(), s);
+    if (recorded == kSuccess) commits_.push_back(std::move(done));
+    check(d_, marked, "cuEventRecord (snapshot)");
+    check(d_, recorded, "cuEventRecord (commit)");
   }
 
   void gather(const GatherParams& p, EngineStream stream) override {
@@ -384,22 +396,36 @@ class CudaBackend final : public Backend {
     const int64_t slot_bytes = elem_bytes(p.slots_elem);
     const int64_t id_row = p.row_elements * elem_bytes(p.dst_id_elem);
     const int64_t w_row = p.dst_weights ? p.row_elements * elem_bytes(p.dst_weight_elem) : 0;
-    for (int64_t first = 0; first < p.count; first += per_piece) {
-      GatherParams piece = p;
-      piece.count = std::min(per_piece, p.count - first);
-      Snapshot& snap = next_snapshot();
-      size_t at = 0;
-      piece.slots = copy_in(snap, at, static_cast<const uint8_t*>(p.slots) + first * slot_bytes, piece.count,
-                            p.slots_elem);
-      piece.dst_ids = static_cast<uint8_t*>(p.dst_ids) + first * id_row;
-      if (p.dst_weights) piece.dst_weights = static_cast<uint8_t*>(p.dst_weights) + first * w_row;
-      launch(gather_, piece, piece.count * p.row_elements, s);
-      check(d_, d_.cuEventRecord(snap.done.get(), s), "cuEventRecord (snapshot)");
-    }
     retire(reads_);
     InFlight read{take_event(), {}, false};
     const ReturnedIfUnused loan(spare_, read.event);
     read.slots = std::move(wanted);
+    Snapshot* unrecorded = nullptr;  // a queued piece whose snapshot entry is not yet marked in use
+    bool launched = false;
+    try {
+      for (int64_t first = 0; first < p.count; first += per_piece) {
+        GatherParams piece = p;
+        piece.count = std::min(per_piece, p.count - first);
+        Snapshot& snap = next_snapshot();
+        size_t at = 0;
+        piece.slots = copy_in(snap, at, static_cast<const uint8_t*>(p.slots) + first * slot_bytes, piece.count,
+                              p.slots_elem);
+        piece.dst_ids = static_cast<uint8_t*>(p.dst_ids) + first * id_row;
+        if (p.dst_weights) piece.dst_weights = static_cast<uint8_t*>(p.dst_weights) + first * w_row;
+        launch(gather_, piece, piece.count * p.row_elements, s);
+        launched = true;
+        unrecorded = &snap;
+        check(d_, d_.cuEventRecord(snap.done.get(), s), "cuEventRecord (snapshot)");
+        unrecorded = nullptr;
+      }
+    } catch (...) {
+      // The pieces already queued read the host cache and their snapshot
+      // entries: later commits to these slots and destroy wait for them, as
+      // for a read that finished queuing.
+      if (unrecorded != nullptr) d_.cuEventRecord(unrecorded->done.get(), s);
+      if (launched && d_.cuEventRecord(read.event.get(), s) == kSuccess) reads_.push_back(std::move(read));
+      throw;
+    }
     check(d_, d_.cuEventRecord(read.event.get(), s), "cuEventRecord (read)");
     reads_.push_back(std::move(read));
   }

@@ -335,6 +335,46 @@ TEST_CASE("a commit the driver refuses keeps its pooled event, which another thr
   CHECK(moecap_destroy(h) == MOECAP_OK);
 }
 
+// Arms a refusal of the next gather launch at the first host wait with work
+// queued on `stream`: a read's piece waiting for a snapshot entry in use.
+struct RefuseAtRingWait {
+  Stream stream = nullptr;
+  bool armed = false;
+};
+
+void refuse_next_gather(void* arg) {
+  auto* r = static_cast<RefuseAtRingWait*>(arg);
+  if (r->armed || standin_pending(r->stream) == 0) return;
+  r->armed = true;
+  standin_fail_next_launch("moecap_gather_kernel", 999);  // CUDA_ERROR_UNKNOWN
+}
+
+TEST_CASE("a GPU read refused partway is tracked: destroy waits for the pieces it queued") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  moecap_plan_info info{};
+  info.struct_size = sizeof info;
+  REQUIRE(moecap_get_plan(h, &info) == MOECAP_OK);
+  const moecap_config c = cuda_config();
+  // A snapshot entry holds 2 * device_rows slots, the ring 8 entries: the ninth piece waits for the first.
+  const int64_t n = 8 * 2 * info.device_rows + 1;
+  moecap_test::HostTensor slots({n}, moecap_test::i64());
+  for (int64_t i = 0; i < n; ++i) slots.set(i, i % c.host_slots);
+  Tensor out({n, c.num_layers, c.top_k}, moecap_test::i32(), kDLCUDA);
+  const int64_t violations = standin_violations();
+  RefuseAtRingWait r;
+  r.stream = s;
+  standin_set_wait_hook(refuse_next_gather, &r);
+  const moecap_status status = moecap_read(h, slots.get(), out.get(), nullptr, 0, s);
+  standin_set_wait_hook(nullptr, nullptr);
+  REQUIRE(r.armed);
+  CHECK(status == MOECAP_ERROR_DRIVER);
+  REQUIRE(standin_pending(s) > 0);  // the pieces before the refused one, not yet run
+  CHECK(moecap_destroy(h) == MOECAP_OK);  // frees the pinned cache they gather from, after them
+  standin_run_stream(s);
+  CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
+}
+
 TEST_CASE("moecap_synchronize waits for captures queued on the engine's stream; get_errors only for commits") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
