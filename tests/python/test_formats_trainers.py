@@ -386,7 +386,8 @@ def test_decoders_check_dense_layers_and_name_unknown_payloads():
     payload = r.to_skyrl()
     with pytest.raises(ValueError, match="layer 4 is dense \\(not in layers\\) but holds expert ids"):
         skyrl.decode(payload, 8, layers=(1, 2))  # layer 4 taken for dense: a real MoE layer
-    with pytest.raises(ValueError, match="the SkyRL payload has 5 layers; expected 2"):
+    with pytest.raises(ValueError, match="the SkyRL payload has 5 layers; SkyRL sends every model layer "
+                       "\\(num_hidden_layers = 7\\)"):
         skyrl.decode(payload, 8, layers=(1, 2), num_hidden_layers=7)
     plain = skyrl.decode(payload, 8)  # no map given: every layer taken for MoE, dense ones as expert 0
     assert plain.layers == tuple(range(HIDDEN))
@@ -400,13 +401,19 @@ def test_payloads_naming_more_layers_than_any_model_are_refused_before_a_layer_l
     from moecap.record import MAX_LAYERS
     huge = 2**31 - 1
     for payload, consumer in (({"data": "", "shape": [0, huge, 1], "dtype": "uint8"}, "SkyRL"),
-                              ({"data": "", "shape": [0, huge, 1], "start": 0, "dtype": "uint8"}, "prime-rl"),
-                              (f"nrlre1:int8:1x{huge}x0:", "NeMo-RL")):
+                              ({"data": "", "shape": [0, huge, 1], "start": 0, "dtype": "uint8"}, "prime-rl")):
         with pytest.raises(ValueError, match=f"the {consumer} payload has {huge} layers; a RoutedExperts holds "
                                              f"at most {MAX_LAYERS}"):
             formats.decode(payload, 8)
-    with pytest.raises(ValueError, match="layers and top_k must be >= 1"):
-        formats.decode("nrlre1:int8:1x3x0:", 8)  # a routing of no experts per token
+    # No layers or no experts per token: no routing, and a few bytes that name billions of rows (whose
+    # bookkeeping a decoder would build before finding there is nothing to read) are refused by their shape.
+    for payload, consumer in ((f"nrlre1:int8:1x{huge}x0:", "NeMo-RL"), ("nrlre1:int8:1x3x0:", "NeMo-RL"),
+                              ("nrlre1:int8:3000000000x2x0:", "NeMo-RL"),
+                              ({"data": "", "shape": [10**11, 0, 2], "dtype": "uint8"}, "SkyRL"),
+                              ({"data": "", "shape": [10**11, 2, 0], "start": 0, "dtype": "uint8"}, "prime-rl")):
+        with pytest.raises(ValueError, match=f"the {consumer} payload's shape .* is not \\[S, L, K\\] with S >= 0 "
+                                             "and L, K >= 1"):
+            formats.decode(payload, 8)
 
 
 def test_decoders_refuse_ids_no_expert_could_have_and_non_integer_payloads():
@@ -448,7 +455,7 @@ def test_decoders_refuse_malformed_dicts_and_envelopes_with_value_errors():
     for encode, decode, consumer in ((r.to_prime_rl, prime_rl.decode, "prime-rl"), (r.to_skyrl, skyrl.decode, "SkyRL")):
         payload = encode()
         for shape in ([3.0, HIDDEN, TOP_K], [-1, -3, TOP_K], ["3", HIDDEN, TOP_K], [True, HIDDEN, TOP_K], [3, HIDDEN]):
-            with pytest.raises(ValueError, match=f"the {consumer} payload's shape .* is not 3 non-negative integers"):
+            with pytest.raises(ValueError, match=f"the {consumer} payload's shape .* is not \\[S, L, K\\]"):
                 decode(dict(payload, shape=shape), 8, layers=LAYERS)
         for data in (None, 12, ["AAAA"]):
             with pytest.raises(ValueError, match="data has a .*; expected base64 text"):
@@ -481,3 +488,66 @@ def test_prime_rl_trainer_array_is_none_without_a_forwarded_row():
     payload = empty.to_prime_rl(num_tokens=9)
     assert payload["shape"] == [0, HIDDEN, TOP_K]
     assert verifiers_node_rows(payload, 8, 1) is None and prime_rl.trainer_array(empty, num_tokens=9) is None
+
+
+def test_a_vllm_npy_is_read_as_its_bytes_say_never_as_its_header_alone_says():
+    """np.load allocates what a .npy header names before it reads anything, and ignores bytes after the
+    array: a 172-character payload named 64 TiB, and a concatenation passed as its first array."""
+    from moecap.formats import vllm
+    r = routing(np.random.default_rng(21), tokens=3)
+    good = base64.b64decode(vllm.openai(r, num_tokens=4))
+    header = good[:len(good) - 3 * HIDDEN * TOP_K]  # uint8 rows: the data is the last 30 bytes
+    huge = header.replace(b"(3, 5, 2)", b"(1099511627776, 8, 8)")
+    for raw, says in ((huge, "holds \\d+ bytes of data; its header's uint8 \\[1099511627776, 8, 8\\] takes 70368744177664"),
+                      (good + b"\0" * 1000, "holds 1030 bytes of data"), (good + good, "bytes of data"),
+                      (b"", "not a .npy file"), (b"\x93NUMPY\x03\x00", "not a .npy file|version 3.0")):
+        with pytest.raises(ValueError, match=says):
+            vllm.decode(base64.b64encode(raw).decode("ascii"), 8, layers=LAYERS)
+    assert np.array_equal(vllm.decode(vllm.openai(r, num_tokens=4), 8, layers=LAYERS).ids, r.ids)
+
+
+def test_an_engines_payload_short_of_the_models_layers_is_refused_not_read_as_moe_layers_only():
+    """vLLM, SkyRL, prime-rl, verl, SGLang and slime send every model layer: a payload cut to as many layers
+    as the model has MoE layers would otherwise read its first layers as the MoE ones (dense zeros as
+    expert 0). Megatron's list has one tensor per MoE layer, never one per model layer."""
+    from moecap.formats import megatron, vllm
+    r = routing(np.random.default_rng(22), tokens=3)
+    rows = engine_rows(r, np.uint8)[:, :len(LAYERS)]  # 3 of the model's 5 layers
+    with pytest.raises(ValueError, match="the vLLM payload has 3 layers; vLLM sends every model layer"):
+        vllm.decode(rows, 8, layers=LAYERS, num_hidden_layers=HIDDEN)
+    with pytest.raises(ValueError, match="SkyRL payload has 3 layers; SkyRL sends every model layer"):
+        skyrl.decode({"data": base64.b64encode(rows.tobytes()).decode(), "shape": list(rows.shape),
+                      "dtype": "uint8"}, 8, layers=LAYERS, num_hidden_layers=HIDDEN)
+    per_layer = r.to_megatron()
+    with pytest.raises(ValueError, match="payload has 3 layers; layers names 2 \\(one per MoE layer\\)"):
+        megatron.decode(per_layer, 8, layers=LAYERS[:2], num_hidden_layers=HIDDEN)
+    assert megatron.decode(per_layer, 8, layers=LAYERS, num_hidden_layers=HIDDEN) == r
+
+
+def test_decoders_take_positions_and_counts_as_ints_and_name_what_they_cannot_read():
+    from moecap.formats import sglang, vllm
+    r = routing(np.random.default_rng(23), tokens=3)
+    verl_row = verl.encode(r, prompt_len=2, prompt_width=4, response_width=8)[0]  # 4 rows of sequence, 8 padding
+    for num_tokens in (0, -3):  # a negative stop would wrap around the padding
+        with pytest.raises(ValueError, match=f"num_tokens is {num_tokens} and prompt_len 2; a sequence has at least 1"):
+            verl.decode(verl_row, 8, prompt_len=2, num_tokens=num_tokens, prompt_width=4, layers=LAYERS)
+    for bad in (np.int16(0), None):
+        with pytest.raises(ValueError, match="batch_row has shape \\(\\); expected"):
+            verl.decode(bad, 8, prompt_len=2, num_tokens=4, layers=LAYERS)
+    for call in (lambda: vllm.decode(engine_rows(r, np.uint8), 8, start=1.5, layers=LAYERS),
+                 lambda: slime.decode(r.to_slime(), 8, HIDDEN, TOP_K, num_tokens=7.9, layers=LAYERS),
+                 lambda: verl.decode(verl_row, 8, prompt_len=2, num_tokens=True, prompt_width=4, layers=LAYERS)):
+        with pytest.raises(TypeError, match="must be an int, not (float|bool)"):
+            call()  # 1.5 is not position 1, True not 1 token
+    with pytest.raises(ValueError, match="start is 100; a 5-token sequence's positions are \\[0, 5\\)"):
+        vllm.decode(np.zeros((0, HIDDEN, TOP_K), np.uint8), 8, start=100, num_tokens=5, layers=LAYERS)
+    with pytest.raises(ValueError, match="num_tokens is -5; a sequence has at least 1 token"):
+        sglang.decode(b"", 8, HIDDEN, TOP_K, num_tokens=-5, layers=LAYERS)
+    for text in ("AAA", "routé"):  # bad padding; not ASCII
+        with pytest.raises(ValueError, match="the SGLang payload has no valid base64"):
+            sglang.decode(text, 8, HIDDEN, TOP_K, layers=LAYERS)
+        with pytest.raises(ValueError, match="the slime payload has no valid base64"):
+            slime.decode(text, 8, HIDDEN, TOP_K, num_tokens=4, layers=LAYERS)
+    from moecap.formats import megatron
+    with pytest.raises(ValueError, match="per_layer is a NoneType; Megatron replays a list"):
+        megatron.decode(None, 8)

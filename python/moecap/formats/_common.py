@@ -23,8 +23,8 @@ def sequence_length(routed, num_tokens, consumer, whole=True):
                          f"{routed.start} (join it after the routing of positions [0, {routed.start}) first: "
                          "RoutedExperts.concat)")
     implied = routed.start + rows + 1
-    if num_tokens is not None and int(num_tokens) != implied:
-        raise ValueError(f"num_tokens is {int(num_tokens)}; the routing has {rows} rows from position {routed.start}, "
+    if num_tokens is not None and _integer("num_tokens", num_tokens) != implied:
+        raise ValueError(f"num_tokens is {num_tokens}; the routing has {rows} rows from position {routed.start}, "
                          f"which is a sequence of {implied} tokens ({consumer} takes T-1 rows: the last token is "
                          "never forwarded)")
     return implied
@@ -104,15 +104,17 @@ def row_shape(num_hidden_layers, top_k):
 
 
 def dimensions(shape, consumer):
-    """A payload's [S, L, K] shape as three non-negative ints (a bool or a
-    float is not one, as the consumers' JSON readers would refuse it)."""
+    """A payload's [S, L, K] shape as three ints, S >= 0 and L, K >= 1 (a bool
+    or a float is not one, as the consumers' JSON readers would refuse it; a
+    row of no layers or no ids holds no routing, and would let a tiny payload
+    name billions of rows)."""
     dims = tuple(shape)
     try:
         ints = tuple(_integer("a dimension", d) for d in dims)
     except TypeError:
         ints = ()
-    if len(ints) != 3 or min(ints) < 0:
-        raise ValueError(f"the {consumer} payload's shape {list(dims)} is not 3 non-negative integers")
+    if len(ints) != 3 or ints[0] < 0 or min(ints[1:]) < 1:
+        raise ValueError(f"the {consumer} payload's shape {list(dims)} is not [S, L, K] with S >= 0 and L, K >= 1")
     return ints
 
 
@@ -122,14 +124,20 @@ def array_from_base64(data, dtype, shape, holds):
     dtype = np.dtype(dtype)
     if not isinstance(data, (str, bytes)):
         raise ValueError(f"{holds} a {type(data).__name__}; expected base64 text")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except binascii.Error as e:
-        raise ValueError(f"{holds} no valid base64 ({e})") from None
+    raw = b64_bytes(data, holds)
     expected = math.prod(shape) * dtype.itemsize  # Python ints: a huge shape cannot wrap to a small size
     if len(raw) != expected:
         raise ValueError(f"{holds} {len(raw)} bytes; {dtype.name} {list(shape)} takes {expected}")
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def b64_bytes(data, holds):
+    """The bytes of base64 text (str or bytes), strictly: ValueError beginning
+    with `holds` ("data has") for anything else, non-ASCII text included."""
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError, TypeError) as e:  # non-ASCII str: ValueError; not text: TypeError
+        raise ValueError(f"{holds} no valid base64 ({e})") from None
 
 
 def require_expert_ids(ids, num_experts, consumer):
@@ -149,11 +157,14 @@ def require_expert_ids(ids, num_experts, consumer):
         raise ValueError(f"the {consumer} payload holds id {high}; expected ids in [0, num_experts = {num_experts})")
 
 
-def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start=0, valid=None):
+def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start=0, valid=None, axis="either"):
     """A RoutedExperts from a payload's [tokens, L, top_k] ids, whose layer axis
-    is either every model layer (dense ones must read 0) or the MoE layers only.
+    is every model layer (dense ones must read 0) or the MoE layers only.
     layers: the MoE layers' model indices (default: every layer of the payload
-    is MoE)."""
+    is MoE). axis: what the format's layer axis can be: "every" (the engines'
+    payloads: a payload short of num_hidden_layers is refused, not read as
+    MoE layers only), "moe" (Megatron's tensors: one per MoE layer) or
+    "either" (NeMo-RL's two layouts)."""
     ids = np.asarray(ids)
     if ids.ndim != 3:
         raise ValueError(f"{consumer} payload has shape {ids.shape}; expected [tokens, layers, top_k]")
@@ -165,7 +176,12 @@ def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start
         layers = range(width)
     layers = [int(x) for x in layers]
     if num_hidden_layers is None:
-        num_hidden_layers = width if width != len(layers) else (layers[-1] + 1 if layers else 0)
+        num_hidden_layers = width if width != len(layers) or axis == "every" else (layers[-1] + 1 if layers else 0)
+    if axis == "moe" and width != len(layers):
+        raise ValueError(f"the {consumer} payload has {width} layers; layers names {len(layers)} (one per MoE layer)")
+    if axis == "every" and width != num_hidden_layers:
+        raise ValueError(f"the {consumer} payload has {width} layers; {consumer} sends every model layer "
+                         f"(num_hidden_layers = {num_hidden_layers})")
     if width == len(layers) and width != num_hidden_layers:
         moe = ids  # the MoE layers only
     elif width == num_hidden_layers:
@@ -175,9 +191,9 @@ def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start
             moe = _moe_layers(ids, layers, valid, consumer)
         else:  # layers the constructor refuses: as before, whatever fails first
             dense = sorted(set(range(width)) - set(layers))
-            rows = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(valid)
-            if dense and (ids[rows][:, dense] != 0).any():
-                bad = next(d for d in dense if (ids[rows][:, d] != 0).any())
+            held = ids if valid is None else ids[np.asarray(valid)]  # one copy, not one per dense layer
+            if dense and (held[:, dense] != 0).any():
+                bad = next(d for d in dense if (held[:, d] != 0).any())
                 raise ValueError(f"{consumer} payload: layer {bad} is dense (not in layers) but holds expert ids")
             moe = ids[:, layers]
     else:

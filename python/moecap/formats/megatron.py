@@ -24,6 +24,7 @@ loss (``missing(routed)`` says which they are).
 """
 import numpy as np
 
+from .. import _integer
 from ._common import from_layer_axis, routed_tokens, sequence_length
 
 CONSUMER = "Megatron's RouterReplay"
@@ -85,6 +86,9 @@ def decode(per_layer, num_experts, num_tokens=None, layers=None, num_hidden_laye
     """A RoutedExperts from one [tokens, top_k] tensor per MoE layer (as
     set_replay_data takes, or get_recorded_data returns). num_tokens=T drops
     the last token's row. layers: the MoE layers' model indices."""
+    if per_layer is None or isinstance(per_layer, (str, bytes)) or not hasattr(per_layer, "__iter__"):
+        raise ValueError(f"per_layer is a {type(per_layer).__name__}; Megatron replays a list of one [tokens, top_k] "
+                         "tensor per MoE layer")
     parts = [np.asarray(p.detach().cpu() if hasattr(p, "detach") else p) for p in per_layer]
     if not parts:
         raise ValueError("per_layer is empty; Megatron replays one tensor per MoE layer")
@@ -93,8 +97,10 @@ def decode(per_layer, num_experts, num_tokens=None, layers=None, num_hidden_laye
         raise ValueError(f"per_layer tensors have shapes {sorted(shapes)}; expected one [tokens, top_k] for all")
     ids = np.stack(parts, axis=1)
     if num_tokens is not None:
-        if ids.shape[0] != int(num_tokens):
+        num_tokens = _integer("num_tokens", num_tokens)
+        if ids.shape[0] != num_tokens:
             raise ValueError(f"per_layer has {ids.shape[0]} rows; num_tokens is {num_tokens}")
         ids = ids[:-1]
     layers = range(ids.shape[1]) if layers is None else layers
-    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=start)
+    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=_integer("start", start),
+                           axis="moe")

@@ -23,7 +23,8 @@ import base64
 import numpy as np
 
 from ..record import signed_dtype
-from ._common import array_from_base64, from_layer_axis, moe_rows, routed_tokens, sequence_length
+from .. import _integer
+from ._common import array_from_base64, dimensions, from_layer_axis, moe_rows, routed_tokens, sequence_length
 
 CONSUMER = "NeMo-RL"
 MAGIC = "nrlre1"
@@ -34,7 +35,7 @@ def array(routed, num_tokens=None, padded_length=None, layout="full"):
     """The [padded_length, L, K] array NeMo-RL aligns (numpy, its signed dtype).
     layout: "full" (every model layer, dense 0: vLLM's) or "moe" (MoE layers only)."""
     tokens = sequence_length(routed, num_tokens, CONSUMER)
-    padded_length = tokens if padded_length is None else int(padded_length)
+    padded_length = tokens if padded_length is None else _integer("padded_length", padded_length)
     if padded_length < tokens:
         raise ValueError(f"padded_length is {padded_length}; the sequence has {tokens} tokens")
     rows = moe_rows(routed, layout)
@@ -63,14 +64,13 @@ def decode(payload, num_experts, num_tokens=None, layers=None, num_hidden_layers
     _, name, shape_text, data = parts
     if name not in _DTYPES:
         raise ValueError(f"envelope dtype {name!r}; NeMo-RL's are {sorted(_DTYPES)}")
-    try:
-        shape = tuple(int(d) for d in shape_text.split("x"))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or min(shape) < 0:
+    texts = shape_text.split("x")
+    # ASCII digits only: int() would take " 6", "+6", "0_6" and other scripts' digits too.
+    if len(texts) != 3 or not all(t.isascii() and t.isdigit() for t in texts):
         raise ValueError(f"envelope shape {shape_text!r} is not SxLxK")
+    shape = dimensions([int(t) for t in texts], CONSUMER)
     a = array_from_base64(data, _DTYPES[name], shape, "envelope holds")
-    tokens = shape[0] if num_tokens is None else int(num_tokens)
+    tokens = shape[0] if num_tokens is None else _integer("num_tokens", num_tokens)
     if not 1 <= tokens <= shape[0]:
         raise ValueError(f"num_tokens is {tokens}; the envelope has {shape[0]} rows")
     rows = a[:tokens - 1]

@@ -75,4 +75,4 @@ def decode(payload, num_experts, layers=None, num_hidden_layers=None):
     if not isinstance(name, str) or name not in _DTYPES:
         raise ValueError(f"dtype {name!r}; prime-rl's are {sorted(_DTYPES)}")
     ids = array_from_base64(data, _DTYPES[name], dimensions(shape, CONSUMER), "data has")
-    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=start)
+    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=start, axis="every")

@@ -27,7 +27,9 @@ import base64
 
 import numpy as np
 
-from ._common import fitted_rows, from_layer_axis, full_rows, require_routing, row_shape, sequence_length
+from .. import _integer
+from ._common import (b64_bytes, fitted_rows, from_layer_axis, full_rows, require_routing, row_shape,
+                      sequence_length)
 
 CONSUMER = "SGLang"
 DTYPE = np.dtype("<i4")
@@ -88,7 +90,7 @@ def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None,
     if hasattr(payload, "detach"):
         payload = payload.detach().cpu().numpy()
     if isinstance(payload, str):
-        payload = base64.b64decode(payload.encode("ascii"), validate=True)
+        payload = b64_bytes(payload, "the SGLang payload has")
     if isinstance(payload, (bytes, bytearray, memoryview)):
         raw = bytes(payload)
         if len(raw) % DTYPE.itemsize:
@@ -104,10 +106,14 @@ def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None,
         raise ValueError(f"the SGLang payload has {flat.size} values, not a whole number of rows of "
                          f"{num_hidden_layers} layers x top-{top_k}")
     rows = flat.size // per_row
+    start = _integer("start", start)
     if num_tokens is not None:
-        start = min(int(start), max(0, int(num_tokens) - 1))  # SGLang's clamp of routed_experts_start_len
-        if rows != max(0, int(num_tokens) - 1 - start):
+        num_tokens = _integer("num_tokens", num_tokens)
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens is {num_tokens}; a sequence has at least 1 token")
+        start = min(start, num_tokens - 1)  # SGLang's clamp of routed_experts_start_len
+        if rows != max(0, num_tokens - 1 - start):
             raise ValueError(f"the SGLang payload has {rows} rows; a {num_tokens}-token sequence from position "
                              f"{start} has {max(0, int(num_tokens) - 1 - start)} (T-1-start_len)")
     return from_layer_axis(flat.reshape(rows, num_hidden_layers, top_k), num_experts, layers,
-                           num_hidden_layers, CONSUMER, start=int(start))
+                           num_hidden_layers, CONSUMER, start=start, axis="every")

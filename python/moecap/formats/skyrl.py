@@ -56,4 +56,4 @@ def decode(payload, num_experts, layers=None, num_hidden_layers=None):
     require_expert_ids(ids, num_experts, CONSUMER)  # before the dtype's check, which reads the largest id
     if canonical_dtype(ids) != _DTYPES[name]:
         raise ValueError(f"dtype {name} is not canonical for these ids; SkyRL expects {canonical_dtype(ids).name}")
-    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER)
+    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, axis="every")

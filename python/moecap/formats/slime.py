@@ -20,7 +20,8 @@ import base64
 
 import numpy as np
 
-from ._common import fitted_rows, from_layer_axis, require_routing, row_shape, sequence_length
+from .. import _integer
+from ._common import b64_bytes, fitted_rows, from_layer_axis, require_routing, row_shape, sequence_length
 
 CONSUMER = "slime"
 DTYPE = np.int32
@@ -61,16 +62,20 @@ def decode(payload, num_experts, num_hidden_layers, top_k, num_tokens, start=0, 
     model indices (dense layers must read 0)."""
     num_hidden_layers, top_k = row_shape(num_hidden_layers, top_k)
     if isinstance(payload, str):
-        payload = base64.b64decode(payload.encode("ascii"), validate=True)
+        payload = b64_bytes(payload, "the slime payload has")
     if isinstance(payload, (bytes, bytearray, memoryview)):
-        flat = np.frombuffer(bytes(payload), dtype="<i4")
+        raw = bytes(payload)
+        if len(raw) % 4:
+            raise ValueError(f"the slime payload has {len(raw)} bytes; int32 routing takes a multiple of 4")
+        flat = np.frombuffer(raw, dtype="<i4")
     else:
         flat = np.asarray(payload).reshape(-1)
-    rows = int(num_tokens) - 1 - int(start)
+    num_tokens, start = _integer("num_tokens", num_tokens), _integer("start", start)
+    rows = num_tokens - 1 - start
     expected = rows * num_hidden_layers * top_k
     if rows < 0 or flat.size != expected:
         raise ValueError(f"the slime payload has {flat.size} values; a {num_tokens}-token sequence from position "
                          f"{start} takes {max(expected, 0)} ({max(rows, 0)} rows x {num_hidden_layers} layers x "
                          f"top-{top_k})")
     return from_layer_axis(flat.reshape(rows, num_hidden_layers, top_k), num_experts, layers,
-                           num_hidden_layers, CONSUMER, start=int(start))
+                           num_hidden_layers, CONSUMER, start=start, axis="every")

@@ -19,6 +19,7 @@ be replayed as expert 0.
 """
 import numpy as np
 
+from .. import _integer
 from ._common import fitted_rows, from_layer_axis, require_routing, sequence_length
 
 CONSUMER = "verl"
@@ -26,7 +27,8 @@ DTYPE = np.int16
 
 
 def _placement(routed, prompt_len, prompt_width, response_width):
-    prompt_len, prompt_width, response_width = int(prompt_len), int(prompt_width), int(response_width)
+    prompt_len, prompt_width = _integer("prompt_len", prompt_len), _integer("prompt_width", prompt_width)
+    response_width = _integer("response_width", response_width)
     tokens = sequence_length(routed, None, CONSUMER)
     if not 0 < prompt_len <= prompt_width:
         raise ValueError(f"prompt_len is {prompt_len}; it must be in [1, prompt_width={prompt_width}]")
@@ -72,8 +74,13 @@ def decode(batch_row, num_experts, prompt_len, num_tokens, prompt_width=None, la
         if row.shape[0] != 1:
             raise ValueError(f"batch_row has {row.shape[0]} samples; pass one ([1, total, L, K])")
         row = row[0]
-    prompt_len, num_tokens = int(prompt_len), int(num_tokens)
-    prompt_width = prompt_len if prompt_width is None else int(prompt_width)
+    if row.ndim != 3:
+        raise ValueError(f"batch_row has shape {row.shape}; expected [1, total, L, K] or [total, L, K]")
+    prompt_len, num_tokens = _integer("prompt_len", prompt_len), _integer("num_tokens", num_tokens)
+    prompt_width = prompt_len if prompt_width is None else _integer("prompt_width", prompt_width)
+    if num_tokens < 1 or not 0 <= prompt_len <= num_tokens:
+        raise ValueError(f"num_tokens is {num_tokens} and prompt_len {prompt_len}; a sequence has at least 1 token "
+                         "and its prompt at most all of them")
     start_pos = prompt_width - prompt_len
     if start_pos < 0 or start_pos + num_tokens > row.shape[0]:
         raise ValueError(f"a {num_tokens}-token sequence with a {prompt_len}-token prompt left-padded to "
@@ -83,4 +90,4 @@ def decode(batch_row, num_experts, prompt_len, num_tokens, prompt_width=None, la
     if (row[outside] != 0).any():
         raise ValueError("verl's padding and last-token rows must be 0; this row holds ids there")
     return from_layer_axis(row[start_pos:start_pos + num_tokens - 1], num_experts, layers, num_hidden_layers,
-                           CONSUMER)
+                           CONSUMER, axis="every")

@@ -24,10 +24,12 @@ sent for a row never written.
 """
 import base64
 import io
+import math
 
 import numpy as np
 
-from ._common import from_layer_axis, full_rows, require_routing, sequence_length
+from .. import _integer
+from ._common import b64_bytes, from_layer_axis, full_rows, require_routing, sequence_length
 
 CONSUMER = "vLLM"
 INVALID = ("raise", "zero")
@@ -73,11 +75,7 @@ def decode(payload, num_experts, start=0, layers=None, num_hidden_layers=None, n
     routed_experts_prompt_start; num_tokens=T, when given, is checked against
     the rows; layers: the MoE layers' model indices (dense layers must read 0)."""
     if isinstance(payload, (str, bytes)):
-        raw = base64.b64decode(payload, validate=True)
-        try:
-            payload = np.load(io.BytesIO(raw), allow_pickle=False)
-        except ValueError as e:
-            raise ValueError(f"the vLLM payload is not a .npy file: {e}") from None
+        payload = _npy_array(b64_bytes(payload, "the vLLM payload has"))
     ids = np.asarray(payload)
     expected = output_dtype(num_experts)
     if ids.dtype not in (np.uint8, np.uint16, np.int16, np.int32):
@@ -86,7 +84,39 @@ def decode(payload, num_experts, start=0, layers=None, num_hidden_layers=None, n
         raise ValueError(f"the vLLM payload is {ids.dtype}; vLLM sends {expected} for {num_experts} experts")
     if ids.ndim != 3:
         raise ValueError(f"the vLLM payload has shape {ids.shape}; expected (tokens, layers, top_k)")
-    if num_tokens is not None and ids.shape[0] != max(0, int(num_tokens) - 1 - int(start)):
-        raise ValueError(f"the vLLM payload has {ids.shape[0]} rows; a {num_tokens}-token sequence from position "
-                         f"{start} has {max(0, int(num_tokens) - 1 - int(start))} (T-1-prompt_start)")
-    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=int(start))
+    start = _integer("start", start)
+    if start < 0:
+        raise ValueError(f"start is {start}; a position in a sequence is >= 0")
+    if num_tokens is not None:
+        num_tokens = _integer("num_tokens", num_tokens)
+        if not 0 <= start < num_tokens:
+            raise ValueError(f"start is {start}; a {num_tokens}-token sequence's positions are [0, {num_tokens})")
+        if ids.shape[0] != num_tokens - 1 - start:
+            raise ValueError(f"the vLLM payload has {ids.shape[0]} rows; a {num_tokens}-token sequence from position "
+                             f"{start} has {num_tokens - 1 - start} (T-1-prompt_start)")
+    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=start, axis="every")
+
+
+def _npy_array(raw):
+    """The array of a .npy file's bytes, its size checked against its header before anything is allocated
+    (np.load allocates what the header names, for a payload that may hold nothing, and ignores bytes after
+    the array); no pickled objects."""
+    buffer = io.BytesIO(raw)
+    try:
+        version = np.lib.format.read_magic(buffer)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(buffer)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(buffer)
+        else:
+            raise ValueError(f".npy version {version[0]}.{version[1]}; numpy2base64 writes 1.0")
+    except ValueError as e:
+        raise ValueError(f"the vLLM payload is not a .npy file: {e}") from None
+    if dtype.hasobject:
+        raise ValueError(f"the vLLM payload is {dtype}; objects are never read (vLLM sends uint8 or uint16)")
+    data = raw[buffer.tell():]
+    expected = math.prod(shape) * dtype.itemsize  # Python ints: a huge shape cannot wrap to a small size
+    if len(data) != expected:
+        raise ValueError(f"the vLLM payload's .npy holds {len(data)} bytes of data; its header's {dtype} "
+                         f"{list(shape)} takes {expected}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
