@@ -40,12 +40,15 @@ def _ints(values: Any, name: str) -> np.ndarray:
     if array.size == 0:
         return np.empty(0, dtype=np.int64)
     if isinstance(values, (list, tuple)):
-        # NumPy makes [5, True] int64 and [-1, 2**63] float64: each element's own type says what was meant.
-        types = set(map(type, values))
-        if array.dtype.kind in "iu" and (bool in types or np.bool_ in types):
-            i = next(i for i, v in enumerate(values) if isinstance(v, (bool, np.bool_)))
-            raise MoecapError(Status.INVALID_ARGUMENT, f"{name}[{i}] is a bool; expected an int")
-        if array.dtype.kind not in "iu" and all(issubclass(t, (int, np.integer)) for t in types):
+        # NumPy makes [5, True] int64 and [-1, 2**63] float64: an element's own type says what was meant,
+        # looked at only where a bool could be among the ints (a short list's types are quicker to see than
+        # a long one's 0s and 1s), or the ints became floats.
+        if array.dtype.kind in "iu" and (not set(map(type, values)) <= {int} if len(values) <= 128 else
+                                         ((array == 0) | (array == 1)).any()):
+            bad = next((i for i, v in enumerate(values) if _is_bool(v)), None)
+            if bad is not None:
+                raise MoecapError(Status.INVALID_ARGUMENT, f"{name}[{bad}] is a bool; expected an int")
+        elif array.dtype.kind in "fO" and all(isinstance(v, (int, np.integer)) for v in values):
             past = next(((i, int(v)) for i, v in enumerate(values) if not -2**63 <= int(v) < 2**63), None)
             if past is not None:
                 raise MoecapError(Status.OUT_OF_RANGE, f"{name}[{past[0]}] is {past[1]}, past int64")
@@ -56,6 +59,12 @@ def _ints(values: Any, name: str) -> np.ndarray:
     return np.ascontiguousarray(array.astype(np.int64, copy=False))
 
 
+def _is_bool(value: Any) -> bool:
+    """A bool of any library: Python's, NumPy's, or a 0-d bool array or tensor."""
+    return isinstance(value, (bool, np.bool_)) or (getattr(value, "ndim", None) == 0 and
+                                                    str(getattr(value, "dtype", "")) in ("bool", "torch.bool"))
+
+
 def _index_array(slots: Any) -> Any:
     if hasattr(slots, "__dlpack__") and not isinstance(slots, np.ndarray):
         return slots  # a tensor: handed to the capturer as is (device slots stay on device)
@@ -63,11 +72,16 @@ def _index_array(slots: Any) -> Any:
 
 
 def _length(slots: Any) -> int:
-    """Entries of slots as _index_array hands them on (a tensor, or _ints' 1-D array)."""
+    """Entries of slots as _index_array hands them on (a tensor, or _ints' 1-D array); a DLPack producer
+    without a shape is asked its len()."""
     shape = getattr(slots, "shape", None)
-    if shape is None or len(shape) != 1:
-        raise MoecapError(Status.INVALID_ARGUMENT, f"slots has ndim {0 if shape is None else len(shape)}; "
-                          "expected 1")
+    if shape is None:
+        try:
+            return len(slots)
+        except TypeError:
+            raise TypeError(f"slots is a {type(slots).__name__} with neither a shape nor a length") from None
+    if len(shape) != 1:
+        raise MoecapError(Status.INVALID_ARGUMENT, f"slots has ndim {len(shape)}; expected 1")
     return int(shape[0])
 
 

@@ -215,7 +215,9 @@ def _routing_dims(model, router, given: Any = None) -> tuple[int, int]:
             return int(value)
         try:
             return _model.config_int(getattr(model, "config", None), keys, what)
-        except ValueError:
+        except ValueError as e:
+            if "differs between layers" in str(e):  # named, not found: the config's own words say more
+                raise
             if given is not None and attribute in given:
                 return int(given[attribute])
             raise UnknownArchitecture(
@@ -788,9 +790,10 @@ def attach(model: torch.nn.Module, capturer: Capturer, *, selector: Optional[Sel
     config = getattr(capturer, "config", {})
     # A selector's model may keep its dims where attach cannot read them: the capturer's then.
     top_k, num_experts = _routing_dims(model, layers[0].router, config if selector is not None else None)
-    # HunYuan's config may give each layer its own top_k; a capturer holds one width.
+    # HunYuan's config may give each layer its own top_k; a capturer holds one width (a selector of its own
+    # may widen the narrower layers' picks).
     widths = [getattr(layer.router, "top_k", None) for layer in layers]
-    if any(isinstance(k, int) and not isinstance(k, bool) and k != top_k for k in widths):
+    if selector is None and any(isinstance(k, int) and not isinstance(k, bool) and k != top_k for k in widths):
         raise ValueError(f"{type(model).__name__}'s MoE layers pick different numbers of experts per token "
                          f"({', '.join(f'layer {layer.index}: {k}' for layer, k in zip(layers, widths))}); a "
                          "capturer holds one top_k for every layer")

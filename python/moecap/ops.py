@@ -257,10 +257,13 @@ class CapturerOps:
 def _op_int(caller: str, name: str, value: Any, bits: int) -> Any:
     """value for the op's int schema, refused as the capturer's calls refuse it: a TypeError naming the
     argument for anything without __index__, bools of any library and non-integer tensors (the schema
-    would take True, and NumPy's floats and bools, as 1), MoecapError OUT_OF_RANGE past the C argument's
-    int`bits` (past int64 the dispatcher's own error names neither). An integer tensor is read as the
+    would take True, and NumPy's floats and bools, as 1), MoecapError OUT_OF_RANGE past int64, the
+    schema's width, where the dispatcher's own error names neither (within it, the capturer's call inside
+    the op checks the C argument's width, `bits`, and says the same). An integer tensor is read as the
     capturer's calls read it, but not in compiled code, where its value is a read of device memory that
     a graph cannot hold."""
+    if type(value) is int and -(1 << 63) <= value < (1 << 63):  # the common case, first: once per layer per step
+        return value
     if isinstance(value, torch.SymInt):
         return value
     if isinstance(value, torch.Tensor):
@@ -274,10 +277,12 @@ def _op_int(caller: str, name: str, value: Any, bits: int) -> Any:
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if type(value) is not int:
         value = operator.index(value)
-    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    if not low <= value <= high:
-        raise MoecapError(Status.OUT_OF_RANGE, f"moecap_{caller}: {name} is {value}; it must fit in int{bits} "
-                          f"[{low}, {high}]")
+    if not -(1 << 63) <= value < (1 << 63):
+        low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        says = f"moecap_{caller}: {name} is {value}; it must fit in int{bits} [{low}, {high}]"
+        if torch.compiler.is_compiling():  # Dynamo traces a builtin exception, not MoecapError's constructor
+            raise OverflowError(says)
+        raise MoecapError(Status.OUT_OF_RANGE, says)
     return value
 
 

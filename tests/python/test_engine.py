@@ -236,8 +236,9 @@ def test_a_bool_among_ints_is_refused_where_numpy_would_make_it_slot_1():
     appended, counted or invalidated."""
     cap = capturer()
     capture_rows(cap, 2)
-    with pytest.raises(moecap.MoecapError, match=r"slots\[1\] is a bool; expected an int"):
-        commit_batch(cap, [5, True])
+    for flag in (True, np.True_, np.array(True)):
+        with pytest.raises(moecap.MoecapError, match=r"slots\[1\] is a bool; expected an int"):
+            commit_batch(cap, [5, flag])
     assert (cap.slot_states(np.arange(64)) == moecap.SLOT_EMPTY).all()
     with pytest.raises(moecap.MoecapError, match=r"slots_per_row\[0\]\[1\] is a bool"):
         batch_slots(np.ones((1, 2)), [[4, np.True_]])

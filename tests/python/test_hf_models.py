@@ -318,6 +318,17 @@ def test_a_top_k_per_layer_is_one_top_k_where_the_layers_agree_and_refused_at_at
             with pytest.raises(ValueError, match="MoE layers pick different numbers of experts per token "
                                r"\(layer 0: 2, layer 1: 3, layer 2: 2\)"):
                 hf.attach(model, cap)
+            # A selector of the caller's may hand every layer the capturer's width (here each layer's first
+            # two picks): its choice, not refused.
+            def first_two(router, inputs, output):
+                ids, weights = hf.default_selector(router, inputs, output)
+                return ids[:, :2], None if weights is None else weights[:, :2]
+            handle = hf.attach(model, cap, selector=first_two)
+            with torch.no_grad():
+                model(torch.randint(3, hf_serving.VOCAB, (1, 4)))
+            cap.commit(np.arange(4))
+            assert cap.read(np.arange(4), strict=True).shape == (4, 3, 2)
+            handle.detach()
 
 
 def test_detach_removes_every_hook():

@@ -380,6 +380,8 @@ def test_the_ops_read_an_integer_tensor_layer_eagerly_and_refuse_it_in_compiled_
                              backend="eager")
     with pytest.raises(Exception, match="layer must be an int in compiled code, not a tensor"):
         compiled(torch.tensor(1), ids)
+    with pytest.raises(Exception, match="layer is 1180591620717411303424; it must fit in int32"):
+        compiled(2**70, ids)  # past the schema's int64: named, not the dispatcher's bare RuntimeError
     compiled(1, ids)
     ops.commit(torch.tensor([6]))
     assert cap.read(torch.tensor([6]))[0, 1].tolist() == [1, 2, 3, 4]
