@@ -57,7 +57,7 @@ def rollout(model, capturer, prompts, new_tokens, rng):
     table = RequestTable(capturer)
     free = list(rng.permutation(capturer.config["host_slots"]))
     results = []
-    # transformers 5 renames past_key_values to cache
+    # newer transformers (5.25) name past_key_values cache
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with hf.attach(model, capturer), torch.no_grad():
         for rid, prompt in enumerate(prompts):
