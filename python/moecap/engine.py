@@ -299,6 +299,11 @@ class RequestTable:
         free: the slots the engine frees with the request (default: all of
         them); those a prefix cache keeps for later requests (a shared prefix)
         keep their routing. Each must be one of the request's slots."""
+        if getattr(self.capturer, "recording", False):
+            # The invalidate would go into the graph, not run: the slots would be handed on with their
+            # routing, and a launch of the graph would empty them under their next owner.
+            raise MoecapError(Status.CAPTURE_ILLEGAL, f"abort({rid!r}): the capturer is recording a graph "
+                              "(graph_begin); free a request's slots after graph_end")
         slots = self.slots(rid)
         if free is not None:
             free = _ints(free, "free")

@@ -432,6 +432,7 @@ class Capturer {
   }
 
   bool is_closed() const { return handle_ == nullptr; }
+  bool is_recording() const { return recording_on_; }
 
   // The cyclic collector's view: the tensors held for a recording graph or
   // for forked work. An unreachable capturer has no call in progress, so
@@ -710,6 +711,8 @@ NB_MODULE(_moecap, m) {
            "Waits for calls in progress on other threads (a signal during the wait raises and leaves it open); "
            "later calls raise ValueError.")
       .def_prop_ro("closed", &Capturer::is_closed)
+      .def_prop_ro("recording", &Capturer::is_recording,
+                   "Whether a graph_begin() recording is open: calls made now are recorded into it, not run.")
       .def_prop_ro("device_type", &Capturer::device_type)
       .def_prop_ro("device_id", &Capturer::device_id)
       .def_prop_ro("_commits", &Capturer::commits,

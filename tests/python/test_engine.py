@@ -358,3 +358,34 @@ def test_a_refused_step_appends_nothing_to_any_request():
         assert table.slots("a").tolist() == [] and table.slots("b").tolist() == []
     table.append_step(["a", "b"], [1, 2])  # one token each fits
     assert table.slots("b").tolist() == [2]
+
+
+def test_abort_while_a_graph_is_recorded_is_refused_and_keeps_the_request():
+    """The invalidate would be recorded into the graph, not run: the freed slots would go to the next request
+    with their routing, and a launch of the graph would empty them under it."""
+    cap = capturer()
+    capture_rows(cap, 2)
+    table = RequestTable(cap)
+    table.start("old")
+    table.append("old", [12, 13])
+    cap.commit(np.array([12, 13]))
+    cap.graph_begin()
+    assert cap.recording
+    with pytest.raises(moecap.MoecapError, match=r"abort\('old'\): the capturer is recording a graph"):
+        table.abort("old")
+    cap.graph_end().close()
+    assert not cap.recording and "old" in table
+    table.abort("old")
+    assert (cap.slot_states(np.array([12, 13])) == moecap.SLOT_EMPTY).all()
+
+
+def test_a_routing_stream_refuses_a_chunk_placed_at_another_position():
+    from moecap.integrations.stream import RoutingStream
+    ids = np.zeros((2, LAYERS, TOP_K), dtype=np.int32)
+    stream = RoutingStream(lambda begin, end: RoutedExperts(ids[:end - begin], EXPERTS, start=0), start=2)
+    with pytest.raises(ValueError, match=r"read_rows\(2, 4\) returned a chunk starting at position 0; its first "
+                       "position is 2"):
+        stream.next(4)
+    assert stream.sent == 2
+    placed = RoutingStream(lambda begin, end: RoutedExperts(ids[:end - begin], EXPERTS, start=begin), start=2)
+    assert placed.next(4).start == 2 and placed.sent == 4

@@ -37,5 +37,8 @@ class RoutingStream:
         chunk = self._read_rows(self.sent, forwarded)
         if len(chunk) != forwarded - self.sent:
             raise ValueError(f"read_rows({self.sent}, {forwarded}) returned {len(chunk)} tokens")
+        if getattr(chunk, "start", self.sent) != self.sent:  # a chunk placed elsewhere would concat and encode there
+            raise ValueError(f"read_rows({self.sent}, {forwarded}) returned a chunk starting at position "
+                             f"{chunk.start}; its first position is {self.sent}")
         self.sent = forwarded
         return chunk
