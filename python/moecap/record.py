@@ -192,6 +192,8 @@ class RoutedExperts:
         self.num_experts = num_experts
         w = _to_numpy(weights)
         if w is not None:
+            if w.dtype.kind not in "fiu":  # None objects would become NaN, strings fail deep in NumPy
+                raise TypeError(f"weights must be real numbers, not {w.dtype}")
             if w.shape != ids.shape:
                 raise ValueError(f"weights has shape {w.shape}; ids has {ids.shape}")
             # A copy: the caller's read buffers are the next request's.
@@ -199,8 +201,10 @@ class RoutedExperts:
         self.weights = w
         v = np.ones(ids.shape[0], dtype=bool) if valid is None else np.asarray(_to_numpy(valid))
         if v.dtype != bool:  # a cast would make any string or float True
-            if v.size and (v.dtype.kind not in "iu" or not np.isin(v, (0, 1)).all()):
+            if v.size and v.dtype.kind not in "iu":
                 raise TypeError(f"valid must be bools (or 0 and 1), not {v.dtype}")
+            if v.size and not np.isin(v, (0, 1)).all():
+                raise ValueError(f"valid holds {v[~np.isin(v, (0, 1))][0]}; expected bools (or 0 and 1)")
         v = np.array(v, dtype=bool)  # a copy: the caller's read buffers are the next request's
         if v.shape != (ids.shape[0],):
             raise ValueError(f"valid has shape {v.shape}; expected ({ids.shape[0]},)")
@@ -218,6 +222,9 @@ class RoutedExperts:
         committed, or invalidated), which moecap_read reports as -1 ids (all
         ones in a uint8 or uint16 output)."""
         ids = _to_numpy(ids)
+        if getattr(ids, "ndim", None) != 3:  # as the constructor names it, before the axes below are asked for
+            raise ValueError(f"ids must be an integer [tokens, layers, top_k] array, not shape "
+                             f"{getattr(ids, 'shape', None)}")
         if ids.dtype in (np.uint8, np.uint16) and np.iinfo(ids.dtype).max >= int(num_experts):
             ids = np.where(ids == np.iinfo(ids.dtype).max, -1, ids.astype(np.int32))
         valid = ~(ids < 0).all(axis=(1, 2)) if ids.size else np.ones(ids.shape[0], dtype=bool)
@@ -245,6 +252,9 @@ class RoutedExperts:
         parts = list(parts)
         if not parts:
             raise ValueError("parts is empty; concat needs at least one routing")
+        stranger = next((i for i, p in enumerate(parts) if not isinstance(p, RoutedExperts)), None)
+        if stranger is not None:
+            raise TypeError(f"parts[{stranger}] is a {type(parts[stranger]).__name__}; concat joins RoutedExperts")
         first = parts[0]
         at = first.start + len(first)
         for i, p in enumerate(parts[1:], 1):

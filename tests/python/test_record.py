@@ -452,6 +452,16 @@ def test_flags_layers_and_fill_values_are_taken_as_what_they_say_never_cast():
     with pytest.raises(TypeError, match="valid must be bools"):
         RoutedExperts(ids, 4, valid=[0.5, 1.0])
     assert RoutedExperts(ids, 4, valid=[1, 0]).valid.tolist() == [True, False]
+    with pytest.raises(ValueError, match="valid holds 2; expected bools"):  # an int dtype, a value no bool has
+        RoutedExperts(ids, 4, valid=[1, 2])
+    for weights, kind in ((np.array([[[None]], [[None]]]), "object"), (np.array([[["a"]], [["b"]]]), "<U1"),
+                          (np.ones((2, 2, 1), dtype=np.complex64), "complex64"), (np.ones((2, 2, 1), bool), "bool")):
+        with pytest.raises(TypeError, match=f"weights must be real numbers, not {kind}"):
+            RoutedExperts(np.zeros((2, 1, 1), dtype=np.int32), 4, weights=weights)  # None would be NaN
+    with pytest.raises(ValueError, match="ids must be an integer \\[tokens, layers, top_k\\] array, not shape"):
+        RoutedExperts.from_read(np.zeros((2, 2), dtype=np.int32), 4)
+    with pytest.raises(TypeError, match="parts\\[1\\] is a int; concat joins RoutedExperts"):
+        RoutedExperts.concat([RoutedExperts(ids, 4), 5])
     routed = RoutedExperts(ids, 4, valid=np.array([True, False]))
     with pytest.raises(TypeError, match="packed must be a bool, not str"):
         routed.to_bytes(packed="no")
