@@ -70,9 +70,7 @@ struct Layout {
     const uint64_t id_bytes = id_bits_total / 8 + (id_bits_total % 8 != 0 ? 1 : 0);
     validity_at = MOECAP_RECORD_HEADER_BYTES;
     ids_at = validity_at + ((flags & MOECAP_RECORD_HAS_VALIDITY) ? (static_cast<uint64_t>(tokens) + 7) / 8 : 0);
-    if (__builtin_add_overflow(ids_at, id_bytes, &weights_at)) {
-      fail(MOECAP_ERROR_INVALID_ARGUMENT, "the record size overflows 64 bits");
-    }
+    weights_at = ids_at + id_bytes;  // id_bytes <= 2^61 and ids_at < 2^61: no wrap
     const uint64_t weight_bytes = weight_elem < 0 ? 0 : mul(codes, static_cast<uint64_t>(elem_bytes(weight_elem)), "the weight section");
     if (__builtin_add_overflow(weights_at, weight_bytes, &total)) {
       fail(MOECAP_ERROR_INVALID_ARGUMENT, "the record size overflows 64 bits");

@@ -206,11 +206,11 @@ class RequestTable:
 
     def append(self, rid: Any, slots: ArrayLike) -> None:
         """The slots of the request's next tokens (in order), each in [0, host_slots)."""
-        self._running(rid)
+        parts = self._running(rid)
         slots = self._checked_slots(slots)
         self._check_end(rid, len(slots))
         # A copy: engines reuse their slot buffers from step to step.
-        self._slots[rid].append(np.array(slots))
+        parts.append(np.array(slots))
 
     def append_step(self, rids: Sequence[Any], slots: ArrayLike, counts: Optional[ArrayLike] = None) -> None:
         """One step's slots for several running requests, in the order the step lists them: rids[i]
@@ -220,8 +220,7 @@ class RequestTable:
         slots = np.array(self._checked_slots(slots))  # one copy for the step: engines reuse their buffers
         rids = list(rids)
         if not self._slots.keys() >= set(rids):
-            missing = next(rid for rid in rids if rid not in self._slots)
-            raise KeyError(f"request {missing!r} is not running (start() it first)")
+            self._running(next(rid for rid in rids if rid not in self._slots))  # raises, naming it
         if counts is None:
             if len(slots) != len(rids):
                 raise ValueError(f"slots has {len(slots)} entries for {len(rids)} requests; a step where a request "

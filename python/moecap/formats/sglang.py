@@ -112,8 +112,8 @@ def decode(payload, num_experts, num_hidden_layers, top_k, start=0, layers=None,
         if num_tokens < 1:
             raise ValueError(f"num_tokens is {num_tokens}; a sequence has at least 1 token")
         start = min(start, num_tokens - 1)  # SGLang's clamp of routed_experts_start_len
-        if rows != max(0, num_tokens - 1 - start):
+        if rows != num_tokens - 1 - start:
             raise ValueError(f"the SGLang payload has {rows} rows; a {num_tokens}-token sequence from position "
-                             f"{start} has {max(0, int(num_tokens) - 1 - start)} (T-1-start_len)")
+                             f"{start} has {num_tokens - 1 - start} (T-1-start_len)")
     return from_layer_axis(flat.reshape(rows, num_hidden_layers, top_k), num_experts, layers,
                            num_hidden_layers, CONSUMER, start=start, axis="every")
