@@ -525,7 +525,9 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
  * invalidations of those slots, and moecap_graph_launch, are ordered after
  * it, whatever their stream (an engine replaying its own graph that commits
  * to those slots orders the replay after `stream` itself). The wait
- * releases the capturer's lock: other calls proceed meanwhile. ids_out and
+ * releases the capturer's lock: other calls proceed meanwhile, and a
+ * commit of these slots made then lands between two pieces (after the
+ * pieces queued before it, before the rest), never during one. ids_out and
  * weights_out share no byte with `slots`, each other, the host cache (an
  * exported host view) or the device buffer (a device, layer or histogram
  * view, whose rows a later commit would take): INVALID_ARGUMENT otherwise. */

@@ -61,10 +61,14 @@ class HostCallScope {
 
 // Work on the host cache still in flight: an eager commit or a read into
 // device tensors, with the slots it touches (sorted; all when every_slot).
+// A read queued in pieces is listed from its first piece on, `growing`
+// until its last is queued: its event is re-recorded after each piece, so
+// retiring it early would hand the event to another call while it is in use.
 struct InFlight {
   UniqueEvent event;
   std::vector<int64_t> slots;
   bool every_slot;
+  bool growing = false;
 };
 
 // An event taken from the spare pool for one call goes back to the pool if
@@ -382,24 +386,26 @@ class CudaBackend final : public Backend {
   void gather(const GatherParams& p, EngineStream stream) override {
     HostCallScope scope(d_, ctx());
     const CUstream s = cu_stream(stream);
-    std::vector<int64_t> wanted = sorted_slots(SlotList{p.slots, p.slots_elem, p.count});
-    // Ordered after the commits that may write these rows, on the stream: the host does not wait.
-    for (const InFlight& f : commits_) {
-      if (touches(f, &wanted)) check(d_, d_.cuStreamWaitEvent(s, f.event.get(), 0), "cuStreamWaitEvent");
-    }
-    forget_gone_graphs();
-    for (const auto& g : graph_commits_) {
-      for (const UniqueEvent& e : g->events) check(d_, d_.cuStreamWaitEvent(s, e.get(), 0), "cuStreamWaitEvent");
-    }
+    InFlight pending{{}, sorted_slots(SlotList{p.slots, p.slots_elem, p.count}), false};
     // A snapshot entry holds 2 * device_rows slots; longer requests go in pieces.
     const int64_t per_piece = static_cast<int64_t>(snapshot_bytes_ / sizeof(int64_t));
     const int64_t slot_bytes = elem_bytes(p.slots_elem);
     const int64_t id_row = p.row_elements * elem_bytes(p.dst_id_elem);
     const int64_t w_row = p.dst_weights ? p.row_elements * elem_bytes(p.dst_weight_elem) : 0;
     retire(reads_);
-    InFlight read{take_event(), {}, false};
-    const ReturnedIfUnused loan(spare_, read.event);
-    read.slots = std::move(wanted);
+    pending.event = take_event();
+    pending.growing = true;
+    {
+      const ReturnedIfUnused loan(spare_, pending.event);
+      reads_.push_back(std::move(pending));  // leaves `pending` as it was if it throws
+    }
+    // Listed before its first piece (its event not yet recorded: nothing to
+    // wait for), so that a commit another thread makes while a piece waits
+    // for a snapshot entry (next_snapshot releases the lock) is queued after
+    // the pieces queued so far, and that piece waits for the commit: each
+    // slot's row is gathered whole before or after it, never during. A
+    // deque's elements stay where they are as others come and go.
+    InFlight& read = reads_.back();
     Snapshot* unrecorded = nullptr;  // a queued piece whose snapshot entry is not yet marked in use
     bool launched = false;
     try {
@@ -407,6 +413,8 @@ class CudaBackend final : public Backend {
         GatherParams piece = p;
         piece.count = std::min(per_piece, p.count - first);
         Snapshot& snap = next_snapshot();
+        // Ordered after the commits that may write these rows, on the stream: the host does not wait.
+        wait_for_commits(s, read.slots);
         size_t at = 0;
         piece.slots = copy_in(snap, at, static_cast<const uint8_t*>(p.slots) + first * slot_bytes, piece.count,
                               p.slots_elem);
@@ -417,17 +425,18 @@ class CudaBackend final : public Backend {
         unrecorded = &snap;
         check(d_, d_.cuEventRecord(snap.done.get(), s), "cuEventRecord (snapshot)");
         unrecorded = nullptr;
+        check(d_, d_.cuEventRecord(read.event.get(), s), "cuEventRecord (read)");
       }
     } catch (...) {
       // The pieces already queued read the host cache and their snapshot
       // entries: later commits to these slots and destroy wait for them, as
       // for a read that finished queuing.
       if (unrecorded != nullptr) d_.cuEventRecord(unrecorded->done.get(), s);
-      if (launched && d_.cuEventRecord(read.event.get(), s) == kSuccess) reads_.push_back(std::move(read));
+      if (launched) d_.cuEventRecord(read.event.get(), s);
+      read.growing = false;
       throw;
     }
-    check(d_, d_.cuEventRecord(read.event.get(), s), "cuEventRecord (read)");
-    reads_.push_back(std::move(read));
+    read.growing = false;
   }
 
   void order_after_reads(EngineStream stream) override {
@@ -777,7 +786,7 @@ class CudaBackend final : public Backend {
   }
   // Returns the events of completed work, oldest first, to the spare pool.
   void retire(std::deque<InFlight>& list) {
-    while (!list.empty() && finished(list.front().event.get(), false)) {
+    while (!list.empty() && !list.front().growing && finished(list.front().event.get(), false)) {
       spare_.push_back(std::move(list.front().event));
       list.pop_front();
     }
@@ -837,6 +846,18 @@ class CudaBackend final : public Backend {
     std::sort(order.begin(), order.end());
     for (size_t i = 0; i + 1 < order.size(); ++i) {
       if (order[i + 1].first == order[i].first) slots[order[i].second] = -1;
+    }
+  }
+
+  // `s` waits (on the device) for the eager commits that write any of
+  // `slots` and for every graph's latest commits: the host does not wait.
+  void wait_for_commits(CUstream s, const std::vector<int64_t>& slots) {
+    for (const InFlight& f : commits_) {
+      if (touches(f, &slots)) check(d_, d_.cuStreamWaitEvent(s, f.event.get(), 0), "cuStreamWaitEvent");
+    }
+    forget_gone_graphs();
+    for (const auto& g : graph_commits_) {
+      for (const UniqueEvent& e : g->events) check(d_, d_.cuStreamWaitEvent(s, e.get(), 0), "cuStreamWaitEvent");
     }
   }
 

@@ -375,6 +375,90 @@ TEST_CASE("a GPU read refused partway is tracked: destroy waits for the pieces i
   CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
 }
 
+// At the first host wait with work queued on `read_stream` (a read's piece
+// waiting for a snapshot entry in use), another thread commits the rows
+// captured on `stream` to `slots` (a GPU tensor: the commit itself does not
+// wait on the host).
+struct CommitAtRingWait {
+  moecap_capturer* h = nullptr;
+  Stream read_stream = nullptr;
+  Stream stream = nullptr;
+  const DLTensor* slots = nullptr;
+  std::thread::id caller = std::this_thread::get_id();
+  bool started = false;
+  moecap_status status = MOECAP_OK;
+};
+
+void commit_at_ring_wait(void* arg) {
+  auto* m = static_cast<CommitAtRingWait*>(arg);
+  if (std::this_thread::get_id() != m->caller || m->started || standin_pending(m->read_stream) == 0) return;
+  m->started = true;
+  std::thread([m] {
+    moecap_commit_args a{};
+    a.struct_size = sizeof a;
+    a.dst_slots = m->slots;
+    m->status = moecap_commit(m->h, &a, m->stream);  // no doctest assertion off the test's thread
+  }).join();
+}
+
+TEST_CASE("a commit made while a long GPU read waits for the snapshot ring lands between its pieces") {
+  // A read of 8 * 2 * device_rows + 1 slots goes in nine pieces, the ninth
+  // waiting for the first's snapshot entry. Slot 2 is gathered by the second
+  // piece, queued before the commit; slot 3 by the ninth, queued after it.
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Stream other = new_stream();
+  moecap_plan_info info{};
+  info.struct_size = sizeof info;
+  REQUIRE(moecap_get_plan(h, &info) == MOECAP_OK);
+  const moecap_config c = cuda_config();
+  Tensor ids = routing_buffer();
+  moecap_test::HostTensor old_slots({4}, moecap_test::i64());
+  for (int64_t i = 0; i < 4; ++i) old_slots.set(i, i);
+  forward(ids, 80, 4);
+  capture_layers(h, ids.get(), 4, other);
+  commit(h, old_slots.get(), other);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  forward(ids, 81, 4);
+  capture_layers(h, ids.get(), 4, other);  // queued, not run: the commit below takes these rows
+  Tensor new_slots = index_tensor({0, 1, 2, 3}, kDLCUDA);
+  const int64_t per_piece = 2 * info.device_rows;
+  const int64_t n = 8 * per_piece + 1;
+  moecap_test::HostTensor slots({n}, moecap_test::i64());
+  for (int64_t i = 0; i < n; ++i) slots.set(i, 4 + i % (c.host_slots - 4));
+  slots.set(per_piece, 2);
+  slots.set(n - 1, 3);
+  Tensor out({n, c.num_layers, c.top_k}, moecap_test::i64(), kDLCUDA);
+  CommitAtRingWait m;
+  m.h = h;
+  m.read_stream = s;
+  m.stream = other;
+  m.slots = new_slots.get();
+  standin_set_wait_hook(commit_at_ring_wait, &m);
+  const moecap_status read = moecap_read(h, slots.get(), out.get(), nullptr, 0, s);
+  standin_set_wait_hook(nullptr, nullptr);
+  REQUIRE(m.started);
+  REQUIRE_MESSAGE(m.status == MOECAP_OK, std::string(moecap_last_error()));
+  REQUIRE_MESSAGE(read == MOECAP_OK, std::string(moecap_last_error()));
+  const auto row = [&](int64_t i) {
+    const int64_t w = c.num_layers * c.top_k;
+    return std::vector<int64_t>(out.as<int64_t>() + i * w, out.as<int64_t>() + (i + 1) * w);
+  };
+  SUBCASE("the commit's stream runs first: it waits for the pieces queued before it") {
+    standin_run_stream(other);
+    standin_run_stream(s);
+    CHECK(row(per_piece) == expected_row(80, 2));
+    CHECK(row(n - 1) == expected_row(81, 3));
+  }
+  SUBCASE("the read's stream runs first: the piece queued after the commit waits for it") {
+    standin_run_stream(s);
+    standin_run_stream(other);
+    CHECK(row(per_piece) == expected_row(80, 2));
+    CHECK(row(n - 1) == expected_row(81, 3));
+  }
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
 TEST_CASE("moecap_synchronize waits for captures queued on the engine's stream; get_errors only for commits") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
