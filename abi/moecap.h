@@ -49,10 +49,12 @@
  *   calls from several threads are safe and serialize; different capturers
  *   share nothing. No call holds the lock while it blocks on the host: a
  *   wait for commits, reads or the engine's stream (read, write,
- *   synchronize, get_errors) or for a snapshot entry (an eager commit or
- *   invalidate with host lists, a read into GPU tensors) releases it while
- *   it sleeps and takes it again after, so another thread's capture or
- *   commit never waits behind a monitoring thread's get_errors. Calls racing
+ *   synchronize, get_errors), for a snapshot entry (an eager commit or
+ *   invalidate with host lists, a read into GPU tensors) or for moecap's
+ *   own copies of its counters and guard bytes (read, write, synchronize,
+ *   get_errors) releases it while it sleeps and takes it again after, so
+ *   another thread's capture or commit never waits behind a monitoring
+ *   thread's get_errors. Calls racing
  *   on the same slots from several threads are ordered by the engine, not
  *   by the lock.
  *   moecap_destroy is the exception: it frees the handle, so the caller

@@ -510,8 +510,15 @@ class CudaBackend final : public Backend {
     retire(reads_);
   }
 
+  // The three calls below wait for moecap's own stream, which a forward
+  // saturating the GPU can hold up: without the capturer's lock, so that a
+  // monitor's get_errors (or a read's check of the counters) never stalls
+  // another thread's captures. What they copy into is the caller's, but for
+  // take_errors' one readout word, which its callers take turns on.
   ErrorWord take_errors(ErrorWord* counters, bool clear) override {
     HostCallScope scope(d_, ctx());
+    const Unlocked unlocked(LockHold::current());
+    const std::lock_guard<std::mutex> turn(readout_mutex_);
     ErrorWord* out = reinterpret_cast<ErrorWord*>(snapshot_host() + snapshot_bytes_ * kSnapshots);
     if (clear) {
       TakeErrorsParams p{counters, reinterpret_cast<ErrorWord*>(snapshot_device_ + snapshot_bytes_ * kSnapshots)};
@@ -526,12 +533,14 @@ class CudaBackend final : public Backend {
 
   void copy_device_to_host(void* dst, const void* src, size_t bytes) override {
     HostCallScope scope(d_, ctx());
+    const Unlocked unlocked(LockHold::current());
     check(d_, d_.cuMemcpyDtoHAsync(dst, reinterpret_cast<CUdeviceptr>(src), bytes, internal_.get()),
           "cuMemcpyDtoHAsync");
     check(d_, d_.cuStreamSynchronize(internal_.get()), "cuStreamSynchronize");
   }
   void copy_host_to_device(void* dst, const void* src, size_t bytes) override {
     HostCallScope scope(d_, ctx());
+    const Unlocked unlocked(LockHold::current());
     check(d_, d_.cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(dst), src, bytes, internal_.get()),
           "cuMemcpyHtoDAsync");
     check(d_, d_.cuStreamSynchronize(internal_.get()), "cuStreamSynchronize");
@@ -918,6 +927,7 @@ class CudaBackend final : public Backend {
   UniqueStream internal_;
   UniqueDeviceMemory claims_;
   UniquePinnedMemory snapshot_memory_;  // kSnapshots entries, then the error readout
+  std::mutex readout_mutex_;             // the error readout's user (take_errors, without the capturer's lock)
   uint8_t* snapshot_device_ = nullptr;
   size_t snapshot_bytes_ = 0;
   std::array<Snapshot, kSnapshots> snapshots_;

@@ -98,6 +98,31 @@ TEST_CASE("get_errors waiting for commits does not hold the capturer's lock") {
   CHECK(moecap_destroy(h) == MOECAP_OK);
 }
 
+TEST_CASE("get_errors and a GPU read with no commit in flight copy from the GPU without the capturer's lock") {
+  // Their only host waits are on moecap's own stream (the counters, and with
+  // guards their bytes), which a busy GPU can hold up as long as a commit.
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Tensor ids = routing_buffer();
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  slot.set(0, 5);
+  forward(ids, 45, 1);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slot.get(), s);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  moecap_error_counts e{};
+  e.struct_size = sizeof e;
+  e.skipped_rows = 7;
+  CHECK(other_calls_proceed(h, ids, [&] { CHECK(moecap_get_errors(h, &e, MOECAP_ERRORS_CLEAR) == MOECAP_OK); }));
+  CHECK(e.skipped_rows == 0);
+  CHECK(e.invalid_ids == 0);
+  Tensor out = gpu_row();
+  CHECK(other_calls_proceed(h, ids, [&] { CHECK(moecap_read(h, slot.get(), out.get(), nullptr, 0, s) == MOECAP_OK); }));
+  standin_run_stream(s);
+  CHECK(device_row(out) == expected_row(45, 0));
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
 TEST_CASE("write waiting for a GPU read and for the engine's stream does not hold the capturer's lock") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
