@@ -2,7 +2,8 @@
 """moecap's step-path calls as torch.library custom ops (torch >= 2.4).
 
 ``torch.ops.moecap.capture``, ``.commit`` and ``.invalidate`` have fake
-implementations (no output, nothing to infer) and declare what they write:
+implementations (no output, nothing to infer) and declare what they write
+(``.snapshot`` copies a buffer where it stands, see below):
 capture mutates the capturer's device buffers (and its expert-load histogram,
 where it keeps one), commit its host cache and slot
 states (and reads the device buffer, so the two are never reordered),
@@ -31,9 +32,12 @@ clone of one taken before a commit, makes Inductor hand the op a copy too.
 
 Inductor (torch 2.14) also orders a read of device_ids, or of a layer view,
 that a commit follows in the same compiled code after the commit: the read
-sees the consumed rows (-1). Read the routing after the commit from the host
-cache (or read() it), or clone device_ids whole before the commit, which
-Inductor keeps in order.
+sees the consumed rows (-1), and so does a plain ``clone()`` of it once a
+capture precedes it in the same code (Inductor folds the clone into the
+buffer itself). Read the routing after the commit from the host cache (or
+read() it), or take ``ops.snapshot(ops.device_ids)`` before the commit: a
+copy as an op of its own, which no compiler pass folds away. The same holds
+for the histogram between captures.
 """
 from __future__ import annotations
 
@@ -72,7 +76,8 @@ def _buffers(cap: Capturer) -> CapturerOps:
     return ops if ops is not None else cap.ops
 
 
-#: How often an op was handed a copy of a device buffer and moved it in or out (0 under Inductor).
+#: How often an op was handed a copy of a device buffer and moved it in or out (0 under Inductor, unless
+#: the compiled code reads a device buffer that a later op writes).
 buffer_copies = 0
 
 
@@ -81,24 +86,6 @@ def _is_copy(handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> bo
     # op the functional value of a buffer: a tensor of its own, not moecap's
     # memory, which the C library is the only one to read and write.
     return handed is not None and real is not None and handed.data_ptr() != real.data_ptr()
-
-
-def _copy_in(handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> None:
-    # What the graph wrote into the buffer before this op (a top-k kernel or
-    # plain torch ops into a layer view) lives only in the copy: the C call must see it.
-    global buffer_copies
-    if handed is not None and real is not None and _is_copy(handed, real):
-        real.copy_(handed)  # on torch's current stream, so ordered before the C call's kernel
-        buffer_copies += 1
-
-
-def _copy_out(handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> None:
-    # The C call wrote moecap's memory; the copy the backend writes back at the
-    # end of the graph must carry the same contents, or the copy-back undoes it.
-    global buffer_copies
-    if handed is not None and real is not None and _is_copy(handed, real):
-        handed.copy_(real)
-        buffer_copies += 1
 
 
 def _refuse_host_copy(op: str, name: str, handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> None:
@@ -114,17 +101,59 @@ def _refuse_host_copy(op: str, name: str, handed: Optional[torch.Tensor], real: 
                           f"ops there, or call the capturer's {op} outside the compiled code")
 
 
-def _through_device_buffers(cap: Capturer, device_ids: torch.Tensor, device_weights: Optional[torch.Tensor],
-                            call: Callable[[], None], histogram: Optional[torch.Tensor] = None) -> None:
+def _check_handed(op: str, name: str, handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> None:
+    # What the C call writes must be what the op declares it writes, and a copy
+    # goes in whole: a missing buffer would be written undeclared (a compiled
+    # read of it could move past the op), and a tensor of another shape would
+    # broadcast into moecap's memory, or fail halfway through the copies.
+    if handed is real:
+        return
+    if handed is None or real is None:
+        raise MoecapError(Status.INVALID_ARGUMENT,
+                          f"moecap::{op}: {name} is {'None' if handed is None else 'given'}, but the capturer "
+                          f"{'keeps' if real is not None else 'keeps no'} {name}; pass the capturer's ops.{name}"
+                          + ("" if real is not None else " (None)"))
+    if handed.shape != real.shape or handed.dtype != real.dtype or handed.device != real.device:
+        raise MoecapError(Status.INVALID_ARGUMENT,
+                          f"moecap::{op}: {name} is {handed.dtype} {tuple(handed.shape)} on {handed.device}; the "
+                          f"capturer's is {real.dtype} {tuple(real.shape)} on {real.device}: pass ops.{name}")
+
+
+def _through_device_buffers(cap: Capturer, op: str, device_ids: torch.Tensor, device_weights: Optional[torch.Tensor],
+                            call: Callable[[], None], histogram: Optional[torch.Tensor] = None,
+                            with_histogram: bool = False) -> None:
     # The op reads and writes moecap's device buffers: a copy the backend handed
     # it goes in before the C call and takes the call's effect back out.
+    global buffer_copies
     real = _buffers(cap)
-    handed = ((device_ids, real.device_ids), (device_weights, real.device_weights), (histogram, real.histogram))
-    for given, own in handed:
-        _copy_in(given, own)
-    call()
-    for given, own in handed:
-        _copy_out(given, own)
+    handed = [("device_ids", device_ids, real.device_ids), ("device_weights", device_weights, real.device_weights)]
+    if with_histogram:
+        handed.append(("histogram", histogram, real.histogram))
+    for name, given, own in handed:
+        _check_handed(op, name, given, own)
+    copies = [(given, own) for _, given, own in handed if _is_copy(given, own)]
+    if not copies:
+        call()
+        return
+    # The backend believes moecap's memory untouched by this op until it writes
+    # its copies back at the end of the graph, and may read that memory before
+    # then (Inductor hands commit a copy where the graph still reads the rows
+    # it consumes). The C call works on moecap's memory only: what the graph
+    # wrote goes in first (a top-k kernel or plain torch ops into a layer view
+    # live only in the copy), the call's effect goes back out into the copy,
+    # and the memory gets back what it held. All on torch's current stream,
+    # so in order with the C call's kernels.
+    held = [own.clone() for _, own in copies]
+    try:
+        for given, own in copies:
+            own.copy_(given)
+        call()
+        for given, own in copies:
+            given.copy_(own)
+    finally:
+        for (_, own), kept in zip(copies, held):
+            own.copy_(kept)
+    buffer_copies += 2 * len(copies)
 
 
 @torch.library.custom_op("moecap::capture", mutates_args=("device_ids", "device_weights", "histogram"))
@@ -136,8 +165,8 @@ def capture(device_ids: torch.Tensor, device_weights: Optional[torch.Tensor], ca
     dispatcher drops trailing arguments equal to their default, and torch 2.11's custom_op indexes
     every mutated argument by position (IndexError; torch 2.14 checks the length first)."""
     cap = _capturer(capturer)
-    _through_device_buffers(cap, device_ids, device_weights, lambda: cap.capture(layer, topk_ids, topk_weights),
-                            histogram)
+    _through_device_buffers(cap, "capture", device_ids, device_weights,
+                            lambda: cap.capture(layer, topk_ids, topk_weights), histogram, with_histogram=True)
 
 
 @capture.register_fake
@@ -158,7 +187,7 @@ def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], host_st
     real = _buffers(cap)
     for name, handed in (("host_ids", host_ids), ("host_weights", host_weights), ("host_states", host_states)):
         _refuse_host_copy("commit", name, handed, getattr(real, name))
-    _through_device_buffers(cap, device_ids, device_weights, lambda: cap.commit(dst_slots, src_start, src_rows))
+    _through_device_buffers(cap, "commit", device_ids, device_weights, lambda: cap.commit(dst_slots, src_start, src_rows))
 
 
 @commit.register_fake
@@ -177,6 +206,19 @@ def invalidate(host_states: torch.Tensor, capturer: int, slots: torch.Tensor) ->
 @invalidate.register_fake
 def _(host_states, capturer, slots):
     return None
+
+
+@torch.library.custom_op("moecap::snapshot", mutates_args=())
+def snapshot(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` taken where the call stands: in compiled code an op of its own,
+    which Inductor keeps before a later commit or capture that writes ``tensor`` (it folds a plain
+    ``clone()`` of a buffer the code writes into the buffer itself, which then shows the later write)."""
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+@snapshot.register_fake
+def _(tensor):
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
 
 class CapturerOps:
@@ -250,6 +292,14 @@ class CapturerOps:
     def invalidate(self, slots: torch.Tensor) -> None:
         _refuse_meta("invalidate", "slots", slots, "", None)
         torch.ops.moecap.invalidate(self.host_states, self.id, slots)
+
+    @staticmethod
+    def snapshot(tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` (``ops.device_ids``, a layer view, ``ops.histogram``) as it is here, which
+        compiled code keeps ahead of the ops that write it afterwards (``moecap::snapshot``)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"snapshot: tensor is a {type(tensor).__name__}; expected a torch.Tensor")
+        return torch.ops.moecap.snapshot(tensor)
 
 
 # Checks the methods above make before the op, in terms Dynamo folds to constants (a traced int may be a

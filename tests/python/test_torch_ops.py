@@ -100,8 +100,10 @@ def test_commit_reads_the_device_ids_it_is_handed():
     # device buffer, a tensor of its own. commit stores that value, not stale memory.
     cap = make()
     ops = cap.ops
+    ops.layer_ids(2)[1] = torch.tensor([1, 2, 3, 4])  # moecap's memory, which the backend's copy does not hold
     handed = ops.device_ids.clone()
     handed[2, 0] = torch.tensor([9, 10, 11, 12], dtype=handed.dtype)
+    handed[2, 1] = torch.tensor([5, 6, 7, 8], dtype=handed.dtype)
     weights = ops.device_weights.clone()
     weights[2, 0] = 0.5
     before = ops_module.buffer_copies
@@ -114,6 +116,68 @@ def test_commit_reads_the_device_ids_it_is_handed():
     # copy the backend writes back must say so.
     assert ops_module.buffer_copies == before + 4
     assert (handed[2, 0] == -1).all() and (weights[2, 0] == 0).all()
+    # The backend writes that copy back itself; until then moecap's memory holds what it held.
+    assert (ops.device_ids[2, 0] == -1).all() and ops.device_ids[2, 1].tolist() == [1, 2, 3, 4]
+
+
+def test_a_snapshot_before_the_commit_keeps_the_rows_the_captures_wrote():
+    # In one compiled step the captures write device_ids, a snapshot reads it and the commit consumes it:
+    # the snapshot holds the captured rows (Inductor folds a plain clone() into the buffer itself, which then
+    # shows the consumed rows, and hands the commit a copy of a buffer the graph still reads).
+    cap = moecap.Capturer(num_layers=2, top_k=4, num_experts=16, host_slots=64, max_running_requests=8,
+                          chunked_prefill_size=8, histogram=True)
+    ops = cap.ops
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
+
+    def step(ids, slots):
+        ops.capture(0, ids)
+        load = ops.snapshot(ops.histogram)
+        ops.capture(1, ids + 1)
+        rows = ops.snapshot(ops.device_ids)
+        layer = ops.snapshot(ops.layer_ids(1))
+        ops.commit(slots)
+        return rows[:, :2], load, layer[:2]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    for k, slots in enumerate(([3, 4], [5, 6])):
+        cap.histogram_reset()
+        rows, load, layer = compiled(ids + k, torch.tensor(slots))
+        assert rows[0].tolist() == (ids + k).tolist() and rows[1].tolist() == (ids + k + 1).tolist(), k  # [layer, row]
+        assert layer.tolist() == (ids + k + 1).tolist(), k
+        assert load[0].tolist() == np.bincount((ids + k).flatten().numpy(), minlength=16).tolist(), k
+        assert load[1].tolist() == [0] * 16, k
+        assert torch.equal(cap.read(torch.tensor(slots))[:, 1], (ids + k + 1).int()), k  # and the commit stored them
+    assert torch.equal(ops.snapshot(ops.device_ids), ops.device_ids)  # eager: a copy
+    assert ops.snapshot(ops.device_ids).data_ptr() != ops.device_ids.data_ptr()
+    with pytest.raises(TypeError, match="tensor is a ndarray"):
+        ops.snapshot(np.zeros(3))
+
+
+def test_the_raw_ops_refuse_buffers_that_are_not_the_capturers_and_change_nothing():
+    cap = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=16, max_running_requests=4,
+                          chunked_prefill_size=4, histogram=True, weight_dtype="f32")
+    ops = cap.ops
+    ids, w = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), torch.full((2, 2), 0.5)
+    cap.capture(0, ids, w)
+    before = (ops.device_ids.clone(), ops.device_weights.clone(), ops.histogram.clone())
+    calls = {
+        "histogram is None": lambda: torch.ops.moecap.capture(ops.device_ids, ops.device_weights, cap.id, 1, ids, w,
+                                                              None),
+        "device_weights is None": lambda: torch.ops.moecap.capture(ops.device_ids, None, cap.id, 1, ids, w,
+                                                                   ops.histogram),
+        r"device_ids is torch.int16 \(4, 2\)": lambda: torch.ops.moecap.capture(
+            torch.zeros_like(ops.layer_ids(1)), ops.device_weights, cap.id, 1, ids, w, ops.histogram),
+        r"device_ids is torch.int32 \(3, 4, 2\)": lambda: torch.ops.moecap.commit(
+            ops.host_ids, ops.host_weights, ops.host_states, ops.device_ids.int(), ops.device_weights, cap.id,
+            torch.tensor([5]), 0, None),
+    }
+    for message, call in calls.items():
+        with pytest.raises(moecap.MoecapError, match=message) as e:
+            call()
+        assert e.value.status == moecap.Status.INVALID_ARGUMENT
+        assert all(torch.equal(a, b) for a, b in zip(before, (ops.device_ids, ops.device_weights, ops.histogram)))
+    assert cap.slot_states([5]).tolist() == [moecap.SlotState.EMPTY]
 
 
 def test_capture_keeps_plain_writes_under_a_backend_that_does_not_reinplace():
@@ -273,6 +337,9 @@ def test_opcheck_schema_fake_and_mutations():
                                        fake(torch.tensor([3, 9])), 0, None) is None
         assert torch.ops.moecap.invalidate(fake(ops.host_states), cap.id, fake(torch.tensor([3]))) is None
     assert moecap.SLOT_VALID & int(cap.slot_states([9])[0]) == 0  # fake calls ran no C call
+    # opcheck's calls worked on its copies: moecap's memory is as they found it.
+    assert (ops.device_ids[1, :2] == -1).all()
+    cap.capture(1, ids, weights)
     cap.commit(torch.tensor([3, 9]))
     assert cap.read(np.array([9]))[0, 1].tolist() == [5, 6, 7, 8]
 
