@@ -674,6 +674,26 @@ def test_a_layer_outside_the_layer_map_is_refused(sgl):
             ours.capture(3, sgl.torch.zeros((1, TOP_K), dtype=sgl.torch.int32))
 
 
+def test_a_compiled_forward_captures_through_the_ops_the_adapter_made_up_front(sgl):
+    # SGLang may compile the forward before any forward ran eagerly: the first capture is then traced.
+    torch = sgl.torch
+    with server(sgl):
+        _, ours = create_pair(sgl, num_tokens=50, max_running=2)
+
+        def forward(ids):
+            for layer in MOE_LAYERS:
+                ours.capture(layer, ids + layer)
+            return ids * 2
+
+        ids = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)  # + layer: ids below NUM_EXPERTS
+        torch._dynamo.reset()
+        torch.compile(forward, fullgraph=True)(ids)
+        ours.capturer.commit(torch.tensor([5, 6]))
+        got = ours.capturer.read(torch.tensor([5, 6]))
+        for ordinal, layer in enumerate(MOE_LAYERS):
+            assert torch.equal(got[:, ordinal], (ids + layer).int()), layer
+
+
 def test_device_buffer_is_u8_up_to_255_experts_and_payloads_equal_either_way(sgl):
     """Routing reaches the device buffer only through capture, so the
     narrowest dtype holds it: u8 up to 255 experts (0xff is "none"), int16

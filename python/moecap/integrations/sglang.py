@@ -149,6 +149,9 @@ class MoecapRoutedExpertsCapturer:
             device_id_dtype=device_id_dtype,
             device="cpu" if self.device == "cpu" else (self.device if ":" in self.device else "cuda:0"))
         self.capturer.layer_map = LayerMap(self.moe_layers, self.num_layers)  # for RequestTable and readers
+        # The custom ops capture() calls under torch.compile, made here: making them exports the buffers,
+        # which Dynamo cannot trace (fullgraph fails, and without it the whole forward ran eager).
+        self.capturer.ops
         self.dp_size = dp_size
         self.plan = self.capturer.plan
 
