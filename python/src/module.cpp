@@ -39,13 +39,27 @@ nb::dict plan_dict(const moecap_plan_info& p) {
 }
 
 // Appends the borrowed tensors to `holder` (a recording graph's list, or the
-// side stream's until-join list), when there is one: the Python object, and
+// side stream's until-join list), when there is one: the Python object;
 // nanobind's import of it where there is one, which owns the producer's
-// capsule (a __dlpack__ may hand out memory that nothing else holds).
+// capsule (a __dlpack__ may hand out memory that nothing else holds); and a
+// buffer-protocol export of it where it came that way, which is what pins
+// some producers' memory (a JAX array's external reference: without it the
+// array may be donated or deleted, its buffer reused, while the object lives).
 void keep_alive(nb::list* holder, const Borrowed& a, const Borrowed& b) {
   if (holder == nullptr) return;
   for (const Borrowed* t : {&a, &b}) {
     if (t->keep.is_valid()) holder->append(t->keep);
+    if (t->has_buffer) {
+      auto view = std::make_unique<Py_buffer>();
+      if (PyObject_GetBuffer(t->keep.ptr(), view.get(), PyBUF_RECORDS_RO) != 0) throw nb::python_error();
+      nb::capsule owner(view.get(), [](void* held) noexcept {
+        auto* v = static_cast<Py_buffer*>(held);
+        PyBuffer_Release(v);  // capsules die with the GIL held
+        delete v;
+      });
+      view.release();  // the capsule owns it from here
+      holder->append(owner);
+    }
     if (t->array.is_valid()) {
       auto import = std::make_unique<nb::ndarray<nb::ro>>(t->array);
       nb::capsule owner(import.get(), [](void* held) noexcept { delete static_cast<nb::ndarray<nb::ro>*>(held); });

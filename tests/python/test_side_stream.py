@@ -8,6 +8,7 @@ import gc
 import weakref
 
 import numpy as np
+import pytest
 import torch
 
 import moecap
@@ -32,6 +33,38 @@ def test_forked_inputs_are_held_until_join():
         gc.collect()
         assert all(r() is None for r in refs)
         assert cap.read(np.array([4]))[0].tolist() == [[1, 2], [2, 3], [3, 4]]
+
+
+def test_a_jax_array_taken_through_the_buffer_protocol_stays_pinned_until_join_and_in_a_graph():
+    # JAX pins a CPU array's memory for as long as a buffer-protocol export of it lives, not the object: a
+    # forked or recorded capture holding only the object read the buffer after a donating step reused it.
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    donate = jax.jit(lambda x: x * 0 + 9, donate_argnums=0)
+    rows = np.tile([[1, 2]], (8, 1))
+    with moecap.Capturer(side_stream=True, **CONFIG) as cap:
+        ids = jnp.array(rows, jnp.int32)
+        cap.capture(0, ids)
+        donate(ids).block_until_ready()
+        assert not ids.is_deleted()  # the held export made JAX decline the donation
+        cap.join()
+        assert np.from_dlpack(cap.export("layer_ids"))[:8].tolist() == rows.tolist()
+        ids = jnp.array(rows + 2, jnp.int32)
+        cap.capture(1, ids)
+        ids.delete()
+        [(jnp.full((8, 2), 13, jnp.int32) + i).block_until_ready() for i in range(20)]
+        cap.join()
+        assert cap.errors().invalid_ids == 0
+        assert np.from_dlpack(cap.export("device_ids"))[1, :8].tolist() == (rows + 2).tolist()
+    with moecap.Capturer(**CONFIG) as cap:
+        ids = jnp.array(rows + 4, jnp.int32)
+        cap.graph_begin()
+        cap.capture(2, ids)
+        graph = cap.graph_end()
+        donate(ids).block_until_ready()
+        graph.launch()
+        assert np.from_dlpack(cap.export("device_ids"))[2, :8].tolist() == (rows + 4).tolist()
+        graph.close()
 
 
 def test_without_the_flag_nothing_is_held_and_join_is_a_no_op():
