@@ -50,15 +50,11 @@ void keep_alive(nb::list* holder, const Borrowed& a, const Borrowed& b) {
   for (const Borrowed* t : {&a, &b}) {
     if (t->keep.is_valid()) holder->append(t->keep);
     if (t->has_buffer) {
-      auto view = std::make_unique<Py_buffer>();
-      if (PyObject_GetBuffer(t->keep.ptr(), view.get(), PyBUF_RECORDS_RO) != 0) throw nb::python_error();
-      nb::capsule owner(view.get(), [](void* held) noexcept {
-        auto* v = static_cast<Py_buffer*>(held);
-        PyBuffer_Release(v);  // capsules die with the GIL held
-        delete v;
-      });
-      view.release();  // the capsule owns it from here
-      holder->append(owner);
+      // A memoryview, which the garbage collector sees through (a cycle
+      // through a graph's held tensors is still collected).
+      nb::object view = nb::steal(PyMemoryView_FromObject(t->keep.ptr()));
+      if (!view.is_valid()) throw nb::python_error();
+      holder->append(view);
     }
     if (t->array.is_valid()) {
       auto import = std::make_unique<nb::ndarray<nb::ro>>(t->array);
