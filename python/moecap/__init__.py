@@ -561,7 +561,8 @@ def _host_slots(slots: Any, host_slots: int) -> Any:
             slots = np.from_dlpack(slots)
         except (TypeError, RuntimeError, BufferError) as e:
             raise MoecapError(Status.INVALID_ARGUMENT,
-                              f"slot_states: slots must be host memory (a DLPack producer or a list): {e}") from None
+                              "slot_states: slots must be int32 or int64 host memory (a DLPack producer) or a list "
+                              f"of ints; NumPy cannot take it: {e}") from None
     if slots.ndim != 1:
         raise MoecapError(Status.INVALID_ARGUMENT, f"slot_states: slots has ndim {slots.ndim}; expected 1")
     if slots.dtype not in (np.int32, np.int64):

@@ -71,8 +71,18 @@ def _to_numpy(x: Any) -> Any:
             x = x.float()
         return x.numpy()
     if hasattr(x, "__dlpack__") and not hasattr(x, "__array__"):  # a DLPack producer only (a moecap export)
+        if getattr(x, "dtype", None) == (4, 16, 1):  # a moecap export of bfloat16 (kDLBfloat), which NumPy refuses
+            try:
+                import torch
+            except ImportError:
+                raise TypeError("a bfloat16 DLPack array is read through torch, which is not installed; pass it "
+                                "as float32") from None
+            return torch.from_dlpack(x).float().numpy()
         return np.from_dlpack(x)
-    return np.asarray(x)
+    x = np.asarray(x)
+    if x.dtype.name == "bfloat16":  # ml_dtypes' (a JAX array's), which NumPy's own routines do not know
+        x = x.astype(np.float32)
+    return x
 
 
 #: Which model layers a capturer's layers are: `layers`, the model layer (0-based) of

@@ -528,9 +528,12 @@ nb::object ask_capsule(nb::handle obj, const char* name, bool writable, nb::hand
       try {
         return ask(true, true);
       } catch (nb::python_error& e) {
-        if (e.matches(PyExc_BufferError)) {  // the array API's answer when only a copy can be exported
-          argument_error(name, "is a " + type_of(obj) + " whose producer refused to export it without a copy (" +
-                                   exception_text(e) + "); moecap would write into the copy");
+        if (e.matches(PyExc_BufferError)) {
+          // The array API's answer when only a copy can be exported, and for
+          // what DLPack cannot describe at all (byte order, dtype, strides):
+          // the producer's words say which.
+          argument_error(name, "is a " + type_of(obj) + " whose producer refused to export it in place, with "
+                                   "copy=False (" + exception_text(e) + "): moecap writes outputs in place");
         }
         predates(e);
       }

@@ -549,7 +549,7 @@ def test_an_output_is_asked_for_without_a_copy_and_a_copy_is_refused():
         cap.capture(0, np.array([[1, 2], [3, 4]], dtype=np.int32))
         cap.commit(np.array([1, 2]))
         out = np.zeros((2, 3, 2), dtype=np.int32)
-        refused = "'out' is a .*refused to export it without a copy.*moecap would write into the copy"
+        refused = "'out' is a .*refused to export it in place, with copy=False.*moecap writes outputs in place"
         with pytest.raises(TypeError, match=refused):
             cap.read(np.array([1, 2]), out=_Exporting(out, copies=True))
         # A producer that predates copy= and hands out a copy says so in the capsule's flags.

@@ -477,3 +477,17 @@ def test_routed_experts_take_an_array_that_only_speaks_dlpack():
     ids = np.array([[[1, 2], [3, -1]]], dtype=np.int32)
     routed = RoutedExperts(OnlyDLPack(ids), 4)
     assert np.array_equal(routed.ids, ids) and routed.shape == (1, 2, 2)
+
+
+def test_bfloat16_weights_are_taken_from_jax_and_from_a_moecap_export_as_from_torch():
+    ids = np.zeros((4, 1, 2), dtype=np.int32)
+    halves = np.array([0.5, 0.25], dtype=np.float32)
+    cap = moecap.Capturer(num_layers=1, top_k=2, num_experts=8, host_slots=4, max_running_requests=2,
+                          chunked_prefill_size=4, weight_dtype="bf16")
+    cap.capture(0, ids[:, 0] + 1, np.tile(halves, (4, 1)))
+    cap.commit(np.arange(4))
+    exported = RoutedExperts(ids, 8, weights=cap.export("host_weights"))  # NumPy cannot import bfloat16
+    assert exported.weights.dtype == np.float32 and (exported.weights == halves).all()
+    jnp = pytest.importorskip("jax.numpy")
+    from_jax = RoutedExperts(ids, 8, weights=jnp.asarray(np.broadcast_to(halves, ids.shape), dtype=jnp.bfloat16))
+    assert from_jax.weights.dtype == np.float32 and (from_jax.weights == halves).all()
