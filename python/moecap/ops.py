@@ -131,7 +131,8 @@ def _through_device_buffers(cap: Capturer, op: str, device_ids: torch.Tensor, de
         handed.append(("histogram", histogram, real.histogram))
     for name, given, own in handed:
         _check_handed(op, name, given, own)
-    copies = [(given, own) for _, given, own in handed if _is_copy(given, own)]
+    copies = [(given, own) for _, given, own in handed
+              if given is not None and own is not None and _is_copy(given, own)]
     if not copies:
         call()
         return
