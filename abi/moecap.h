@@ -520,16 +520,19 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
  * or with MOECAP_READ_NONBLOCKING returns NOT_READY while one is; filled
  * before the call returns. Outputs on the capturer's GPU (both, or neither):
  * a kernel enqueued on `stream`, ordered there after those commits (the
- * host does not wait for it, only, when the ring of slot snapshots is
- * busy, for an earlier call's entry: a request of more than 2 *
- * device_rows slots is read in pieces, one entry each; ready in stream
- * order); later eager commits and
+ * host does not wait for it, only for moecap's own copy of its error
+ * counters and, when the ring of slot snapshots is busy, for an earlier
+ * call's entry: a request of more than 2 * device_rows slots is read in
+ * pieces, one entry each; ready in stream order); later eager commits and
  * invalidations of those slots, and moecap_graph_launch, are ordered after
  * it, whatever their stream (an engine replaying its own graph that commits
- * to those slots orders the replay after `stream` itself). The wait
- * releases the capturer's lock: other calls proceed meanwhile, and a
+ * to those slots orders the replay after `stream` itself). The waits
+ * release the capturer's lock: other calls proceed meanwhile, and a
  * commit of these slots made then lands between two pieces (after the
- * pieces queued before it, before the rest), never during one. ids_out and
+ * pieces queued before it, before the rest), never during one; a graph
+ * recording begun on `stream` then makes the read return
+ * MOECAP_ERROR_CAPTURE_ILLEGAL, nothing of it recorded (pieces queued
+ * before the recording began still run, tracked as a read's). ids_out and
  * weights_out share no byte with `slots`, each other, the host cache (an
  * exported host view) or the device buffer (a device, layer or histogram
  * view, whose rows a later commit would take): INVALID_ARGUMENT otherwise. */

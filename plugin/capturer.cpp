@@ -75,13 +75,17 @@ Capturer::Capturer(const Plan& plan) : plan_(plan) {
 }
 
 Capturer::~Capturer() {
-  try {
-    backend_->commits_done(true);
-    backend_->reads_done(nullptr);  // reads into GPU tensors still gather from the cache freed below
-    backend_->launches_done();      // captures still queued write the device memory freed below
-  } catch (...) {
-    // Destroy at process exit may find the driver gone; the memory goes with it.
-  }
+  // Each wait on its own: one that fails (destroy at process exit may find
+  // the driver gone, and the memory goes with it) must not skip the others.
+  const auto wait = [](auto&& done) {
+    try {
+      done();
+    } catch (...) {
+    }
+  };
+  wait([&] { backend_->commits_done(true); });
+  wait([&] { backend_->reads_done(nullptr); });  // reads into GPU tensors still gather from the cache freed below
+  wait([&] { backend_->launches_done(); });      // captures still queued write the device memory freed below
   backend_->free_host(host_block_);
   backend_->free_device(device_block_);
 }
@@ -447,6 +451,9 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
   } else {
     settle((flags & MOECAP_READ_NONBLOCKING) == 0, &slot_list, lock);
   }
+  // Both waits release the lock: another thread may have begun capturing the
+  // stream meanwhile, and the gather enqueued there would be the graph's.
+  if (out.on_device) require_not_capturing(stream);
   if (strict) require_routing(slots);
   if (t == 0) return;
 

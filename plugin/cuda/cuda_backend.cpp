@@ -407,12 +407,18 @@ class CudaBackend final : public Backend {
     // deque's elements stay where they are as others come and go.
     InFlight& read = reads_.back();
     Snapshot* unrecorded = nullptr;  // a queued piece whose snapshot entry is not yet marked in use
-    bool launched = false;
+    bool unmarked = false;           // a queued piece the read's event does not yet cover
     try {
       for (int64_t first = 0; first < p.count; first += per_piece) {
         GatherParams piece = p;
         piece.count = std::min(per_piece, p.count - first);
         Snapshot& snap = next_snapshot();
+        // Its wait may have released the lock, and another thread begun capturing `s` meanwhile: a gather
+        // queued now would be a node of that graph, never run at the call.
+        if (capture_id(s) != 0) {
+          fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "moecap_read: its stream began a graph capture while the read waited "
+               "for a snapshot entry (", first, " of ", p.count, " slots queued)");
+        }
         // Ordered after the commits that may write these rows, on the stream: the host does not wait.
         wait_for_commits(s, read.slots);
         size_t at = 0;
@@ -421,18 +427,21 @@ class CudaBackend final : public Backend {
         piece.dst_ids = static_cast<uint8_t*>(p.dst_ids) + first * id_row;
         if (p.dst_weights) piece.dst_weights = static_cast<uint8_t*>(p.dst_weights) + first * w_row;
         launch(gather_, piece, piece.count * p.row_elements, s);
-        launched = true;
+        unmarked = true;
         unrecorded = &snap;
         check(d_, d_.cuEventRecord(snap.done.get(), s), "cuEventRecord (snapshot)");
         unrecorded = nullptr;
         check(d_, d_.cuEventRecord(read.event.get(), s), "cuEventRecord (read)");
+        unmarked = false;
       }
     } catch (...) {
       // The pieces already queued read the host cache and their snapshot
       // entries: later commits to these slots and destroy wait for them, as
       // for a read that finished queuing.
+      // (Only what is not yet marked: a record on `s` once another thread
+      // began capturing it would be a node of that graph.)
       if (unrecorded != nullptr) d_.cuEventRecord(unrecorded->done.get(), s);
-      if (launched) d_.cuEventRecord(read.event.get(), s);
+      if (unmarked) d_.cuEventRecord(read.event.get(), s);
       read.growing = false;
       throw;
     }

@@ -110,6 +110,9 @@ int64_t standin_live_allocations(void);
 // `result` (a CUresult) and launches nothing, as a launch the driver refuses;
 // NULL cancels.
 void standin_fail_next_launch(const char* kernel, int result);
+// The next cuEventSynchronize returns `result` (a CUresult) and waits for
+// nothing, as a wait the driver fails; 0 cancels.
+void standin_fail_next_event_sync(int result);
 // cuMemFree waits `ms` milliseconds before it starts (0: not at all; -1: as
 // STANDIN_SLOW_FREE_MS says, the default).
 void standin_set_slow_free_ms(int ms);

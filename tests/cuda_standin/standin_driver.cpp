@@ -19,6 +19,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "graphs/kernel_ops.h"
@@ -137,6 +138,7 @@ int64_t g_live_user_objects = 0;
 std::set<const void*>& g_events = *new std::set<const void*>;  // live: created, not yet destroyed
 std::string& g_failing_kernel = *new std::string;  // standin_fail_next_launch
 CUresult g_failing_result = 0;
+CUresult g_failing_event_sync = 0;  // standin_fail_next_event_sync
 // User-object destructors running on their own (detached) threads.
 int64_t g_running_callbacks = 0;
 std::condition_variable_any& g_callbacks_done = *new std::condition_variable_any;
@@ -795,6 +797,7 @@ CUresult cuEventSynchronize(Event* e) {
   host_wait_hook();
   ENTER();
   if (CUresult r = unknown_event(e)) return r;
+  if (CUresult r = std::exchange(g_failing_event_sync, 0)) return r;
   if (CUresult r = unsafe_call()) return r;
   if (CUresult r = refuse_if_captured(*e)) return r;
   if (!(e->flags & kEventBlockingSync)) ++g_spin_waits;
@@ -1025,6 +1028,10 @@ __attribute__((visibility("default"))) int64_t standin_live_user_objects(void) {
 __attribute__((visibility("default"))) int64_t standin_live_events(void) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   return static_cast<int64_t>(g_events.size());
+}
+__attribute__((visibility("default"))) void standin_fail_next_event_sync(int result) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  g_failing_event_sync = static_cast<CUresult>(result);
 }
 __attribute__((visibility("default"))) void standin_fail_next_launch(const char* kernel, int result) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);

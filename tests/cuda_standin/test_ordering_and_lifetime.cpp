@@ -484,6 +484,103 @@ TEST_CASE("a commit made while a long GPU read waits for the snapshot ring lands
   CHECK(moecap_destroy(h) == MOECAP_OK);
 }
 
+// At the first host wait on the test's thread with work queued on `stream`
+// (any when null), another thread runs `begin`: it may take the capturer's
+// lock only where the waiting call let go of it, so it is not joined here.
+struct BeginAtWait {
+  std::function<void()> begin;
+  Stream stream = nullptr;
+  std::thread::id caller = std::this_thread::get_id();
+  bool started = false;
+  std::atomic<bool> done{false};
+  std::thread other;
+};
+
+void begin_at_wait(void* arg) {
+  auto* m = static_cast<BeginAtWait*>(arg);
+  if (std::this_thread::get_id() != m->caller || m->started) return;
+  if (m->stream != nullptr && standin_pending(m->stream) == 0) return;
+  m->started = true;
+  m->other = std::thread([m] {
+    m->begin();
+    m->done = true;
+  });
+  for (int i = 0; i < 200 && !m->done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+}
+
+TEST_CASE("a graph recording begun on a GPU read's stream while the read waits refuses the rest of the read") {
+  // Both of a GPU read's host waits let go of the capturer's lock: the copy of
+  // the error counters, and a snapshot entry in use. A gather queued after
+  // another thread began recording on the stream would be a node of its graph.
+  moecap_capturer* h = make_capturer();
+  moecap_plan_info info{};
+  info.struct_size = sizeof info;
+  REQUIRE(moecap_get_plan(h, &info) == MOECAP_OK);
+  const moecap_config c = cuda_config();
+  Tensor ids = routing_buffer();
+  moecap_test::HostTensor one({1}, moecap_test::i64());
+  one.set(0, 5);
+  forward(ids, 45, 1);
+  capture_layers(h, ids.get(), 1, new_stream());
+  commit(h, one.get(), nullptr);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  const int64_t long_read = 8 * 2 * info.device_rows + 1;  // its ninth piece waits for the ring
+  for (const int64_t n : {int64_t{1}, long_read}) {
+    CAPTURE(n);
+    Stream s = new_stream();
+    moecap_test::HostTensor slots({n}, moecap_test::i64());
+    for (int64_t i = 0; i < n; ++i) slots.set(i, 5);
+    Tensor out({n, c.num_layers, c.top_k}, moecap_test::i64(), kDLCUDA);
+    BeginAtWait m;
+    moecap_status begun = MOECAP_ERROR_INTERNAL;
+    m.begin = [&] { begun = moecap_graph_begin(h, s); };
+    m.stream = n == 1 ? nullptr : s;
+    standin_set_wait_hook(begin_at_wait, &m);
+    const moecap_status read = moecap_read(h, slots.get(), out.get(), nullptr, 0, s);
+    standin_set_wait_hook(nullptr, nullptr);
+    REQUIRE(m.started);
+    m.other.join();
+    REQUIRE(begun == MOECAP_OK);
+    CHECK(read == MOECAP_ERROR_CAPTURE_ILLEGAL);
+    moecap_graph* g = nullptr;
+    REQUIRE_MESSAGE(moecap_graph_end(h, &g) == MOECAP_OK, std::string(moecap_last_error()));
+    moecap_graph_destroy(g);
+    // The capturer goes on: the pieces queued before the recording are tracked, nothing of the read was recorded.
+    standin_run_stream(s);
+    forward(ids, 46, 1);
+    capture_layers(h, ids.get(), 1, s);
+    commit(h, one.get(), s);
+    REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+    CHECK(read_rows(h, {5}) == expected_row(46, 0));
+    forward(ids, 45, 1);
+    capture_layers(h, ids.get(), 1, s);
+    commit(h, one.get(), s);
+    REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  }
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
+TEST_CASE("moecap_destroy whose wait for reads fails still waits for the captures queued before it frees") {
+  const int64_t violations = standin_violations();
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Stream engine = new_stream();
+  Tensor ids = routing_buffer();
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  slot.set(0, 5);
+  Tensor out = gpu_row();
+  REQUIRE(moecap_read(h, slot.get(), out.get(), nullptr, 0, s) == MOECAP_OK);
+  standin_run_stream(s);  // the read ran; destroy still waits for its event, listed until the next retire
+  forward(ids, 47, 1);
+  capture_layers(h, ids.get(), 1, engine);
+  REQUIRE(standin_pending(engine) > 0);
+  standin_fail_next_event_sync(999);  // CUDA_ERROR_UNKNOWN, at the wait for the read
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+  CHECK(standin_pending(engine) == 0);  // it waited for the captures that write its device memory
+  standin_run_stream(engine);
+  CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
+}
+
 TEST_CASE("moecap_synchronize waits for captures queued on the engine's stream; get_errors only for commits") {
   moecap_capturer* h = make_capturer();
   Stream s = new_stream();
