@@ -54,7 +54,9 @@
  *   own copies of its counters and guard bytes (read, write, synchronize,
  *   get_errors) releases it while it sleeps and takes it again after, so
  *   another thread's capture or commit never waits behind a monitoring
- *   thread's get_errors. Calls racing
+ *   thread's get_errors. A capture of the call's stream that another
+ *   thread begins meanwhile makes an eager commit, invalidate or GPU read
+ *   still to be queued return MOECAP_ERROR_CAPTURE_ILLEGAL. Calls racing
  *   on the same slots from several threads are ordered by the engine, not
  *   by the lock.
  *   moecap_destroy is the exception: it frees the handle, so the caller
@@ -520,10 +522,11 @@ MOECAP_API moecap_status moecap_commit(moecap_capturer* capturer, const moecap_c
  * or with MOECAP_READ_NONBLOCKING returns NOT_READY while one is; filled
  * before the call returns. Outputs on the capturer's GPU (both, or neither):
  * a kernel enqueued on `stream`, ordered there after those commits (the
- * host does not wait for it, only for moecap's own copy of its error
- * counters and, when the ring of slot snapshots is busy, for an earlier
- * call's entry: a request of more than 2 * device_rows slots is read in
- * pieces, one entry each; ready in stream order); later eager commits and
+ * host does not wait for it, only for moecap's own copies of its error
+ * counters and guard bytes and, when the ring of slot snapshots is busy,
+ * for an earlier call's entry: a request of more than 2 * device_rows
+ * slots is read in pieces, one entry each; ready in stream order); later
+ * eager commits and
  * invalidations of those slots, and moecap_graph_launch, are ordered after
  * it, whatever their stream (an engine replaying its own graph that commits
  * to those slots orders the replay after `stream` itself). The waits

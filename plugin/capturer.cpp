@@ -451,9 +451,6 @@ void Capturer::read(const DLTensor* slots, DLTensor* ids_out, DLTensor* weights_
   } else {
     settle((flags & MOECAP_READ_NONBLOCKING) == 0, &slot_list, lock);
   }
-  // Both waits release the lock: another thread may have begun capturing the
-  // stream meanwhile, and the gather enqueued there would be the graph's.
-  if (out.on_device) require_not_capturing(stream);
   if (strict) require_routing(slots);
   if (t == 0) return;
 

@@ -354,6 +354,13 @@ class CudaBackend final : public Backend {
     // The slots it writes, for the reads into device tensors it must follow.
     if (where.slots_on_host) done.slots = sorted_slots(SlotList{p.dst_slots, p.dst_slots_elem, p.count});
     Snapshot* snap = where.rows_on_host || where.slots_on_host ? &next_snapshot() : nullptr;
+    // The wait for an entry may have released the lock, and another thread
+    // begun capturing the engine's stream meanwhile: this eager commit's
+    // kernels and events would be that graph's.
+    if (snap != nullptr && capture_id(cu_stream(stream)) != 0) {
+      fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "the stream began a graph capture while the call waited for a snapshot "
+           "entry; nothing was queued");
+    }
     size_t at = 0;
     if (where.rows_on_host) params.src_rows = copy_in(*snap, at, p.src_rows, p.count, p.src_rows_elem);
     // A slot listed twice keeps the last entry whose slot and row are in
@@ -417,7 +424,7 @@ class CudaBackend final : public Backend {
         // queued now would be a node of that graph, never run at the call.
         if (capture_id(s) != 0) {
           fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "moecap_read: its stream began a graph capture while the read waited "
-               "for a snapshot entry (", first, " of ", p.count, " slots queued)");
+               "(for the error counters or a snapshot entry); ", first, " of ", p.count, " slots were queued");
         }
         // Ordered after the commits that may write these rows, on the stream: the host does not wait.
         wait_for_commits(s, read.slots);

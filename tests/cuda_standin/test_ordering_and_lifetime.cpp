@@ -490,6 +490,7 @@ TEST_CASE("a commit made while a long GPU read waits for the snapshot ring lands
 struct BeginAtWait {
   std::function<void()> begin;
   Stream stream = nullptr;
+  int skip = 0;  // qualifying waits to let pass first
   std::thread::id caller = std::this_thread::get_id();
   bool started = false;
   std::atomic<bool> done{false};
@@ -500,6 +501,10 @@ void begin_at_wait(void* arg) {
   auto* m = static_cast<BeginAtWait*>(arg);
   if (std::this_thread::get_id() != m->caller || m->started) return;
   if (m->stream != nullptr && standin_pending(m->stream) == 0) return;
+  if (m->skip > 0) {
+    --m->skip;
+    return;
+  }
   m->started = true;
   m->other = std::thread([m] {
     m->begin();
@@ -558,6 +563,98 @@ TEST_CASE("a graph recording begun on a GPU read's stream while the read waits r
     REQUIRE(moecap_synchronize(h) == MOECAP_OK);
   }
   CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
+// Eight eager commits with host slots queued on `q` and not run: every
+// snapshot entry is in use, and the next call that needs one waits for q.
+void fill_the_snapshot_ring(moecap_capturer* h, Stream q) {
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  for (int i = 0; i < 8; ++i) {
+    slot.set(0, 20 + i);
+    commit(h, slot.get(), q);
+  }
+  REQUIRE(standin_pending(q) > 0);
+}
+
+TEST_CASE("a graph recording begun on a commit's stream while it waits for the snapshot ring refuses the commit") {
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Stream q = new_stream();
+  Tensor ids = routing_buffer();
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  slot.set(0, 6);
+  fill_the_snapshot_ring(h, q);
+  for (const bool invalidate : {false, true}) {
+    CAPTURE(invalidate);
+    if (invalidate) fill_the_snapshot_ring(h, q);
+    BeginAtWait m;
+    moecap_status begun = MOECAP_ERROR_INTERNAL;
+    m.begin = [&] { begun = moecap_graph_begin(h, s); };
+    m.stream = q;
+    standin_set_wait_hook(begin_at_wait, &m);
+    moecap_commit_args a{};
+    a.struct_size = sizeof a;
+    a.dst_slots = slot.get();
+    const moecap_status called = invalidate ? moecap_invalidate(h, slot.get(), s) : moecap_commit(h, &a, s);
+    standin_set_wait_hook(nullptr, nullptr);
+    REQUIRE(m.started);
+    m.other.join();
+    REQUIRE(begun == MOECAP_OK);
+    CHECK(called == MOECAP_ERROR_CAPTURE_ILLEGAL);
+    moecap_graph* g = nullptr;
+    REQUIRE_MESSAGE(moecap_graph_end(h, &g) == MOECAP_OK, std::string(moecap_last_error()));
+    moecap_graph_destroy(g);
+    standin_run_all();
+    // The capturer goes on: nothing of the refused call was queued or recorded.
+    forward(ids, 48, 1);
+    capture_layers(h, ids.get(), 1, s);
+    commit(h, slot.get(), s);
+    REQUIRE_MESSAGE(moecap_synchronize(h) == MOECAP_OK, std::string(moecap_last_error()));
+    CHECK(read_rows(h, {6}) == expected_row(48, 0));
+  }
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+}
+
+TEST_CASE("a GPU read waiting for the snapshot ring before its first piece stays listed while others retire") {
+  // Its event is not yet recorded, so it reads as finished: a commit from
+  // another thread meanwhile retires the finished reads, and must leave this
+  // one, which the read goes on using (a use after free under ASan).
+  const int64_t violations = standin_violations();
+  moecap_capturer* h = make_capturer();
+  Stream s = new_stream();
+  Stream q = new_stream();
+  Stream other = new_stream();
+  Tensor ids = routing_buffer();
+  moecap_test::HostTensor slot({1}, moecap_test::i64());
+  slot.set(0, 7);
+  forward(ids, 49, 1);
+  capture_layers(h, ids.get(), 1, s);
+  commit(h, slot.get(), s);
+  REQUIRE(moecap_synchronize(h) == MOECAP_OK);
+  fill_the_snapshot_ring(h, q);
+  Tensor device_slot = index_tensor({9}, kDLCUDA);
+  BeginAtWait m;
+  moecap_status committed = MOECAP_ERROR_INTERNAL;
+  m.begin = [&] {
+    moecap_commit_args a{};
+    a.struct_size = sizeof a;
+    a.dst_slots = device_slot.get();
+    committed = moecap_commit(h, &a, other);  // device slots: no snapshot entry, no wait
+  };
+  m.stream = q;
+  m.skip = 2;  // the read's copy of the error counters (the copy, then its stream); then its wait for a snapshot entry
+  Tensor out = gpu_row();
+  standin_set_wait_hook(begin_at_wait, &m);
+  const moecap_status read = moecap_read(h, slot.get(), out.get(), nullptr, 0, s);
+  standin_set_wait_hook(nullptr, nullptr);
+  REQUIRE(m.started);
+  m.other.join();
+  CHECK(committed == MOECAP_OK);
+  CHECK(read == MOECAP_OK);
+  standin_run_all();
+  CHECK(device_row(out) == expected_row(49, 0));
+  CHECK(moecap_destroy(h) == MOECAP_OK);
+  CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
 }
 
 TEST_CASE("moecap_destroy whose wait for reads fails still waits for the captures queued before it frees") {
