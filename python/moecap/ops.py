@@ -77,7 +77,8 @@ def _buffers(cap: Capturer) -> CapturerOps:
 
 
 #: How often an op was handed a copy of a device buffer and moved it in or out (0 under Inductor, unless
-#: the compiled code reads a device buffer that a later op writes).
+#: the compiled code reads a device buffer that a later op writes); each such op also saves and restores
+#: moecap's own buffer, two more copies of it that this does not count.
 buffer_copies = 0
 
 
@@ -149,6 +150,8 @@ def _through_device_buffers(cap: Capturer, op: str, device_ids: torch.Tensor, de
         for given, own in copies:
             own.copy_(given)
         call()
+        if cap.config.side_stream:
+            cap.join()  # the call's kernels ran forked: the copies below come after them
         for given, own in copies:
             given.copy_(own)
     finally:
@@ -355,4 +358,4 @@ def _refuse_meta(caller: str, name: str, tensor: Optional[torch.Tensor], other: 
                               "memory to read")
 
 
-__all__ = ["BUFFERS", "CapturerOps", "capture", "commit", "invalidate"]
+__all__ = ["BUFFERS", "CapturerOps", "capture", "commit", "invalidate", "snapshot"]

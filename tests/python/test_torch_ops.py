@@ -471,3 +471,15 @@ def test_the_ops_are_one_capturers_handle_shared_by_copies_and_refused_by_deep_c
         pickle.dumps(ops)
     ops.capture(0, torch.tensor([[1, 2, 3, 4]], dtype=torch.int32), torch.ones(1, TOP_K))
     assert ops.device_ids[0, 0].tolist() == [1, 2, 3, 4]
+
+
+def test_an_op_handed_a_copy_on_a_side_stream_copies_the_forked_calls_effect_back():
+    # The call runs forked (on the host backend, at the join): the copy back into what the backend
+    # handed waits for it, or the copy would miss the rows the call wrote.
+    cap = moecap.Capturer(num_layers=2, top_k=2, num_experts=8, host_slots=16, max_running_requests=4,
+                          chunked_prefill_size=4, side_stream=True)
+    ops = cap.ops
+    handed = ops.device_ids.clone()
+    torch.ops.moecap.capture(handed, None, cap.id, 1, torch.tensor([[3, 4]], dtype=torch.int32), None, None)
+    assert handed[1, 0].tolist() == [3, 4]
+    assert (ops.device_ids[1, 0] == -1).all()  # and moecap's memory holds what it held
