@@ -16,7 +16,7 @@ foreach(wrong "holds the lock while it waits" "holds the capturer's lock while" 
 endforeach()
 foreach(right
     "No call holds the lock while it blocks on the host"
-    "The wait releases the capturer's lock")
+    "The waits release the capturer's lock")
   string(FIND "${flat}" "${right}" at)
   if(at EQUAL -1)
     message(FATAL_ERROR "moecap.h no longer says: '${right}'")
