@@ -353,14 +353,7 @@ class CudaBackend final : public Backend {
     const ReturnedIfUnused loan(spare_, done.event);
     // The slots it writes, for the reads into device tensors it must follow.
     if (where.slots_on_host) done.slots = sorted_slots(SlotList{p.dst_slots, p.dst_slots_elem, p.count});
-    Snapshot* snap = where.rows_on_host || where.slots_on_host ? &next_snapshot() : nullptr;
-    // The wait for an entry may have released the lock, and another thread
-    // begun capturing the engine's stream meanwhile: this eager commit's
-    // kernels and events would be that graph's.
-    if (snap != nullptr && capture_id(cu_stream(stream)) != 0) {
-      fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "the stream began a graph capture while the call waited for a snapshot "
-           "entry; nothing was queued");
-    }
+    Snapshot* snap = where.rows_on_host || where.slots_on_host ? &next_snapshot(cu_stream(stream)) : nullptr;
     size_t at = 0;
     if (where.rows_on_host) params.src_rows = copy_in(*snap, at, p.src_rows, p.count, p.src_rows_elem);
     // A slot listed twice keeps the last entry whose slot and row are in
@@ -419,13 +412,7 @@ class CudaBackend final : public Backend {
       for (int64_t first = 0; first < p.count; first += per_piece) {
         GatherParams piece = p;
         piece.count = std::min(per_piece, p.count - first);
-        Snapshot& snap = next_snapshot();
-        // Its wait may have released the lock, and another thread begun capturing `s` meanwhile: a gather
-        // queued now would be a node of that graph, never run at the call.
-        if (capture_id(s) != 0) {
-          fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "moecap_read: its stream began a graph capture while the read waited "
-               "(for the error counters or a snapshot entry); ", first, " of ", p.count, " slots were queued");
-        }
+        Snapshot& snap = next_snapshot(s);
         // Ordered after the commits that may write these rows, on the stream: the host does not wait.
         wait_for_commits(s, read.slots);
         size_t at = 0;
@@ -817,13 +804,21 @@ class CudaBackend final : public Backend {
     }
   }
 
-  // The next ring entry, once the call that used it last has completed. The
-  // wait releases the capturer's lock; other calls may take entries
-  // meanwhile, so the ring is looked at again after it.
-  Snapshot& next_snapshot() {
+  // The next ring entry, once the call that used it last has completed, for
+  // eager work to queue on `queued_on`. The wait releases the capturer's
+  // lock; other calls may take entries meanwhile, so the ring is looked at
+  // again after it, and another thread may have begun capturing `queued_on`
+  // (as it may while a read copies the error counters): what the call
+  // queued then would be that graph's nodes, never run at the call, and its
+  // events records inside the capture. Refused, with no entry taken.
+  Snapshot& next_snapshot(CUstream queued_on) {
     for (;;) {
       Snapshot& e = snapshots_[next_snapshot_];
       if (!e.used || finished(e.done.get(), false)) {
+        if (capture_id(queued_on) != 0) {
+          fail(MOECAP_ERROR_CAPTURE_ILLEGAL, "the call's stream began a graph capture while the call waited "
+               "without moecap's lock (for the error counters or a snapshot entry); nothing more was queued");
+        }
         e.host = snapshot_host() + next_snapshot_ * snapshot_bytes_;
         next_snapshot_ = (next_snapshot_ + 1) % kSnapshots;
         e.used = true;
