@@ -65,19 +65,20 @@ def _to_numpy(x: Optional[ArrayLike]) -> Optional[np.ndarray]: ...
 def _to_numpy(x: Any) -> Any:
     if x is None or isinstance(x, np.ndarray):
         return x
+    dlpack_only = hasattr(x, "__dlpack__") and not hasattr(x, "__array__")  # a moecap export
+    if dlpack_only and getattr(x, "dtype", None) == (4, 16, 1):  # bfloat16 (kDLBfloat), which NumPy refuses
+        try:
+            import torch
+        except ImportError:
+            raise TypeError("a bfloat16 DLPack array is read through torch, which is not installed; pass it "
+                            "as float32") from None
+        x = torch.from_dlpack(x)  # and on as a torch tensor
     if hasattr(x, "detach"):  # a torch tensor
         x = x.detach().cpu()
         if str(x.dtype) == "torch.bfloat16":
             x = x.float()
         return x.numpy()
-    if hasattr(x, "__dlpack__") and not hasattr(x, "__array__"):  # a DLPack producer only (a moecap export)
-        if getattr(x, "dtype", None) == (4, 16, 1):  # a moecap export of bfloat16 (kDLBfloat), which NumPy refuses
-            try:
-                import torch
-            except ImportError:
-                raise TypeError("a bfloat16 DLPack array is read through torch, which is not installed; pass it "
-                                "as float32") from None
-            return torch.from_dlpack(x).float().numpy()
+    if dlpack_only:
         return np.from_dlpack(x)
     x = np.asarray(x)
     if x.dtype.name == "bfloat16":  # ml_dtypes' (a JAX array's), which NumPy's own routines do not know
