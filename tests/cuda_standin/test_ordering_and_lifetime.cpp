@@ -400,30 +400,33 @@ TEST_CASE("a GPU read refused partway is tracked: destroy waits for the pieces i
   CHECK_MESSAGE(standin_violations() == violations, std::string(standin_first_violation()));
 }
 
-// At the first host wait with work queued on `read_stream` (a read's piece
-// waiting for a snapshot entry in use), another thread commits the rows
-// captured on `stream` to `slots` (a GPU tensor: the commit itself does not
-// wait on the host).
-struct CommitAtRingWait {
-  moecap_capturer* h = nullptr;
-  Stream read_stream = nullptr;
+// At the first host wait on the test's thread with work queued on `stream`
+// (any when null), another thread runs `call`: it may take the capturer's
+// lock only where the waiting call let go of it, so it is not joined here.
+struct CallAtWait {
+  std::function<void()> call;
   Stream stream = nullptr;
-  const DLTensor* slots = nullptr;
+  int skip = 0;  // qualifying waits to let pass first
   std::thread::id caller = std::this_thread::get_id();
   bool started = false;
-  moecap_status status = MOECAP_OK;
+  std::atomic<bool> done{false};
+  std::thread other;
 };
 
-void commit_at_ring_wait(void* arg) {
-  auto* m = static_cast<CommitAtRingWait*>(arg);
-  if (std::this_thread::get_id() != m->caller || m->started || standin_pending(m->read_stream) == 0) return;
+void call_at_wait(void* arg) {
+  auto* m = static_cast<CallAtWait*>(arg);
+  if (std::this_thread::get_id() != m->caller || m->started) return;
+  if (m->stream != nullptr && standin_pending(m->stream) == 0) return;
+  if (m->skip > 0) {
+    --m->skip;
+    return;
+  }
   m->started = true;
-  std::thread([m] {
-    moecap_commit_args a{};
-    a.struct_size = sizeof a;
-    a.dst_slots = m->slots;
-    m->status = moecap_commit(m->h, &a, m->stream);  // no doctest assertion off the test's thread
-  }).join();
+  m->other = std::thread([m] {
+    m->call();
+    m->done = true;
+  });
+  for (int i = 0; i < 200 && !m->done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
 
 TEST_CASE("a commit made while a long GPU read waits for the snapshot ring lands between its pieces") {
@@ -454,16 +457,21 @@ TEST_CASE("a commit made while a long GPU read waits for the snapshot ring lands
   slots.set(per_piece, 2);
   slots.set(n - 1, 3);
   Tensor out({n, c.num_layers, c.top_k}, moecap_test::i64(), kDLCUDA);
-  CommitAtRingWait m;
-  m.h = h;
-  m.read_stream = s;
-  m.stream = other;
-  m.slots = new_slots.get();
-  standin_set_wait_hook(commit_at_ring_wait, &m);
+  CallAtWait m;  // at the ninth piece's wait for a snapshot entry, the first with work queued on s
+  moecap_status committed = MOECAP_ERROR_INTERNAL;
+  m.call = [&] {
+    moecap_commit_args a{};
+    a.struct_size = sizeof a;
+    a.dst_slots = new_slots.get();
+    committed = moecap_commit(h, &a, other);  // device slots: the commit itself does not wait on the host
+  };
+  m.stream = s;
+  standin_set_wait_hook(call_at_wait, &m);
   const moecap_status read = moecap_read(h, slots.get(), out.get(), nullptr, 0, s);
   standin_set_wait_hook(nullptr, nullptr);
   REQUIRE(m.started);
-  REQUIRE_MESSAGE(m.status == MOECAP_OK, std::string(moecap_last_error()));
+  m.other.join();
+  REQUIRE(committed == MOECAP_OK);
   REQUIRE_MESSAGE(read == MOECAP_OK, std::string(moecap_last_error()));
   const auto row = [&](int64_t i) {
     const int64_t w = c.num_layers * c.top_k;
@@ -482,35 +490,6 @@ TEST_CASE("a commit made while a long GPU read waits for the snapshot ring lands
     CHECK(row(n - 1) == expected_row(81, 3));
   }
   CHECK(moecap_destroy(h) == MOECAP_OK);
-}
-
-// At the first host wait on the test's thread with work queued on `stream`
-// (any when null), another thread runs `begin`: it may take the capturer's
-// lock only where the waiting call let go of it, so it is not joined here.
-struct BeginAtWait {
-  std::function<void()> begin;
-  Stream stream = nullptr;
-  int skip = 0;  // qualifying waits to let pass first
-  std::thread::id caller = std::this_thread::get_id();
-  bool started = false;
-  std::atomic<bool> done{false};
-  std::thread other;
-};
-
-void begin_at_wait(void* arg) {
-  auto* m = static_cast<BeginAtWait*>(arg);
-  if (std::this_thread::get_id() != m->caller || m->started) return;
-  if (m->stream != nullptr && standin_pending(m->stream) == 0) return;
-  if (m->skip > 0) {
-    --m->skip;
-    return;
-  }
-  m->started = true;
-  m->other = std::thread([m] {
-    m->begin();
-    m->done = true;
-  });
-  for (int i = 0; i < 200 && !m->done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
 
 TEST_CASE("a graph recording begun on a GPU read's stream while the read waits refuses the rest of the read") {
@@ -536,11 +515,11 @@ TEST_CASE("a graph recording begun on a GPU read's stream while the read waits r
     moecap_test::HostTensor slots({n}, moecap_test::i64());
     for (int64_t i = 0; i < n; ++i) slots.set(i, 5);
     Tensor out({n, c.num_layers, c.top_k}, moecap_test::i64(), kDLCUDA);
-    BeginAtWait m;
+    CallAtWait m;
     moecap_status begun = MOECAP_ERROR_INTERNAL;
-    m.begin = [&] { begun = moecap_graph_begin(h, s); };
+    m.call = [&] { begun = moecap_graph_begin(h, s); };
     m.stream = n == 1 ? nullptr : s;
-    standin_set_wait_hook(begin_at_wait, &m);
+    standin_set_wait_hook(call_at_wait, &m);
     const moecap_status read = moecap_read(h, slots.get(), out.get(), nullptr, 0, s);
     standin_set_wait_hook(nullptr, nullptr);
     REQUIRE(m.started);
@@ -587,11 +566,11 @@ TEST_CASE("a graph recording begun on a commit's stream while it waits for the s
   for (const bool invalidate : {false, true}) {
     CAPTURE(invalidate);
     if (invalidate) fill_the_snapshot_ring(h, q);
-    BeginAtWait m;
+    CallAtWait m;
     moecap_status begun = MOECAP_ERROR_INTERNAL;
-    m.begin = [&] { begun = moecap_graph_begin(h, s); };
+    m.call = [&] { begun = moecap_graph_begin(h, s); };
     m.stream = q;
-    standin_set_wait_hook(begin_at_wait, &m);
+    standin_set_wait_hook(call_at_wait, &m);
     moecap_commit_args a{};
     a.struct_size = sizeof a;
     a.dst_slots = slot.get();
@@ -633,9 +612,9 @@ TEST_CASE("a GPU read waiting for the snapshot ring before its first piece stays
   REQUIRE(moecap_synchronize(h) == MOECAP_OK);
   fill_the_snapshot_ring(h, q);
   Tensor device_slot = index_tensor({9}, kDLCUDA);
-  BeginAtWait m;
+  CallAtWait m;
   moecap_status committed = MOECAP_ERROR_INTERNAL;
-  m.begin = [&] {
+  m.call = [&] {
     moecap_commit_args a{};
     a.struct_size = sizeof a;
     a.dst_slots = device_slot.get();
@@ -644,7 +623,7 @@ TEST_CASE("a GPU read waiting for the snapshot ring before its first piece stays
   m.stream = q;
   m.skip = 2;  // the read's copy of the error counters (the copy, then its stream); then its wait for a snapshot entry
   Tensor out = gpu_row();
-  standin_set_wait_hook(begin_at_wait, &m);
+  standin_set_wait_hook(call_at_wait, &m);
   const moecap_status read = moecap_read(h, slot.get(), out.get(), nullptr, 0, s);
   standin_set_wait_hook(nullptr, nullptr);
   REQUIRE(m.started);
