@@ -102,6 +102,24 @@ MAX_LAYERS = 1 << 16
 MAX_IDS_PER_TOKEN = 1 << 20
 
 
+def layer_list(layers) -> tuple[int, ...]:
+    """A `layers` argument as a tuple of Python ints: a sequence of ints (not bools or floats), the first >= 0,
+    strictly increasing. Errors name the entry."""
+    # NumPy would take True as 1. (A set of the entries' types: no per-entry Python loop on every construction.)
+    if isinstance(layers, (list, tuple)) and not {bool, np.bool_}.isdisjoint(map(type, layers)):
+        raise TypeError("layers must be a sequence of ints, not of bools")
+    array = np.asarray(_to_numpy(layers))
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ValueError(f"layers must be a sequence of ints, not {array.dtype} of shape {array.shape}")
+    if array.size and array[0] < 0:
+        raise ValueError(f"layers[0] is {array[0]}; model layers start at 0")
+    falls = np.flatnonzero(array[1:] <= array[:-1])
+    if falls.size:
+        i = int(falls[0]) + 1
+        raise ValueError(f"layers[{i}] is {array[i]} after {array[i - 1]}; layers must be strictly increasing")
+    return tuple(array.tolist())
+
+
 def _layer_map(moe_layers, layers, num_hidden_layers):
     """Checks a layer map against ids with `moe_layers` layers: (layers tuple, num_hidden_layers)."""
     if moe_layers > MAX_LAYERS:
@@ -109,22 +127,9 @@ def _layer_map(moe_layers, layers, num_hidden_layers):
     if layers is None:
         layers = tuple(range(moe_layers))
     else:
-        # NumPy would take True as 1. (A set of the entries' types: no per-entry Python loop on every construction.)
-        if isinstance(layers, (list, tuple)) and not {bool, np.bool_}.isdisjoint(map(type, layers)):
-            raise TypeError("layers must be a sequence of ints, not of bools")
-        layers = _to_numpy(layers)
-        array = np.asarray(layers)
-        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-            raise ValueError(f"layers must be a sequence of ints, not {array.dtype} of shape {array.shape}")
-        if array.size != moe_layers:
-            raise ValueError(f"layers has {array.size} entries; ids has {moe_layers} layers")
-        if array.size and array[0] < 0:
-            raise ValueError(f"layers[0] is {array[0]}; model layers start at 0")
-        falls = np.flatnonzero(array[1:] <= array[:-1])
-        if falls.size:
-            i = int(falls[0]) + 1
-            raise ValueError(f"layers[{i}] is {array[i]} after {array[i - 1]}; layers must be strictly increasing")
-        layers = tuple(array.tolist())  # Python ints
+        layers = layer_list(layers)
+        if len(layers) != moe_layers:
+            raise ValueError(f"layers has {len(layers)} entries; ids has {moe_layers} layers")
     least = layers[-1] + 1 if layers else 0
     if num_hidden_layers is None:
         num_hidden_layers = least

@@ -7,6 +7,8 @@ encoder treats such a token as one without routing: refused by default,
 or filled the way the format fills a token without routing. Never -1 sent
 where the consumer takes an expert id (uint8 255 is expert 255 at 256
 experts)."""
+import base64
+
 import numpy as np
 import pytest
 
@@ -51,3 +53,21 @@ def test_nemo_rl_marks_the_whole_row_missing():
     a = nemo_rl.array(partial())
     assert (a[1] == -1).all()
     assert (a[0] >= 0).all() and (a[2] >= 0).all()
+
+
+def test_nemo_rl_decode_reads_a_row_missing_in_every_moe_layer_as_missing_whatever_its_dense_layers_hold():
+    """NeMo-RL's trainer reads the MoE layers only: a full-layout row that is -1 there and 0 in a dense layer
+    is its fallback row, not a malformed one; -1 in part of the MoE layers still is."""
+    moe_missing = np.array([[[0, 0], [1, 2]], [[0, 0], [-1, -1]], [[0, 0], [3, 4]]], np.int8)  # layer 0 dense
+    text = lambda a: f"nrlre1:int8:{a.shape[0]}x2x2:" + base64.b64encode(a.tobytes()).decode()
+    r = nemo_rl.decode(text(moe_missing), EXPERTS, layers=[1])
+    assert r.valid.tolist() == [True, False]
+    assert r.ids[:, 0].tolist() == [[1, 2], [-1, -1]]
+    part = moe_missing.copy()
+    part[1, 1, 0] = 5
+    with pytest.raises(ValueError, match="row 1 mixes -1 with expert ids"):
+        nemo_rl.decode(text(part), EXPERTS, layers=[1])
+    dense_expert = moe_missing.copy()
+    dense_expert[0, 0, 0] = 5
+    with pytest.raises(ValueError, match="layer 0 is dense \\(not in layers\\) but holds expert ids"):
+        nemo_rl.decode(text(dense_expert), EXPERTS, layers=[1])

@@ -551,3 +551,37 @@ def test_decoders_take_positions_and_counts_as_ints_and_name_what_they_cannot_re
     from moecap.formats import megatron
     with pytest.raises(ValueError, match="per_layer is a NoneType; Megatron replays a list"):
         megatron.decode(None, 8)
+
+
+def test_decoders_refuse_layer_maps_that_are_not_increasing_model_indices():
+    """A fractional, boolean or textual layer index is no model layer: int() would turn 1.9 into layer 1
+    and replay one layer's routing at another."""
+    from moecap.formats import megatron, sglang, vllm
+    r = routing(np.random.default_rng(31), tokens=3)
+    rows = engine_rows(r, np.uint8)
+    for bad, error, message in (([1.9, 2, 4], ValueError, "layers must be a sequence of ints, not float64"),
+                                ([True, 2, 4], TypeError, "layers must be a sequence of ints, not of bools"),
+                                (["1", "2", "4"], ValueError, "layers must be a sequence of ints"),
+                                ([-1, 2, 4], ValueError, "layers\\[0\\] is -1; model layers start at 0"),
+                                ([2, 1, 4], ValueError, "layers\\[1\\] is 1 after 2; layers must be strictly"),
+                                ([], ValueError, "layers is empty")):
+        for call in (lambda: vllm.decode(rows, 8, layers=bad),
+                     lambda: sglang.decode(rows.astype("<i4").tobytes(), 8, HIDDEN, TOP_K,
+                                           layers=bad),
+                     lambda: skyrl.decode(r.to_skyrl(), 8, layers=bad)):
+            with pytest.raises(error, match=message):
+                call()
+    with pytest.raises(ValueError, match="layers must be a sequence of ints, not float64"):
+        megatron.decode(r.to_megatron(), 8, layers=[1.0, 2.0, 4.7])
+
+
+def test_formats_decode_checks_num_tokens_for_every_payload_that_carries_its_shape():
+    r = routing(np.random.default_rng(32), tokens=3, start=0)  # T = 4
+    for payload in (r.to_nemo_rl(), r.to_skyrl(), r.to_prime_rl()):
+        assert len(formats.decode(payload, 8, layers=LAYERS, num_tokens=4)) == 3
+        with pytest.raises(ValueError, match="num_tokens is 100"):
+            formats.decode(payload, 8, layers=LAYERS, num_tokens=100)
+    late = routing(np.random.default_rng(33), tokens=3, start=2)  # prime-rl carries start: T = 6
+    assert formats.decode(late.to_prime_rl(), 8, layers=LAYERS, num_tokens=6).start == 2
+    with pytest.raises(ValueError, match="num_tokens is 4; the routing has 3 rows from position 2"):
+        formats.decode(late.to_prime_rl(), 8, layers=LAYERS, num_tokens=4)

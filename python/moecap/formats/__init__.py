@@ -44,13 +44,13 @@ def __getattr__(name):
 
 def decode(payload, num_experts, layers=None, num_hidden_layers=None, num_tokens=None):
     """A RoutedExperts from a payload that carries its own shape: a NeMo-RL
-    envelope (str ``nrlre1:...``; num_tokens as its decode takes it), a
-    prime-rl dict (has ``start``) or a SkyRL dict (``data``, ``shape``,
-    ``dtype``). layers: the MoE layers' model indices."""
+    envelope (str ``nrlre1:...``), a prime-rl dict (has ``start``) or a SkyRL
+    dict (``data``, ``shape``, ``dtype``). layers: the MoE layers' model
+    indices; num_tokens: the sequence's T, as each consumer's decode takes it."""
     if isinstance(payload, str) and payload.startswith("nrlre1:"):
         return __getattr__("nemo_rl").decode(payload, num_experts, num_tokens, layers, num_hidden_layers)
     if isinstance(payload, dict) and {"data", "shape"} <= set(payload):
         module = __getattr__("prime_rl" if "start" in payload else "skyrl")
-        return module.decode(payload, num_experts, layers, num_hidden_layers)
+        return module.decode(payload, num_experts, layers, num_hidden_layers, num_tokens)
     raise ValueError(f"cannot tell which consumer's payload this {type(payload).__name__} is; call that "
                      "consumer's decode (moecap.formats.<consumer>.decode)")

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from .. import _integer
-from ..record import MAX_LAYERS, RoutedExperts, layer_runs
+from ..record import MAX_LAYERS, RoutedExperts, layer_list, layer_runs
 
 
 def sequence_length(routed, num_tokens, consumer, whole=True):
@@ -174,9 +174,11 @@ def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start
         raise ValueError(f"the {consumer} payload has {width} layers; a RoutedExperts holds at most {MAX_LAYERS}")
     if layers is None:
         layers = range(width)
-    layers = [int(x) for x in layers]
+    layers = list(layer_list(layers))
+    if not layers:
+        raise ValueError(f"layers is empty; a {consumer} payload's routing names at least one MoE layer")
     if num_hidden_layers is None:
-        num_hidden_layers = width if width != len(layers) or axis == "every" else (layers[-1] + 1 if layers else 0)
+        num_hidden_layers = width if width != len(layers) or axis == "every" else layers[-1] + 1
     if axis == "moe" and width != len(layers):
         raise ValueError(f"the {consumer} payload has {width} layers; layers names {len(layers)} (one per MoE layer)")
     if axis == "every" and width != num_hidden_layers:
@@ -185,17 +187,9 @@ def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start
     if width == len(layers) and width != num_hidden_layers:
         moe = ids  # the MoE layers only
     elif width == num_hidden_layers:
-        if layers and layers[-1] >= width:
+        if layers[-1] >= width:
             raise ValueError(f"layers names model layer {layers[-1]}; the {consumer} payload has {width} layers")
-        if layers and layers[0] >= 0 and all(a < b for a, b in zip(layers, layers[1:])):
-            moe = _moe_layers(ids, layers, valid, consumer)
-        else:  # layers the constructor refuses: as before, whatever fails first
-            dense = sorted(set(range(width)) - set(layers))
-            held = ids if valid is None else ids[np.asarray(valid)]  # one copy, not one per dense layer
-            if dense and (held[:, dense] != 0).any():
-                bad = next(d for d in dense if (held[:, d] != 0).any())
-                raise ValueError(f"{consumer} payload: layer {bad} is dense (not in layers) but holds expert ids")
-            moe = ids[:, layers]
+        moe = _moe_layers(ids, layers, valid, consumer)
     else:
         raise ValueError(f"the {consumer} payload has {width} layers; expected {len(layers)} (MoE layers only) or "
                          f"{num_hidden_layers} (every model layer)")

@@ -22,7 +22,7 @@ import base64
 
 import numpy as np
 
-from ..record import signed_dtype
+from ..record import layer_list, signed_dtype
 from .. import _integer
 from ._common import array_from_base64, dimensions, from_layer_axis, moe_rows, routed_tokens, sequence_length
 
@@ -74,10 +74,17 @@ def decode(payload, num_experts, num_tokens=None, layers=None, num_hidden_layers
     if not 1 <= tokens <= shape[0]:
         raise ValueError(f"num_tokens is {tokens}; the envelope has {shape[0]} rows")
     rows = a[:tokens - 1]
-    none = (rows == -1).all(axis=(1, 2))
-    partial = (rows < 0).any(axis=(1, 2)) & ~none
+    # A missing route is -1 in every MoE layer; NeMo-RL's trainer reads no other layer, so a full-layout row's dense
+    # layers may hold 0 or -1 there.
+    moe = rows
+    if layers is not None:
+        layers = layer_list(layers)
+        if shape[1] != len(layers) and layers and layers[-1] < shape[1]:
+            moe = rows[:, list(layers)]
+    none = (moe == -1).all(axis=(1, 2))
+    partial = (moe < 0).any(axis=(1, 2)) & ~none
     if partial.any():
         raise ValueError(f"row {int(np.argmax(partial))} mixes -1 with expert ids; NeMo-RL marks a missing route "
-                         "with -1 across the whole row")
+                         "with -1 in every MoE layer of the row")
     return from_layer_axis(np.where(none[:, None, None], 0, rows), num_experts, layers, num_hidden_layers,
                            CONSUMER, valid=~none)

@@ -53,10 +53,12 @@ def encode(routed, num_tokens=None):
 
 def trainer_array(routed, num_tokens=None):
     """[T-start, L, K] of the payload's dtype, what prime-rl's trainer receives
-    per sample: the rows, and for the last token verifiers' copy of the last
-    row. None where there is no row to copy (no token from start was
-    forwarded): verifiers then leaves the node without routing, so the
-    sample has none, and no zero row is replayed as experts 0."""
+    for a single-turn sample: the rows, and for the last token verifiers' copy
+    of the last row. None where there is no row to copy (no token from start
+    was forwarded): verifiers then leaves the node without routing, so the
+    sample has none, and no zero row is replayed as experts 0. (Across turns
+    verifiers keeps its copied row at each turn's last position over the next
+    turn's real one; a joined routing here keeps the real one.)"""
     rows = _rows(routed, num_tokens, extra=1)  # the payload's rows, not encoded and decoded back
     if rows.shape[0] == 1:
         return None
@@ -64,9 +66,10 @@ def trainer_array(routed, num_tokens=None):
     return rows
 
 
-def decode(payload, num_experts, layers=None, num_hidden_layers=None):
+def decode(payload, num_experts, layers=None, num_hidden_layers=None, num_tokens=None):
     """A RoutedExperts from the dict (its start included). layers: the MoE
-    layers' model indices (dense layers must read 0)."""
+    layers' model indices (dense layers must read 0). num_tokens: the
+    sequence's T, when given checked against the rows (T-1-start of them)."""
     try:
         name, shape, data = payload.get("dtype", "uint8"), tuple(payload["shape"]), payload["data"]
         start = _integer("start", payload.get("start", 0))
@@ -75,4 +78,6 @@ def decode(payload, num_experts, layers=None, num_hidden_layers=None):
     if not isinstance(name, str) or name not in _DTYPES:
         raise ValueError(f"dtype {name!r}; prime-rl's are {sorted(_DTYPES)}")
     ids = array_from_base64(data, _DTYPES[name], dimensions(shape, CONSUMER), "data has")
-    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=start, axis="every")
+    routed = from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, start=start, axis="every")
+    sequence_length(routed, num_tokens, CONSUMER, whole=False)
+    return routed

@@ -42,10 +42,11 @@ def encode(routed, num_tokens=None):
             "dtype": rows.dtype.name}
 
 
-def decode(payload, num_experts, layers=None, num_hidden_layers=None):
+def decode(payload, num_experts, layers=None, num_hidden_layers=None, num_tokens=None):
     """A RoutedExperts from the dict, checked as SkyRL's client checks it
     (dtype name, canonical dtype, byte count). layers: the MoE layers' model
-    indices (dense layers must read 0)."""
+    indices (dense layers must read 0). num_tokens: the sequence's T, when
+    given checked against the rows (T-1 of them)."""
     try:
         name, shape, data = payload["dtype"], tuple(payload["shape"]), payload["data"]
     except (KeyError, TypeError) as e:
@@ -56,4 +57,6 @@ def decode(payload, num_experts, layers=None, num_hidden_layers=None):
     require_expert_ids(ids, num_experts, CONSUMER)  # before the dtype's check, which reads the largest id
     if canonical_dtype(ids) != _DTYPES[name]:
         raise ValueError(f"dtype {name} is not canonical for these ids; SkyRL expects {canonical_dtype(ids).name}")
-    return from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, axis="every")
+    routed = from_layer_axis(ids, num_experts, layers, num_hidden_layers, CONSUMER, axis="every")
+    sequence_length(routed, num_tokens, CONSUMER, whole=False)
+    return routed
