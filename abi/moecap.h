@@ -30,9 +30,9 @@
  *   library's size), with struct_size set to what was written. A struct the
  *   caller fills with a struct_size above what the library knows (a newer
  *   caller) is accepted only if every byte past the library's size is zero
- *   (fields this library does not know are left at their defaults);
- *   otherwise, or below the 1.0 size, the call fails with
- *   MOECAP_ERROR_ABI_MISMATCH naming the struct.
+ *   (fields this library does not know are left at their defaults) and it
+ *   is at most 4096 bytes past that size; otherwise, or below the 1.0 size,
+ *   the call fails with MOECAP_ERROR_ABI_MISMATCH naming the struct.
  * - Tensors passed in are borrowed `DLTensor*`: the struct is only read
  *   during the call; its *data* is read or written by the operation, on
  *   `stream`, so the caller keeps that memory valid until the enqueued work
@@ -577,7 +577,9 @@ MOECAP_API moecap_status moecap_invalidate(moecap_capturer* capturer, const DLTe
  * moecap_commit, and before ending a capture that contains forked calls.
  * Legal in graphs (an edge from moecap's branch back to `stream`); a no-op
  * (MOECAP_OK) without the flag, and inside a capture that forked nothing
- * since its last join. (1.1) */
+ * since its last join. While this capturer records a graph, `stream` must
+ * be the recording stream, as for every call (INVALID_ARGUMENT otherwise,
+ * flag or not). (1.1) */
 MOECAP_API moecap_status moecap_join(moecap_capturer* capturer, void* stream);
 
 /* Waits until every enqueued commit has landed in the host cache (on CUDA,
