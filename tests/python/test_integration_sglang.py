@@ -653,6 +653,28 @@ def test_streaming_reads_only_new_positions(sgl):
         assert whole.to_sglang() == payloads(sgl, theirs, sched, 0, forwarded + 1, 0)[0]
 
 
+def test_a_stream_starting_past_the_forwarded_tokens_sends_nothing_until_they_reach_it_as_sglang_does(sgl):
+    with server(sgl):
+        theirs, ours = create_pair(sgl, num_tokens=200, max_running=2)
+        rng = np.random.default_rng(8)
+        sched = Scheduler(sgl, 200, 2, rng)
+        sched.reqs[0] = [0, 0, 4]
+        stream = ours.stream(0, sched.pool, start_len=6)
+        forwarded, starts = 0, []
+        for n in (4, 3, 1):  # 4 forwarded tokens leave position 6 unforwarded; then 7 and 8
+            loc = sched.alloc(n)
+            sched.keep(0, loc)
+            rows = rng.integers(0, NUM_EXPERTS, size=(n, len(MOE_LAYERS), TOP_K))
+            run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc)
+            forwarded += n
+            chunk = stream.next(forwarded)
+            starts.append((chunk.start, len(chunk)))
+            assert chunk.to_sglang() == payloads(sgl, theirs, sched, 0, forwarded + 1, chunk.start)[0]
+        assert starts == [(6, 0), (6, 1), (7, 1)] and stream.sent == 8
+        with pytest.raises(ValueError, match="forwarded is 7; positions up to 8 were already sent"):
+            stream.next(7)
+
+
 def test_install_switches_sglangs_factory_and_back(sgl):
     cls = sgl.re.RoutedExpertsCapturer
     original = cls.__dict__["create"]
@@ -665,6 +687,57 @@ def test_install_switches_sglangs_factory_and_back(sgl):
         cap.destroy()
     sgl.adapter.uninstall()
     assert cls.__dict__["create"] is original and not sgl.adapter.installed()
+
+
+def test_a_bare_cuda_device_builds_the_capturer_on_the_ranks_current_gpu_not_gpu_0(sgl, monkeypatch):
+    """SGLang passes device="cuda" to every rank and sets each rank's GPU with torch.cuda.set_device; its own
+    capturer allocates there. Shown without a GPU: the Capturer is stubbed and rank 3's current device is 3."""
+    built = {}
+
+    class Recorded:
+        def __init__(self, **options):
+            built.update(options)
+            raise RuntimeError("stub: built")
+
+    monkeypatch.setattr(sgl.adapter, "Capturer", Recorded)
+    monkeypatch.setattr(sgl.torch.cuda, "current_device", lambda: 3)
+    sgl.adapter.install()
+    create = sgl.re.RoutedExpertsCapturer.create
+    try:
+        with server(sgl):
+            model, config = make_model(sgl)
+            for device, expected in (("cuda", "cuda:3"), ("cuda:1", "cuda:1"), (sgl.torch.device("cuda"), "cuda:3")):
+                with pytest.raises(RuntimeError, match="stub: built"):
+                    create(model=model, model_config=config, num_tokens=50, max_running_requests=2, device=device)
+                assert built["device"] == expected, device
+            built.clear()
+            with pytest.raises(ValueError, match="device is 'npu:0'; moecap captures on 'cpu' or a CUDA device"):
+                create(model=model, model_config=config, num_tokens=50, max_running_requests=2, device="npu:0")
+    finally:
+        sgl.adapter.uninstall()
+        assert not built  # refused before anything was allocated
+
+
+def test_a_decode_server_stores_the_prefill_servers_record_as_engines_md_says_and_sends_the_same_payload(sgl):
+    from moecap.engine import write_routed
+    torch = sgl.torch
+    with server(sgl):
+        _, prefill = create_pair(sgl, num_tokens=100, max_running=4)
+        _, decode = create_pair(sgl, num_tokens=100, max_running=4)
+        rows = np.random.default_rng(5).integers(0, NUM_EXPERTS, size=(6, len(MOE_LAYERS), TOP_K))
+        prefill_slots, decode_slots = [3, 4, 5, 6, 7, 8], [50, 51, 52, 53, 54, 55]
+        run_forward(sgl, [(prefill, prefill_slots)], rows, prefill_slots)
+        record = prefill.read(prefill_slots).to_bytes()
+        with pytest.raises(ValueError, match="the capturer captures .* \\(its layer map\\)"):
+            write_routed(decode.capturer, decode_slots, RoutedExperts.from_bytes(record))  # the bytes lack the map
+        write_routed(decode.capturer, decode_slots,
+                     RoutedExperts.from_bytes(record).with_layer_map(decode.moe_layers, decode.num_layers))
+        pool = sgl.ReqToTokenPool(size=2, max_context_len=64, device="cpu", enable_memory_saver=False)
+        pool.req_to_token[0, :6] = torch.tensor(decode_slots, dtype=torch.int32)
+        pool.req_to_token[1, :6] = torch.tensor(prefill_slots, dtype=torch.int32)
+        sent = decode.get_topk(req_pool_idx=0, seqlen=7, req_to_token_pool=pool)
+        assert sent is not None
+        assert torch.equal(sent, prefill.get_topk(req_pool_idx=1, seqlen=7, req_to_token_pool=pool))
 
 
 def test_a_layer_outside_the_layer_map_is_refused(sgl):

@@ -68,6 +68,23 @@ def device_id_dtype(num_experts):
     return "u8" if num_experts <= 255 else "auto"
 
 
+def capturer_device(device):
+    """The Capturer's device for an engine's `device`: "cpu", or "cuda:N". A
+    bare "cuda" is the process's current CUDA device, as torch allocates it
+    (a multi-GPU engine sets each rank's before building its model), never
+    GPU 0. Any other kind is refused by name: moecap has no backend for it."""
+    text = str(device)
+    kind, _, index = text.partition(":")
+    if kind == "cpu":
+        return "cpu"
+    if kind != "cuda":
+        raise ValueError(f"device is {text!r}; moecap captures on 'cpu' or a CUDA device ('cuda', 'cuda:N')")
+    if index:
+        return text
+    import torch
+    return f"cuda:{torch.cuda.current_device()}"
+
+
 def device_ids_int32(device_ids, num_experts):
     """Ids read straight from a device buffer (a layer view, or the whole
     buffer), as int32 with "none" (-1, or 0xff in a u8 buffer) and any id

@@ -147,7 +147,7 @@ class MoecapRoutedExpertsCapturer:
             max_running_requests=int(max_running_requests), dp_size=dp_size, verify_tokens=max(verify_tokens, 1),
             chunked_prefill_size=max(chunked, 0), max_batch_tokens=max(batch_tokens, 0),
             device_id_dtype=device_id_dtype,
-            device="cpu" if self.device == "cpu" else (self.device if ":" in self.device else "cuda:0"))
+            device=_model.capturer_device(device))
         self.capturer.layer_map = LayerMap(self.moe_layers, self.num_layers)  # for RequestTable and readers
         # The custom ops capture() calls under torch.compile, made here: making them exports the buffers,
         # which Dynamo cannot trace (fullgraph fails, and without it the whole forward ran eager).

@@ -25,15 +25,21 @@ class RoutingStream:
         if start < 0:
             raise ValueError(f"start is {start}; positions start at 0")
         self._read_rows = read_rows
+        self.start = start
         self.sent = start
 
     def next(self, forwarded):
         """The routing of positions [sent, forwarded), then sent = forwarded.
         forwarded: how many of the request's tokens went through a forward
-        (T - 1 for a sequence of T tokens: the last sampled one has not)."""
+        (T - 1 for a sequence of T tokens: the last sampled one has not).
+        Before the forwarded tokens reach start the chunk is empty, as SGLang
+        clamps a routed_experts_start_len past the sequence and sends none."""
         forwarded = _integer("forwarded", forwarded)
         if forwarded < self.sent:
-            raise ValueError(f"forwarded is {forwarded}; positions up to {self.sent} were already sent")
+            if self.sent == self.start:
+                forwarded = self.start  # nothing sent yet: the stream starts past the forwarded tokens
+            else:
+                raise ValueError(f"forwarded is {forwarded}; positions up to {self.sent} were already sent")
         chunk = self._read_rows(self.sent, forwarded)
         if len(chunk) != forwarded - self.sent:
             raise ValueError(f"read_rows({self.sent}, {forwarded}) returned {len(chunk)} tokens")

@@ -88,8 +88,7 @@ class MoecapRoutedExpertsCapturer:
             if layers != self.moe_layers:
                 raise ValueError(f"the capturer was built for MoE layers {list(self.moe_layers)}, not {list(layers)}")
             return
-        dev = "cpu" if self.device == "cpu" else (self.device if ":" in self.device else
-                                                  f"cuda:{torch.cuda.current_device()}")
+        dev = _model.capturer_device(self.device)
         # vLLM restores this DP rank's rows before writing, so the buffer holds
         # one rank's batch: max_num_batched_tokens rows (spec-decode tokens included).
         self.capturer = Capturer(num_layers=len(layers), top_k=self.shape_per_token[1], num_experts=self.num_experts,
