@@ -6,7 +6,7 @@ implementations (no output, nothing to infer) and declare what they write
 (``.snapshot`` copies a buffer where it stands, see below):
 capture mutates the capturer's device buffers (and its expert-load histogram,
 where it keeps one), commit its host cache and slot
-states (and reads the device buffer, so the two are never reordered),
+states and the device rows it consumes (so the two are never reordered),
 invalidate the slot states. Dynamo then traces
 them as single nodes: a model that calls them compiles with
 ``torch.compile(fullgraph=True)`` and records into ``torch.cuda.graph``.

@@ -374,6 +374,7 @@ void check(moecap_status status, std::initializer_list<Rename> renames) {
   };
   for (const Rename& r : renames) replace(r.c_name, r.python_name);
   replace("->", ".");  // the C message's ids->shape[1] is ids.shape[1] to a Python caller
+  replace("moecap_get_errors with MOECAP_ERRORS_CLEAR", "errors(clear=True)");  // ROWS_SKIPPED's remedy
   raise_error(status, message);
 }
 
