@@ -1137,8 +1137,12 @@ def _recomputed_weights(router, logits, ids, hidden_dtype=None):
     if kind.startswith(("Mixtral", "MiniMaxTopK")):
         w = torch.softmax(logits.float(), dim=-1).gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True)
+    if kind.startswith("LaraMini"):  # the softmax in the logits' dtype (bf16 under autocast), rounded to the input's
+        w = torch.softmax(logits, dim=-1).gather(1, ids)
+        w = w / w.sum(dim=-1, keepdim=True) if router.norm_topk_prob else w
+        return w if hidden_dtype is None else w.to(hidden_dtype)
     if kind.startswith(("Qwen2Moe", "Qwen3Moe", "Olmoe", "Qwen3Next", "FlexOlmo", "HunYuan", "Qwen3_5Moe",
-                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText", "Mellum", "LaraMini")):
+                        "Qwen3VLMoe", "Qwen3OmniMoeThinkerText", "Qwen4ExpText", "Mellum")):
         w = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
         if kind.startswith(("HunYuan", "Qwen3_5Moe", "Qwen3VLMoe")) or router.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
@@ -1169,7 +1173,8 @@ def _recomputed_weights(router, logits, ids, hidden_dtype=None):
         w = router.score_fn(logits).gather(1, ids)
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     if kind.startswith(("Ergo", "MuseSpark")):  # Muse Spark's logits come scaled by its output_multiplier
-        w = logits.float().sigmoid().gather(1, ids)
+        # Muse Spark weighs in its logits' dtype: float32, or bf16 where autocast runs its float32 linear in bf16
+        w = (logits.float() if kind.startswith("Ergo") else logits).sigmoid().gather(1, ids)
         eps = getattr(router, "norm_topk_prob_eps", 1e-20)
         w = w / (w.sum(dim=-1, keepdim=True) + eps) * router.routed_scaling_factor
         # Ergo's router rounds its float32 weights through its input's dtype
@@ -1177,16 +1182,16 @@ def _recomputed_weights(router, logits, ids, hidden_dtype=None):
     if kind.startswith(("Flint", "Kolibri1")):  # the sigmoid of the picked logits (Kolibri 1 picks them biased)
         if kind.startswith("Flint"):  # of all its logits, then picked: a vectorized sigmoid rounds by position
             w = logits.float().sigmoid().gather(1, ids)
-        else:
-            w = logits.float().gather(1, ids).sigmoid()
+        else:  # in the logits' dtype, as Kolibri 1 weighs (bf16 under autocast)
+            w = logits.gather(1, ids).sigmoid()
         return w / w.sum(dim=-1, keepdim=True) if router.norm_topk_prob else w
     if kind.startswith("Lfm2Moe"):
         w = logits.sigmoid().gather(1, ids)
         if router.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-6)
         return w * router.routed_scaling_factor
-    if kind.startswith(("Afmoe", "HYV3")):
-        w = logits.float().sigmoid().gather(1, ids)
+    if kind.startswith(("Afmoe", "HYV3")):  # in the logits' dtype: HY-V3's are bf16 under autocast, AFMoE's float32
+        w = logits.sigmoid().gather(1, ids)
         scale = router.route_scale if kind.startswith("Afmoe") else router.router_scaling_factor
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale
     if kind.startswith(("DeepseekV3", "Glm4Moe", "Dots1", "SolarOpen", "NemotronH", "GlmMoeDsa", "KimiLinear",

@@ -521,14 +521,18 @@ def test_replay_of_the_models_own_routing_recomputes_its_own_weights(model_type)
     ("zaya", "bf16", {}), ("inkling_text", "bf16", {}), ("flint", "bf16", {}),
     ("cohere2_moe", "bf16", {"expert_selection_fn": "sigmoid", "norm_topk_prob": True}),
     ("cohere2_moe", "bf16", {"expert_selection_fn": "softmax"}),
-    ("inkling_text", "autocast", {}), ("qwen3_moe", "autocast", {}), ("longcat_flash", "autocast", {})])
+    ("inkling_text", "autocast", {}), ("qwen3_moe", "autocast", {}), ("longcat_flash", "autocast", {}),
+    ("hy_v3", "autocast", {}), ("kolibri1", "autocast", {}), ("lara_mini", "autocast", {}),
+    ("muse_spark", "autocast", {})])
 def test_replay_recomputes_weights_as_the_router_rounds_them(model_type, precision, settings):
     """Ergo's router rounds its float32 weights through its bf16 input, as
     Jamba's does (its block's, in 5.19), DBRX's block and Zaya's router weigh
     in the logits' bf16, as LongCat's does under CPU autocast, which keeps its
     softmax in bf16, and Cohere2-MoE's sigmoid rule in a bf16 model; Flint's
     float32 sigmoid of all its logits rounds by position; Inkling's
-    weighs in its logits' dtype (transformers 5.25 turns autocast off for them):
+    weighs in its logits' dtype (transformers 5.25 turns autocast off for them),
+    as HY-V3's, Kolibri 1's, Lara-Mini's and Muse Spark's do, whose float32
+    linear autocast runs in bf16:
     replayed, the recomputed weights are rounded as the router rounds them,
     bit for bit."""
     config = config_or_skip(model_type)
