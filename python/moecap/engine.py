@@ -331,8 +331,11 @@ def write_routed(capturer: Capturer, slots: Slots, routed: RoutedExperts) -> Non
     if layers is not None and tuple(layers) != tuple(routed.layers):
         raise ValueError(f"the routing holds model layers {list(routed.layers)}; the capturer captures "
                          f"{list(layers)} (its layer map)")
-    ids = np.where(routed.valid[:, None, None], routed.ids, -1).astype(np.int32)
     config = getattr(capturer, "config", {})
+    if config.get("num_experts") is not None and routed.num_experts != config["num_experts"]:
+        raise ValueError(f"the routing's num_experts is {routed.num_experts}; the capturer's is "
+                         f"{config['num_experts']} (another model's routing)")
+    ids = np.where(routed.valid[:, None, None], routed.ids, -1).astype(np.int32)
     weights = None
     if config.get("weight_dtype") is not None:
         if routed.weights is None:

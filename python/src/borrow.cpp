@@ -289,20 +289,25 @@ bool borrow_buffer(nb::handle obj, const char* name, bool writable, Borrowed& ou
   }
   out.has_buffer = true;
   const Py_buffer& b = out.buffer;
-  if (!dtype_of_format(b.format, b.itemsize, out.dl.dtype) || b.ndim > Borrowed::kMaxDims) {
+  if (!dtype_of_format(b.format, b.itemsize, out.dl.dtype) || b.ndim > Borrowed::kMaxDims ||
+      (b.ndim > 0 && b.shape == nullptr)) {
     out.release_buffer();
     return false;
   }
   out.dl.data = b.buf;
   out.dl.device = DLDevice{kDLCPU, 0};
   out.dl.ndim = b.ndim;
-  for (int i = 0; i < b.ndim; ++i) {
-    if (b.strides[i] % b.itemsize != 0) {  // not expressible in elements: let nanobind refuse it
+  // NULL strides mean C order (ctypes arrays export them so).
+  Py_ssize_t compact = b.itemsize;
+  for (int i = b.ndim - 1; i >= 0; --i) {
+    const Py_ssize_t stride = b.strides != nullptr ? b.strides[i] : compact;
+    compact *= b.shape[i];
+    if (stride % b.itemsize != 0) {  // not expressible in elements: let nanobind refuse it
       out.release_buffer();
       return false;
     }
     out.shape[i] = b.shape[i];
-    out.strides[i] = b.strides[i] / b.itemsize;
+    out.strides[i] = stride / b.itemsize;
   }
   out.dl.shape = out.shape;
   out.dl.strides = out.strides;

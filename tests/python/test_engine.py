@@ -229,6 +229,12 @@ def test_a_record_from_a_prefill_instance_lands_in_the_decode_instances_slots():
         write_routed(decode, [60, 61, 62, 63], RoutedExperts.from_bytes(wire))
     assert decode.slot_states([60]).tolist() == [moecap.SLOT_EMPTY]
     write_routed(decode, [60, 61, 62, 63], RoutedExperts.from_bytes(wire).with_layer_map(range(1, LAYERS + 1)))
+    # So is another model's: ids of a 4-expert model are not these experts.
+    other = RoutedExperts(np.zeros((1, LAYERS, TOP_K), dtype=np.int32), 4, layers=range(1, LAYERS + 1),
+                          num_hidden_layers=LAYERS + 1)
+    with pytest.raises(ValueError, match=f"the routing's num_experts is 4; the capturer's is {EXPERTS}"):
+        write_routed(decode, [40], other)
+    assert decode.slot_states([40]).tolist() == [moecap.SLOT_EMPTY]
 
 
 def test_a_bool_among_ints_is_refused_where_numpy_would_make_it_slot_1():

@@ -297,6 +297,19 @@ def test_every_argument_takes_any_dlpack_producer():
         assert cap.read(np.array([5]))[0].tolist() == [[2, 2]] * 3
 
 
+def test_buffers_exported_without_strides_are_read_and_written_in_c_order():
+    """ctypes arrays export no strides (C order, as the buffer protocol allows); the strides were read
+    through that NULL pointer."""
+    with moecap.Capturer(**CONFIG) as cap:
+        ids = ((ctypes.c_int32 * 2) * 3)((1, 2), (3, 4), (5, 6))
+        cap.capture(1, ids)
+        cap.commit((ctypes.c_int64 * 3)(7, 8, 9))
+        out = (((ctypes.c_int32 * 2) * 3) * 2)()
+        cap.read((ctypes.c_int64 * 2)(9, 7), out=out)
+        assert list(out[0][1]) == [5, 6] and list(out[1][1]) == [1, 2] and list(out[1][0]) == [-1, -1]
+        assert cap.read(np.array([8]))[0, 1].tolist() == [3, 4]
+
+
 def test_jax_both_ways():
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
