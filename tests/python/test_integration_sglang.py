@@ -624,6 +624,23 @@ def test_late_layers_that_route_only_tails_under_dp_attention_read_no_routing(sg
     assert not routed.valid.any() and (routed.ids[:, 2] == -1).all() and (routed.ids[:, :2] >= 0).all()
 
 
+def streamed_chunks(sgl, pair, sched, rng, stream, sizes):
+    """Forwards of `sizes` tokens of request 0, the stream read after each: every chunk is what SGLang sends
+    with routed_experts_start_len at the chunk's first position."""
+    theirs, ours = pair
+    chunks, forwarded = [], 0
+    for n in sizes:
+        loc = sched.alloc(n)
+        sched.keep(0, loc)
+        rows = rng.integers(0, NUM_EXPERTS, size=(n, len(MOE_LAYERS), TOP_K))
+        run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc)
+        forwarded += n
+        chunk = stream.next(forwarded)
+        assert chunk.to_sglang() == payloads(sgl, theirs, sched, 0, forwarded + 1, chunk.start)[0]
+        chunks.append(chunk)
+    return chunks
+
+
 def test_streaming_reads_only_new_positions(sgl):
     """A running request read chunk by chunk: each chunk is what SGLang sends
     with routed_experts_start_len at its first position, and no read touches
@@ -637,20 +654,10 @@ def test_streaming_reads_only_new_positions(sgl):
         original = ours.capturer.read
         ours.capturer.read = lambda slots, *a, **k: reads.append(len(slots)) or original(slots, *a, **k)
         stream = ours.stream(0, sched.pool)
-        chunks, forwarded = [], 0
-        for n in (5, 1, 1, 3, 1):  # a prefill, decodes, a verify that kept 3
-            loc = sched.alloc(n)
-            sched.keep(0, loc)
-            rows = rng.integers(0, NUM_EXPERTS, size=(n, len(MOE_LAYERS), TOP_K))
-            run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc)
-            forwarded += n
-            chunk = stream.next(forwarded)
-            seqlen = forwarded + 1
-            assert chunk.to_sglang() == payloads(sgl, theirs, sched, 0, seqlen, chunk.start)[0]
-            chunks.append(chunk)
+        chunks = streamed_chunks(sgl, (theirs, ours), sched, rng, stream, (5, 1, 1, 3, 1))  # a verify kept 3
         assert reads == [5, 1, 1, 3, 1]
         whole = RoutedExperts.concat(chunks)
-        assert whole.to_sglang() == payloads(sgl, theirs, sched, 0, forwarded + 1, 0)[0]
+        assert whole.to_sglang() == payloads(sgl, theirs, sched, 0, 11 + 1, 0)[0]
 
 
 def test_a_stream_starting_past_the_forwarded_tokens_sends_nothing_until_they_reach_it_as_sglang_does(sgl):
@@ -660,17 +667,8 @@ def test_a_stream_starting_past_the_forwarded_tokens_sends_nothing_until_they_re
         sched = Scheduler(sgl, 200, 2, rng)
         sched.reqs[0] = [0, 0, 4]
         stream = ours.stream(0, sched.pool, start_len=6)
-        forwarded, starts = 0, []
-        for n in (4, 3, 1):  # 4 forwarded tokens leave position 6 unforwarded; then 7 and 8
-            loc = sched.alloc(n)
-            sched.keep(0, loc)
-            rows = rng.integers(0, NUM_EXPERTS, size=(n, len(MOE_LAYERS), TOP_K))
-            run_forward(sgl, [(theirs, loc), (ours, loc)], rows, loc)
-            forwarded += n
-            chunk = stream.next(forwarded)
-            starts.append((chunk.start, len(chunk)))
-            assert chunk.to_sglang() == payloads(sgl, theirs, sched, 0, forwarded + 1, chunk.start)[0]
-        assert starts == [(6, 0), (6, 1), (7, 1)] and stream.sent == 8
+        chunks = streamed_chunks(sgl, (theirs, ours), sched, rng, stream, (4, 3, 1))  # 4 tokens leave 6 unforwarded
+        assert [(c.start, len(c)) for c in chunks] == [(6, 0), (6, 1), (7, 1)] and stream.sent == 8
         with pytest.raises(ValueError, match="forwarded is 7; positions up to 8 were already sent"):
             stream.next(7)
 
