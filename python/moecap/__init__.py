@@ -115,6 +115,15 @@ def _dtype_name(value: Any) -> Any:
     return value
 
 
+def _current_cuda_device() -> str:
+    """What a bare 'cuda' names: torch's current CUDA device where torch is imported and sees a GPU (a
+    multi-GPU engine sets each rank's before it builds anything, and torch allocates 'cuda' there), else GPU 0."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cuda:0"
+
+
 def _checked_dtype(keyword: str, value: Any, names: Mapping[Any, Any]) -> Any:
     name = _dtype_name(value)
     if name not in names:
@@ -267,7 +276,7 @@ class Config(_Fields):
         set_field(self, "weight_dtype", _checked_dtype("weight_dtype", self.weight_dtype, WEIGHT_DTYPES))
         device = str(self.device)
         if device == "cuda":
-            device = "cuda:0"
+            device = _current_cuda_device()
         if device == "cpu:0":  # torch.device("cpu", 0)
             device = "cpu"
         ordinal = device[len("cuda:"):]

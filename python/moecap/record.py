@@ -109,6 +109,8 @@ def layer_list(layers: "ArrayLike") -> tuple[int, ...]:
     if isinstance(layers, (list, tuple)) and not {bool, np.bool_}.isdisjoint(map(type, layers)):
         raise TypeError("layers must be a sequence of ints, not of bools")
     array = np.asarray(_to_numpy(layers))
+    if array.ndim == 0 and array.dtype == object and isinstance(layers, Iterable):
+        return layer_list(list(layers))  # dict keys, a generator, a map object: NumPy takes them for one object
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise ValueError(f"layers must be a sequence of ints, not {array.dtype} of shape {array.shape}")
     if array.size and array[0] < 0:

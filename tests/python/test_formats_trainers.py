@@ -573,6 +573,10 @@ def test_decoders_refuse_layer_maps_that_are_not_increasing_model_indices():
                 call()
     with pytest.raises(ValueError, match="layers must be a sequence of ints, not float64"):
         megatron.decode(r.to_megatron(), 8, layers=[1.0, 2.0, 4.7])
+    for iterable in (iter(LAYERS), dict.fromkeys(LAYERS).keys(), map(int, LAYERS)):  # taken as the sequence they give
+        assert vllm.decode(rows, 8, layers=iterable).layers == LAYERS
+    with pytest.raises(ValueError, match="vLLM payload has shape \\(3, 0, 2\\); layers and top_k must be >= 1"):
+        vllm.decode(rows[:, :0], 8)  # the payload's own width, not a layers argument it was never given
 
 
 def test_formats_decode_checks_num_tokens_for_every_payload_that_carries_its_shape():

@@ -671,6 +671,8 @@ def test_a_stream_starting_past_the_forwarded_tokens_sends_nothing_until_they_re
         assert [(c.start, len(c)) for c in chunks] == [(6, 0), (6, 1), (7, 1)] and stream.sent == 8
         with pytest.raises(ValueError, match="forwarded is 7; positions up to 8 were already sent"):
             stream.next(7)
+        with pytest.raises(ValueError, match="forwarded is -1; it counts tokens, >= 0"):
+            ours.stream(0, sched.pool, start_len=6).next(-1)  # before anything was sent, too
 
 
 def test_install_switches_sglangs_factory_and_back(sgl):
@@ -698,6 +700,7 @@ def test_a_bare_cuda_device_builds_the_capturer_on_the_ranks_current_gpu_not_gpu
             raise RuntimeError("stub: built")
 
     monkeypatch.setattr(sgl.adapter, "Capturer", Recorded)
+    monkeypatch.setattr(sgl.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(sgl.torch.cuda, "current_device", lambda: 3)
     sgl.adapter.install()
     create = sgl.re.RoutedExpertsCapturer.create

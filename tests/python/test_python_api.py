@@ -66,6 +66,15 @@ def test_ints_and_devices_are_checked_before_the_library_sees_them():
         moecap.Config(**CONFIG, device="cuda:\u0661")  # a digit, but not an ASCII one
 
 
+def test_a_bare_cuda_device_is_torchs_current_one(monkeypatch):
+    """A multi-GPU engine sets each rank's device and allocates on "cuda": rank 3's is GPU 3, not GPU 0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert moecap.Config(**CONFIG, device="cuda").device == "cuda:3"
+    assert moecap.Config(**CONFIG, device=torch.device("cuda")).device == "cuda:3"
+    assert moecap.Config(**CONFIG, device="cuda:1").device == "cuda:1"
+
+
 @pytest.mark.parametrize("field, value, bits", [
     ("num_layers", 2**31, 32), ("top_k", -2**31 - 1, 32), ("host_slots", 2**63, 64), ("max_graph_batch", -2**64, 64)])
 def test_an_int_its_c_field_cannot_hold_is_refused_naming_the_field_and_the_range(field, value, bits):

@@ -168,6 +168,8 @@ def from_layer_axis(ids, num_experts, layers, num_hidden_layers, consumer, start
     ids = np.asarray(ids)
     if ids.ndim != 3:
         raise ValueError(f"{consumer} payload has shape {ids.shape}; expected [tokens, layers, top_k]")
+    if 0 in ids.shape[1:]:
+        raise ValueError(f"{consumer} payload has shape {ids.shape}; layers and top_k must be >= 1")
     require_expert_ids(ids, num_experts, consumer)  # dense layers' 0 included
     width = ids.shape[1]
     if width > MAX_LAYERS:  # before a layer list that long is built for a payload that may hold no routing

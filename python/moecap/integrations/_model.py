@@ -2,7 +2,7 @@
 """What an adapter reads from a model's Hugging Face config: the expert
 count, and which model layers are MoE layers (the layer map); and the device
 id dtype that count calls for."""
-from .. import _integer
+from .. import _current_cuda_device, _integer
 
 # What configs call the routed expert count (DeepSeek's n_routed_experts,
 # Qwen's num_experts, Mixtral's num_local_experts, Ernie's moe_num_experts,
@@ -70,19 +70,17 @@ def device_id_dtype(num_experts):
 
 def capturer_device(device):
     """The Capturer's device for an engine's `device`: "cpu", or "cuda:N". A
-    bare "cuda" is the process's current CUDA device, as torch allocates it
-    (a multi-GPU engine sets each rank's before building its model), never
-    GPU 0. Any other kind is refused by name: moecap has no backend for it."""
+    bare "cuda" is the rank's current CUDA device, as torch allocates it (a
+    multi-GPU engine sets each rank's before building its model; see
+    moecap.Config). Any other kind is refused by name: moecap has no backend
+    for it."""
     text = str(device)
     kind, _, index = text.partition(":")
     if kind == "cpu":
         return "cpu"
     if kind != "cuda":
         raise ValueError(f"device is {text!r}; moecap captures on 'cpu' or a CUDA device ('cuda', 'cuda:N')")
-    if index:
-        return text
-    import torch
-    return f"cuda:{torch.cuda.current_device()}"
+    return text if index else _current_cuda_device()
 
 
 def device_ids_int32(device_ids, num_experts):

@@ -35,6 +35,8 @@ class RoutingStream:
         Before the forwarded tokens reach start the chunk is empty, as SGLang
         clamps a routed_experts_start_len past the sequence and sends none."""
         forwarded = _integer("forwarded", forwarded)
+        if forwarded < 0:
+            raise ValueError(f"forwarded is {forwarded}; it counts tokens, >= 0")
         if forwarded < self.sent:
             if self.sent == self.start:
                 forwarded = self.start  # nothing sent yet: the stream starts past the forwarded tokens
