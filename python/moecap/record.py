@@ -102,7 +102,7 @@ MAX_LAYERS = 1 << 16
 MAX_IDS_PER_TOKEN = 1 << 20
 
 
-def layer_list(layers: "ArrayLike") -> tuple[int, ...]:
+def layer_list(layers: Any) -> tuple[int, ...]:
     """A `layers` argument as a tuple of Python ints: a sequence of ints (not bools or floats), the first >= 0,
     strictly increasing. Errors name the entry."""
     # NumPy would take True as 1. (A set of the entries' types: no per-entry Python loop on every construction.)
