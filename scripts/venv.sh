@@ -12,8 +12,8 @@
 # megatron-core (checked after the install); and python/requirements-transformers-newest.txt
 # into a folder of its own, <venv>/newest-transformers.
 # Reused while the requirements and the base interpreter are what it was made
-# from (a stamp file); updated in place when only the requirements changed,
-# rebuilt from scratch when the interpreter did. Prints the venv's
+# from (a stamp file); rebuilt from scratch when either changed, so a package
+# dropped from the pins goes too (pip's cache keeps the downloads). Prints the venv's
 # python on stdout (everything else goes to stderr). Used by setup.sh.
 #
 # The base interpreter is ${MOECAP_VENV_PYTHON:-python3 on PATH} (pyenv's
@@ -31,9 +31,16 @@ newest_transformers=$root/python/requirements-transformers-newest.txt
 constraints=$root/python/constraints.txt  # the whole venv at exact versions, transitive packages too
 
 base_path=$(command -v "$base") || { echo "venv: no $base on PATH (set MOECAP_VENV_PYTHON)" >&2; exit 1; }
-base_id=$("$base_path" -c 'import sys, sysconfig; print(sys.executable, sys.version.split()[0], sysconfig.get_paths()["include"])')
-base_exe=${base_id%% *}  # the interpreter itself, not a pyenv shim
-include=${base_id##* }
+# One field per line: the interpreter's path or its headers' may hold spaces.
+mapfile -t base_fields < <("$base_path" -c 'import sys, sysconfig
+print(sys.executable); print(sys.version.split()[0]); print(sysconfig.get_paths()["include"])')
+if [ "${#base_fields[@]}" -ne 3 ]; then
+  echo "venv: $base_path did not report its executable, version and include directory" >&2
+  exit 1
+fi
+base_exe=${base_fields[0]}  # the interpreter itself, not a pyenv shim
+include=${base_fields[2]}
+base_id="${base_fields[*]}"
 if [ ! -f "$include/Python.h" ]; then
   echo "venv: $base_path has no C headers ($include/Python.h); install its -dev package or set MOECAP_VENV_PYTHON" >&2
   exit 1
@@ -43,28 +50,36 @@ stamp="$(cat "$requirements" "$engine_deps" "$engines" "$newest_transformers" "$
 mkdir -p "$(dirname "$venv")"
 exec 9>"$venv.lock"
 flock 9
+# The newest transformers, in a folder of its own that only the test of moecap.hf
+# against it puts on its path.
+install_newest_transformers() {
+  rm -rf "$venv/newest-transformers"
+  "$venv/bin/python" -m pip install -q --no-deps --target "$venv/newest-transformers" -r "$newest_transformers" >&2
+}
 current=$(cat "$venv/.moecap-stamp" 2>/dev/null || true)
 if [ -x "$venv/bin/python" ] && [ "$current" = "$stamp" ]; then
+  newest_pin=$(sed -n 's/^transformers==\([^ ]*\).*/\1/p' "$newest_transformers")
+  if [ ! -d "$venv/newest-transformers/transformers-$newest_pin.dist-info" ]; then
+    echo "venv: $venv/newest-transformers lacks transformers $newest_pin: installing it again" >&2
+    install_newest_transformers
+  fi
   echo "$venv/bin/python"
   exit 0
 fi
-if [ -x "$venv/bin/python" ] && [ "${current#* }" = "$base_id" ]; then
-  echo "venv: $requirements changed: updating $venv" >&2  # same interpreter: install what is new
+if [ -x "$venv/bin/python" ]; then
+  echo "venv: the pins in python/ or the interpreter changed since $venv was made: rebuilding it" >&2
 else
   echo "venv: creating $venv from $base_exe (first run downloads torch and its CUDA libraries, a few GB)" >&2
-  rm -rf "$venv"
-  "$base_exe" -m venv "$venv"
 fi
+rm -rf "$venv"
+"$base_exe" -m venv "$venv"
 "$venv/bin/python" -m pip install -q -r "$requirements" -c "$constraints" >&2
 # The engines declare CUDA-only dependencies (and pins of torch that differ
 # by a patch release): none of them is installed, only what the capture
 # paths import, pinned, without resolving.
 "$venv/bin/python" -m pip install -q --no-deps -r "$engine_deps" >&2
 "$venv/bin/python" -m pip install -q --no-deps -r "$engines" >&2
-# The newest transformers, in a folder of its own that only the test of moecap.hf
-# against it puts on its path.
-rm -rf "$venv/newest-transformers"
-"$venv/bin/python" -m pip install -q --no-deps --target "$venv/newest-transformers" -r "$newest_transformers" >&2
+install_newest_transformers
 # The pins the other tests rely on must have survived.
 "$venv/bin/python" - "$requirements" >&2 <<'PY'
 import re, sys

@@ -29,8 +29,12 @@ def run(*args, **kwargs):
 
 def test_pip_install_then_import_anywhere(tmp_path):
     wheels = tmp_path / "wheels"
+    # The long option: pip below 23.1 (Debian 12's python3-venv) has no -C. The build's own -j: Ninja's default
+    # would take every core beside ctest's other jobs.
     run(sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-q",
-        "-w", str(wheels), f"-Cbuild-dir={BUILD_DIR}", "-Ccmake.define.MOECAP_CUDA=OFF", str(ROOT))
+        "-w", str(wheels), f"--config-settings=build-dir={BUILD_DIR}",
+        "--config-settings=cmake.define.MOECAP_CUDA=OFF", str(ROOT),
+        env=dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=os.environ.get("MOECAP_JOBS", "2")))
     (wheel,) = wheels.glob("moecap-*.whl")
 
     fresh = tmp_path / "venv"

@@ -14,7 +14,8 @@
 
 using namespace moecap_test;
 
-TEST_CASE("reads on one thread, captures and commits on another: no race, no row lost") {
+TEST_CASE("reads on one thread, captures and commits on another: no race, no row lost" *
+          doctest::test_suite("concurrency")) {
   moecap_config c = small_config();
   c.num_layers = 4;
   c.top_k = 4;

@@ -10,7 +10,8 @@
 
 using namespace std::chrono_literals;
 
-TEST_CASE("drain waits for work in flight, then refuses new work without running it") {
+TEST_CASE("drain waits for work in flight, then refuses new work without running it" *
+          doctest::test_suite("concurrency")) {
   static auto* work = new moecap::DetachedWork;  // as the process-wide one: never destroyed
   std::atomic<bool> go{false};
   std::atomic<int> done{0};
@@ -32,7 +33,7 @@ TEST_CASE("drain waits for work in flight, then refuses new work without running
   CHECK_FALSE(ran.load());
 }
 
-TEST_CASE("drain gives up after its limit when work does not finish") {
+TEST_CASE("drain gives up after its limit when work does not finish" * doctest::test_suite("concurrency")) {
   // Reachable until the process ends (no leak report): the thread may still use them after the test.
   static auto* work = new moecap::DetachedWork;
   static auto* release = new std::atomic<bool>{false};
