@@ -20,5 +20,5 @@ if [ ! -f "$root/build/CMakeCache.txt" ]; then
     [ -z "$archs" ] || export MOECAP_CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=$archs ${MOECAP_CMAKE_ARGS:-}"
   fi
 fi
-"$root/scripts/setup.sh" engine_sim
+"$root/scripts/setup.sh" --demo engine_sim
 exec "$root/build/examples/engine_sim" --backend auto "$@"
