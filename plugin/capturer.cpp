@@ -152,7 +152,7 @@ void Capturer::check_counters() {
   backend_->copy_device_to_host(&word, device_block_ + error_word_.offset, sizeof word);
   if (word.skipped_rows > 0) {
     fail(MOECAP_ERROR_ROWS_SKIPPED, word.skipped_rows,
-         " committed rows were skipped (slot outside [-1, host_slots = ", plan_.config.host_slots,
+         " rows of commits or invalidations were skipped (slot outside [-1, host_slots = ", plan_.config.host_slots,
          ") or source row outside [0, device_rows = ", plan_.device_rows,
          ")); moecap_get_errors with MOECAP_ERRORS_CLEAR acknowledges them");
   }

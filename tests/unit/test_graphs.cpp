@@ -215,7 +215,7 @@ TEST_CASE("slots that go bad between replays are skipped, counted and reported b
   HostTensor q({1}, i32());
   HostTensor out({1, c.num_layers, c.top_k}, i32());
   CHECK(moecap_read(cap.h, q.get(), out.get(), nullptr, 0, nullptr) == MOECAP_ERROR_ROWS_SKIPPED);
-  CHECK(std::string(moecap_last_error()).find("1 committed rows were skipped") != std::string::npos);
+  CHECK(std::string(moecap_last_error()).find("1 rows of commits or invalidations were skipped") != std::string::npos);
   CHECK(moecap_synchronize(cap.h) == MOECAP_ERROR_ROWS_SKIPPED);
   moecap_error_counts e{};
   e.struct_size = sizeof e;
