@@ -75,7 +75,8 @@ def test_skipped_rows_do_not_make_slot_states_raise():
     graph = cap.graph_end()
     slots[0] = SLOTS + 5
     graph.launch()
-    with pytest.raises(moecap.MoecapError, match="rows were skipped .*; errors\\(clear=True\\) acknowledges them") as e:
+    skipped = "rows of commits or invalidations were skipped .*; errors\\(clear=True\\) acknowledges them"
+    with pytest.raises(moecap.MoecapError, match=skipped) as e:
         cap.synchronize()  # the remedy in the method's terms, not the C function's
     assert e.value.status == moecap.Status.ROWS_SKIPPED
     assert cap.slot_states([SLOTS - 1, 0]).tolist() == [moecap.SLOT_VALID, moecap.SLOT_EMPTY]
