@@ -30,14 +30,16 @@ buffers and pays nothing, as long as the compiled code leaves the host
 buffers (host_ids, host_weights, host_states) to the ops: a write to one, or a
 clone of one taken before a commit, makes Inductor hand the op a copy too.
 
-Inductor (torch 2.14) also orders a read of device_ids, or of a layer view,
-that a commit follows in the same compiled code after the commit: the read
-sees the consumed rows (-1), and so does a plain ``clone()`` of it once a
-capture precedes it in the same code (Inductor folds the clone into the
-buffer itself). Read the routing after the commit from the host cache (or
-read() it), or take ``ops.snapshot(ops.device_ids)`` before the commit: a
-copy as an op of its own, which no compiler pass folds away. The same holds
-for the histogram between captures.
+Inductor (torch 2.14) also orders a read of a slice of a buffer after a
+later op in the same compiled code that writes the buffer (any custom op that
+declares the write): a read of device_ids or of a layer view ahead of a commit
+sees the consumed rows (-1), one of a layer view, the weights or the histogram
+ahead of a capture sees what the capture wrote, and so does a plain
+``clone()`` once a capture precedes it in the same code (Inductor folds the
+clone into the buffer itself). Read the routing after the commit from the
+host cache (or read() it), or take ``ops.snapshot(...)`` of the buffer where
+the code needs it as it stands: a copy as an op of its own, which no compiler
+pass folds away or moves past the op.
 """
 from __future__ import annotations
 
@@ -190,6 +192,7 @@ def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], host_st
     cap = _capturer(capturer)
     real = _buffers(cap)
     for name, handed in (("host_ids", host_ids), ("host_weights", host_weights), ("host_states", host_states)):
+        _check_handed("commit", name, handed, getattr(real, name))
         _refuse_host_copy("commit", name, handed, getattr(real, name))
     _through_device_buffers(cap, "commit", device_ids, device_weights, lambda: cap.commit(dst_slots, src_start, src_rows))
 
@@ -203,6 +206,7 @@ def _(host_ids, host_weights, host_states, device_ids, device_weights, capturer,
 def invalidate(host_states: torch.Tensor, capturer: int, slots: torch.Tensor) -> None:
     """Capturer.invalidate on torch's current stream: the slots read -1 until committed again."""
     cap = _capturer(capturer)
+    _check_handed("invalidate", "host_states", host_states, _buffers(cap).host_states)
     _refuse_host_copy("invalidate", "host_states", host_states, _buffers(cap).host_states)
     cap.invalidate(slots)
 

@@ -154,6 +154,30 @@ def test_a_snapshot_before_the_commit_keeps_the_rows_the_captures_wrote():
         ops.snapshot(np.zeros(3))
 
 
+def test_a_snapshot_before_a_capture_keeps_what_the_buffers_held():
+    # The previous step's rows, weights and counts, read in compiled code ahead of the capture that overwrites
+    # them: a snapshot holds them, where Inductor (torch 2.14) moves a plain read of a slice after the capture.
+    cap = moecap.Capturer(num_layers=1, top_k=2, num_experts=8, host_slots=16, max_running_requests=4,
+                          chunked_prefill_size=4, weight_dtype="f32", histogram=True)
+    ops = cap.ops
+    cap.capture(0, np.array([[7, 6]], np.int32), np.array([[0.25, 0.75]], np.float32))
+
+    def step(ids, w):
+        ids_before = ops.snapshot(ops.layer_ids(0))[:1] * 1
+        weights_before = ops.snapshot(ops.layer_weights(0))[:1] * 1
+        load_before = ops.snapshot(ops.histogram)[0] * 1
+        ops.capture(0, ids, w)
+        return ids_before, weights_before, load_before
+
+    torch._dynamo.reset()
+    ids_before, weights_before, load_before = torch.compile(step, fullgraph=True)(
+        torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([[0.5, 0.5]]))
+    assert ids_before.tolist() == [[7, 6]]
+    assert weights_before.tolist() == [[0.25, 0.75]]
+    assert load_before.tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    assert ops.layer_ids(0)[:1].tolist() == [[1, 2]]  # and the capture wrote its rows
+
+
 def test_the_raw_ops_refuse_buffers_that_are_not_the_capturers_and_change_nothing():
     cap = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=16, max_running_requests=4,
                           chunked_prefill_size=4, histogram=True, weight_dtype="f32")
@@ -171,6 +195,14 @@ def test_the_raw_ops_refuse_buffers_that_are_not_the_capturers_and_change_nothin
         r"device_ids is torch.int32 \(3, 4, 2\)": lambda: torch.ops.moecap.commit(
             ops.host_ids, ops.host_weights, ops.host_states, ops.device_ids.int(), ops.device_weights, cap.id,
             torch.tensor([5]), 0, None),
+        # The host buffers as well: the commit writes them, and compiled code reads them after it.
+        "host_weights is None": lambda: torch.ops.moecap.commit(
+            ops.host_ids, None, ops.host_states, ops.device_ids, ops.device_weights, cap.id, torch.tensor([5]), 0, None),
+        r"host_ids is torch.uint8 \(15, 3, 2\)": lambda: torch.ops.moecap.commit(
+            ops.host_ids[1:], ops.host_weights, ops.host_states, ops.device_ids, ops.device_weights, cap.id,
+            torch.tensor([5]), 0, None),
+        r"host_states is torch.int32": lambda: torch.ops.moecap.invalidate(ops.host_states.int(), cap.id,
+                                                                          torch.tensor([5])),
     }
     for message, call in calls.items():
         with pytest.raises(moecap.MoecapError, match=message) as e:
@@ -178,6 +210,15 @@ def test_the_raw_ops_refuse_buffers_that_are_not_the_capturers_and_change_nothin
         assert e.value.status == moecap.Status.INVALID_ARGUMENT
         assert all(torch.equal(a, b) for a, b in zip(before, (ops.device_ids, ops.device_weights, ops.histogram)))
     assert cap.slot_states([5]).tolist() == [moecap.SlotState.EMPTY]
+    assert not ops.host_weights.any()
+    # And weights given to a capturer that keeps none.
+    plain = moecap.Capturer(num_layers=3, top_k=2, num_experts=8, host_slots=16, max_running_requests=4,
+                            chunked_prefill_size=4)
+    plain.capture(0, ids)
+    with pytest.raises(moecap.MoecapError, match="host_weights is given, but the capturer keeps no host_weights"):
+        torch.ops.moecap.commit(plain.ops.host_ids, ops.host_weights, plain.ops.host_states, plain.ops.device_ids,
+                                None, plain.id, torch.tensor([5]), 0, None)
+    assert plain.slot_states([5]).tolist() == [moecap.SlotState.EMPTY]
 
 
 def test_capture_keeps_plain_writes_under_a_backend_that_does_not_reinplace():
