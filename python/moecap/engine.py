@@ -320,18 +320,27 @@ class RequestTable:
 def write_routed(capturer: Capturer, slots: Slots, routed: RoutedExperts) -> None:
     """Stores a RoutedExperts (e.g. RoutedExperts.from_bytes of a prefill
     instance's record) at `slots`, one per token; its invalid tokens leave
-    their slots empty. Weights go along iff the capturer keeps them."""
+    their slots empty. Weights go along iff the capturer keeps them. A routing
+    of other model layers (the capturer's layer map, or every layer without
+    one), of a model of another layer count, or of another expert count is
+    refused."""
     if not isinstance(routed, RoutedExperts):
         raise TypeError(f"routed must be a RoutedExperts (RoutedExperts.from_bytes of a record), not "
                         f"{type(routed).__name__}")
     index = _index_array(slots)
     if _length(index) != routed.shape[0]:
         raise ValueError(f"slots has {_length(index)} entries; the routing has {routed.shape[0]} tokens")
-    layers = (getattr(capturer, "layer_map", None) or (None, None))[0]
+    config = getattr(capturer, "config", {})
+    # Without a map the capturer's layers are the model's, every one MoE (what a read of it reports).
+    layers, hidden = getattr(capturer, "layer_map", None) or (None, None)
+    if layers is None and config.get("num_layers") is not None:
+        layers, hidden = range(config["num_layers"]), config["num_layers"]
     if layers is not None and tuple(layers) != tuple(routed.layers):
         raise ValueError(f"the routing holds model layers {list(routed.layers)}; the capturer captures "
                          f"{list(layers)} (its layer map)")
-    config = getattr(capturer, "config", {})
+    if hidden is not None and hidden != routed.num_hidden_layers:
+        raise ValueError(f"the routing is of a model of {routed.num_hidden_layers} layers; the capturer's "
+                         f"layer map is of {hidden}")
     if config.get("num_experts") is not None and routed.num_experts != config["num_experts"]:
         raise ValueError(f"the routing's num_experts is {routed.num_experts}; the capturer's is "
                          f"{config['num_experts']} (another model's routing)")
