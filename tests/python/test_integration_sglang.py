@@ -248,6 +248,11 @@ def scenario(sgl, theirs, ours, rng, verify=0, requests=3, prompt=7, steps=4, ov
     a, ta = payloads(sgl, theirs, sched, rids[0], 0, 0)
     b, tb = payloads(sgl, ours, sched, rids[0], 0, 0)
     assert a == b == "" and tuple(tb.shape) == tuple(ta.shape) == (0, NUM_LAYERS, TOP_K)
+    # A position that is no int is refused, not truncated to another position's routing.
+    with pytest.raises(TypeError, match="start_len must be an int, not float"):
+        ours.get_topk(rids[0], 4, sched.pool, start_len=1.5)
+    with pytest.raises(TypeError, match="seqlen must be an int, not float"):
+        ours.get_topk(rids[0], 4.0, sched.pool)
     return sched, checked
 
 
@@ -686,6 +691,12 @@ def test_install_switches_sglangs_factory_and_back(sgl):
         assert isinstance(cap, sgl.adapter.MoecapRoutedExpertsCapturer) and cap.invalid == "raise"
         cap.destroy()
     sgl.adapter.uninstall()
+    assert cls.__dict__["create"] is original and not sgl.adapter.installed()
+    # Options the capturer would refuse later, in the scheduler process, are refused here, installing nothing.
+    with pytest.raises(TypeError, match="unexpected option 'num_expert'; MoecapRoutedExpertsCapturer takes moe_layers"):
+        sgl.adapter.install(num_expert=8)
+    with pytest.raises(ValueError, match=r"invalid must be one of \('omit', 'raise', 'zero'\), not 'nope'"):
+        sgl.adapter.install(invalid="nope")
     assert cls.__dict__["create"] is original and not sgl.adapter.installed()
 
 

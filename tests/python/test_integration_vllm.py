@@ -349,6 +349,12 @@ def test_install_routes_binding_through_the_adapter(vl):
     finally:
         vl.adapter.uninstall()
     assert vl.worker.RoutedExpertsCapturer is vl.re.RoutedExpertsCapturer
+    # Options the worker's capturer would refuse are refused here, installing nothing.
+    with pytest.raises(ValueError, match=r"invalid must be one of \('raise', 'zero'\), not 'omit'"):
+        vl.adapter.install(invalid="omit")
+    with pytest.raises(TypeError, match="unexpected option 'layers'; MoecapRoutedExpertsCapturer takes moe_layers"):
+        vl.adapter.install(layers=(1, 2))
+    assert vl.worker.RoutedExpertsCapturer is vl.re.RoutedExpertsCapturer
 
 
 # --- the payload contract (no vLLM needed) ----------------------------------------------------

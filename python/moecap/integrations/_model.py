@@ -162,3 +162,19 @@ def check_layers(layers, num_hidden_layers):
         raise ValueError(f"moe_layers must be strictly increasing model layers in [0, {num_hidden_layers}), "
                          f"not {list(layers)}")
     return layers
+
+
+def check_install_options(capturer_class, options, invalid_choices):
+    """An adapter's install() options, checked where install() is called: the engine builds the capturer
+    later, in a scheduler or worker process, where a misspelt option would fail far from its cause (or a
+    wrong `invalid` only once a bad id arrived). Each must be a keyword-only parameter of the capturer."""
+    import inspect
+
+    known = [name for name, p in inspect.signature(capturer_class.__init__).parameters.items()
+             if p.kind is p.KEYWORD_ONLY]
+    for name in options:
+        if name not in known:
+            raise TypeError(f"install() got an unexpected option {name!r}; {capturer_class.__name__} takes "
+                            f"{', '.join(known)}")
+    if "invalid" in options and options["invalid"] not in invalid_choices:
+        raise ValueError(f"invalid must be one of {invalid_choices}, not {options['invalid']!r}")

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import Capturer, SLOT_VALID
+from .. import Capturer, SLOT_VALID, _integer
 from ..formats import sglang as sglang_format
 from ..record import LayerMap, RoutedExperts
 from . import _model
@@ -309,9 +309,10 @@ class MoecapRoutedExpertsCapturer:
     def get_topk(self, req_pool_idx, seqlen, req_to_token_pool, start_len=0):
         """int32 [seqlen - 1 - start_len, num_hidden_layers, top_k] (CPU), or None
         under invalid="omit" when a token has no routing."""
+        start_len, seqlen = _integer("start_len", start_len), _integer("seqlen", seqlen)  # 1.5 is no position
         if start_len < 0:
             raise ValueError(f"start_len={start_len} must be non-negative")
-        start_len = min(int(start_len), int(seqlen) - 1)
+        start_len = min(start_len, seqlen - 1)
         slots = req_to_token_pool.req_to_token[req_pool_idx][start_len:seqlen - 1]
         # seqlen 0 clamps start_len to -1, SGLang's own empty slice: no rows from position 0.
         routed = self.read(slots, start=max(start_len, 0))
@@ -435,6 +436,7 @@ def install(**options):
     these keyword options) wherever it would create its own capturer. Idempotent;
     call it in each process before the model runner starts."""
     global _original_create
+    _model.check_install_options(MoecapRoutedExpertsCapturer, options, INVALID)
     module = _sglang()
     cls = module.RoutedExpertsCapturer
     if _original_create is None:

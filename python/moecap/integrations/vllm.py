@@ -241,6 +241,7 @@ def install(**options):
     (with these keyword options: moe_layers, invalid) and bind it. Call it in
     each worker process before the model runner starts."""
     global _original_bind, _original_class
+    _model.check_install_options(MoecapRoutedExpertsCapturer, options, INVALID)
     from vllm.distributed.aux_output_connector import worker
     if _original_class is None:
         _original_class, _original_bind = worker.RoutedExpertsCapturer, worker.bind_routed_experts_capturer
