@@ -25,7 +25,18 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, SupportsIndex, Union, cast
 
-from . import _moecap
+try:
+    from . import _moecap
+except ImportError as _error:
+    if "undefined symbol: moecap_" not in str(_error):
+        raise
+    # The extension's DT_RPATH finds the libmoecap.so.1 beside it, unless one of that SONAME is in the process
+    # already (an engine that dlopened its own first): the loader takes that one, which lacks newer symbols.
+    with open("/proc/self/maps") as _maps:
+        _loaded = sorted({line.split()[-1] for line in _maps if "libmoecap" in line})
+    raise ImportError(f"{_error}: the process loaded another libmoecap.so.1 first ({', '.join(_loaded) or '?'}), "
+                      "older than the one moecap's extension is built for. Import moecap before loading it, or "
+                      "load the one beside moecap's extension") from _error
 from ._errors import MoecapError, Status
 from ._moecap import Buffer, ConfigFlag, DeviceType, DLPackView, Graph, IdDtype, ReadFlag, SlotState, WeightDtype
 

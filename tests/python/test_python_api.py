@@ -680,3 +680,24 @@ def test_a_capturer_an_autograd_graph_holds_at_exit_is_not_reported_as_a_binding
     loud = subprocess.run([sys.executable, "-c", script], env=dict(env, MOECAP_LEAK_WARNINGS="1"),
                           capture_output=True, text=True, timeout=300)
     assert "leaked" in loud.stderr  # the report a search for real leaks turns back on
+
+
+def test_an_older_libmoecap_the_process_loaded_first_is_named_by_the_import_error(tmp_path):
+    """The loader reuses a library of the same SONAME already in the process (an engine that dlopened its own
+    libmoecap.so.1): the extension's newer symbols are missing there, and the import says which library."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in library")
+    older = tmp_path / "libmoecap.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-x", "c", "-", "-o", str(older), "-Wl,-soname,libmoecap.so.1"],
+                   input="int moecap_stand_in;\n", text=True, check=True)
+    script = f"import ctypes; ctypes.CDLL({str(older)!r})\nimport moecap"
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert f"the process loaded another libmoecap.so.1 first ({older})" in done.stderr, done.stderr
+    assert "Import moecap before loading it" in done.stderr

@@ -52,6 +52,17 @@ def test_pip_install_then_import_anywhere(tmp_path):
     _, version, installed_version, _ = out.split(" ", 3)
     assert version == installed_version, out  # __version__ is what pip installed
 
+    # The extension loads the libmoecap.so.1 beside it even where LD_LIBRARY_PATH names another one (an
+    # engine with the C library installed): DT_RPATH, which the loader reads before LD_LIBRARY_PATH; a
+    # DT_RUNPATH comes after it. The decoy has the SONAME and no symbols, so loading it fails the import.
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    run("cc", "-shared", "-fPIC", "-x", "c", "-", "-o", str(decoy / "libmoecap.so.1"), "-Wl,-soname,libmoecap.so.1",
+        input="int moecap_decoy;\n")
+    out = run(str(python), "-c", "import moecap; print([l.split()[-1] for l in open('/proc/self/maps') "
+              "if 'libmoecap' in l][0])", cwd=elsewhere, env=dict(clean_env, LD_LIBRARY_PATH=str(decoy)))
+    assert out.strip().startswith(str(fresh)), out
+
     # The quick start needs NumPy and PyTorch: lend them from this venv by a .pth file, not an env var.
     (fresh_site,) = (fresh / "lib").glob("python3*/site-packages")
     (fresh_site / "lend_numpy_torch.pth").write_text(site.getsitepackages()[0] + "\n")
