@@ -7,6 +7,11 @@
 
 #include "moecap.h"
 
+/* The build names the library it built; compiled on its own, the installed one (its SONAME). */
+#ifndef MOECAP_DEFAULT_LIBRARY
+#define MOECAP_DEFAULT_LIBRARY "libmoecap.so.1"
+#endif
+
 static int failed(const moecap_api* m, moecap_status s, const char* what) {
   if (s == MOECAP_OK) return 0;
   fprintf(stderr, "c_host: %s failed: %s: %s\n", what, m->status_name(s), m->last_error());

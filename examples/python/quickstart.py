@@ -3,7 +3,7 @@
 tokens to their KV slots, read a finished request back, invalidate a freed
 slot, and look at the host cache zero-copy through NumPy.
 
-    pip install .                      # once: the wheel (libmoecap.so.1 + the extension)
+    pip install . numpy torch          # once: the wheel (libmoecap.so.1 + the extension), and what this uses
     python examples/python/quickstart.py
 """
 import numpy as np

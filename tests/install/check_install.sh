@@ -21,6 +21,15 @@ echo "pkg-config: $(pkg-config --cflags --libs moecap)"
 "$cc" "$@" -o "$work/consumer_pc" "$here/consumer.c" $(pkg-config --cflags --libs moecap)
 LD_LIBRARY_PATH=$(pkg-config --variable=libdir moecap) "$work/consumer_pc"
 
+# The C example README calls the complete program, built on its own against the installed header: it
+# dlopens the installed library by its SONAME.
+echo "examples/c_host/c_host.c:"
+# shellcheck disable=SC2046
+"$cc" "$@" -std=c99 -Wall -Wextra -pedantic -Werror -o "$work/c_host" "$here/../../examples/c_host/c_host.c" \
+  $(pkg-config --cflags moecap) -ldl
+LD_LIBRARY_PATH=$(pkg-config --variable=libdir moecap) "$work/c_host" | grep -q "slot 11: layer 0 experts {0, 5}"
+echo "c_host: OK"
+
 echo "find_package:"
 "$cmake" -S "$here/find_package" -B "$work/find_package" -DCMAKE_PREFIX_PATH="$prefix" \
   -DCMAKE_C_COMPILER="$cc" -DCMAKE_C_FLAGS="$*" -DCMAKE_BUILD_TYPE=Release >/dev/null
