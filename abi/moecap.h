@@ -64,6 +64,12 @@
  *   (the Python package's close() waits for its other threads' calls).
  *   Using a capturer after moecap_destroy is undefined behaviour (debug builds
  *   detect it and return MOECAP_ERROR_INVALID_ARGUMENT).
+ * - fork(): a capturer and its graphs belong to the process that created
+ *   them. The child of a fork must not call moecap on them, moecap_destroy
+ *   included: a thread of the parent may hold the lock at the fork, and on
+ *   CUDA the context does not cross it. The child creates its own (the
+ *   Python package refuses the parent's objects there and leaks them on
+ *   close).
  */
 #ifndef MOECAP_H_
 #define MOECAP_H_

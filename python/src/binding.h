@@ -7,6 +7,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <vector>
@@ -33,14 +34,18 @@ class Tensor : public nb::object {
 // pthread_exit, whose unwinding through a destructor (noexcept) aborted the
 // process. That thread waits instead for the process to exit, as Python 3.14
 // makes such threads wait.
+// `uncount`, where given, is decremented before the GIL is taken back: a
+// count of calls in progress that must not keep counting a thread Python
+// parks there at exit (module.cpp's Capturer::InFlight).
 class GilRelease {
  public:
-  GilRelease() : state_(PyEval_SaveThread()) {}
+  explicit GilRelease(std::atomic<int>* uncount = nullptr) : uncount_(uncount), state_(PyEval_SaveThread()) {}
   ~GilRelease();
   GilRelease(const GilRelease&) = delete;
   GilRelease& operator=(const GilRelease&) = delete;
 
  private:
+  std::atomic<int>* uncount_;
   PyThreadState* state_;
 };
 

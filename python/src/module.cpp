@@ -7,6 +7,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -23,6 +27,29 @@ namespace {
 [[noreturn]] void closed() {
   throw nb::value_error("moecap: the capturer is closed");
 }
+
+// Forks this process has been through (pthread_atfork's child handler,
+// registered at import), and where an object was made: a capturer or graph
+// made before a fork is the parent's. The child has a copy of its memory but
+// not the threads that may hold its lock at the fork (a call in progress on
+// another thread: the child's first call on it, or close(), waited forever),
+// nor, on CUDA, its context. There it refuses every call, and dropping or
+// closing it leaks the handle rather than take that lock.
+std::atomic<uint64_t> forks{0};
+
+struct Birth {
+  uint64_t forks_then = forks.load(std::memory_order_relaxed);
+  long pid = static_cast<long>(getpid());
+  bool inherited() const { return forks.load(std::memory_order_relaxed) != forks_then; }
+  void check(const char* what) const {
+    if (inherited()) {
+      throw nb::value_error(("moecap: this " + std::string(what) + " was made in process " + std::to_string(pid) +
+                             " before a fork; it belongs to that process (the threads that may hold its lock, and "
+                             "on CUDA its context, do not cross a fork): make one in this process")
+                                .c_str());
+    }
+  }
+};
 
 nb::dict plan_dict(const moecap_plan_info& p) {
   nb::dict d;
@@ -75,7 +102,9 @@ class Graph {
         commits_(std::move(commits)) {}
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
-  ~Graph() { moecap_graph_destroy(graph_); }
+  ~Graph() {
+    if (!birth_.inherited()) moecap_graph_destroy(graph_);  // the parent's (Birth): leaked
+  }
 
   void launch(nb::handle stream) {
     void* s = resolve_stream(stream, device_type_, device_id_);
@@ -88,7 +117,7 @@ class Graph {
     return reinterpret_cast<uintptr_t>(cu_graph);
   }
   void close() {
-    check(moecap_graph_destroy(graph_));
+    if (!birth_.inherited()) check(moecap_graph_destroy(graph_));
     graph_ = nullptr;
     clear();
   }
@@ -101,7 +130,7 @@ class Graph {
     return 0;
   }
   void clear() {
-    moecap_graph_destroy(graph_);  // NULL (closed): a no-op
+    if (!birth_.inherited()) moecap_graph_destroy(graph_);  // NULL (closed): a no-op
     graph_ = nullptr;
     keep_ = nb::list();
   }
@@ -109,9 +138,11 @@ class Graph {
  private:
   moecap_graph* live() {
     if (graph_ == nullptr) throw nb::value_error("moecap: the graph is closed");
+    birth_.check("graph");
     return graph_;
   }
   moecap_graph* graph_;
+  Birth birth_;
   nb::list keep_;
   int32_t device_type_, device_id_;
   std::shared_ptr<uint64_t> commits_;
@@ -128,6 +159,7 @@ class Capturer {
   Capturer(const Capturer&) = delete;
   Capturer& operator=(const Capturer&) = delete;
   ~Capturer() {
+    if (birth_.inherited()) return;  // the parent's (Birth): leaked
     abandon_recording();
     moecap_destroy(handle_);
   }
@@ -157,14 +189,20 @@ class Capturer {
     return elapsed.count() / static_cast<double>(iterations);
   }
 
-  // A call that releases the GIL around the C call holds one of these
-  // (made and dropped with the GIL held) so that close() on another thread
+  // A call that releases the GIL around the C call holds one of these (made
+  // with the GIL held, before the release) so that close() on another thread
   // waits for it: moecap_destroy must not run while a call on the same
-  // capturer is in progress.
+  // capturer is in progress. The GilRelease that follows it uncounts it as
+  // soon as the C call returned, before taking the GIL back
+  // (`GilRelease unlocked(busy.until_return())`): at exit Python parks for
+  // good a daemon thread that asks for the GIL, and a close() from a __del__
+  // then waited for that thread forever. Nothing after the C call uses the
+  // handle.
   class InFlight {
    public:
     // recordable: a call a graph may record (commit, invalidate), which
-    // graph_begin and graph_end wait for too.
+    // graph_begin and graph_end wait for until its bookkeeping after the C
+    // call (held(), the commit count) is done, with the GIL back.
     explicit InFlight(Capturer& c, bool recordable = false) : c_(c), recordable_(recordable) {
       ++c_.in_flight_;
       if (recordable_) ++c_.recordable_in_flight_;
@@ -172,13 +210,19 @@ class Capturer {
     InFlight(const InFlight&) = delete;
     InFlight& operator=(const InFlight&) = delete;
     ~InFlight() {
-      --c_.in_flight_;
+      if (!uncounted_at_return_) --c_.in_flight_;
       if (recordable_) --c_.recordable_in_flight_;
+    }
+    // The count for the GilRelease after it to drop when the C call returns.
+    std::atomic<int>* until_return() {
+      uncounted_at_return_ = true;
+      return &c_.in_flight_;
     }
 
    private:
     Capturer& c_;
     bool recordable_;
+    bool uncounted_at_return_ = false;
   };
 
   void commit(Tensor dst_slots, Index src_start, Tensor src_rows, nb::handle stream) {
@@ -194,7 +238,7 @@ class Capturer {
     moecap_status status;
     {
       InFlight busy(*this, true);
-      GilRelease unlocked;
+      GilRelease unlocked(busy.until_return());
       status = moecap_commit(h, &args, s);
     }
     check(status, {{"args->", ""}});
@@ -218,7 +262,7 @@ class Capturer {
     moecap_status status;
     {
       InFlight busy(*this);
-      GilRelease unlocked;
+      GilRelease unlocked(busy.until_return());
       const uint32_t flags = (nonblocking ? MOECAP_READ_NONBLOCKING : 0u) | (strict ? MOECAP_READ_STRICT : 0u);
       status = moecap_read(h, s.get(), ids.get_mut(), w, flags, st);
     }
@@ -237,7 +281,7 @@ class Capturer {
     moecap_status status;
     {
       InFlight busy(*this);
-      GilRelease unlocked;
+      GilRelease unlocked(busy.until_return());
       status = moecap_write(h, s.get(), i.get(), wp, st);
     }
     check(status, {{"weights is NULL", "weights is None"}});
@@ -254,7 +298,7 @@ class Capturer {
     {
       // With host slots, it may wait for a snapshot-ring entry in use.
       InFlight busy(*this, true);
-      GilRelease unlocked;
+      GilRelease unlocked(busy.until_return());
       status = moecap_invalidate(h, s.get(), st);
     }
     check(status);
@@ -264,7 +308,9 @@ class Capturer {
   // MOECAP_FLAG_SIDE_STREAM: `stream` waits for the work forked so far; the
   // tensors that work read are released (a reuse now comes after the join).
   void join(nb::handle stream) {
-    check(moecap_join(live(), resolve_stream(stream, device_type_, device_id_)));
+    void* s = resolve_stream(stream, device_type_, device_id_);
+    // Recordable: a graph does not begin or end between the join and the release of what it joined.
+    check(call_taking_lock([s](moecap_capturer* h) { return moecap_join(h, s); }, true));
     if (!recording_on_) forked_ = nb::list();
   }
 
@@ -273,7 +319,7 @@ class Capturer {
     moecap_status status;
     {
       InFlight busy(*this);
-      GilRelease unlocked;
+      GilRelease unlocked(busy.until_return());
       status = moecap_synchronize(h);
     }
     check(status);
@@ -286,7 +332,7 @@ class Capturer {
     {
       // It waits for every commit: a monitoring thread must not stall the engine's.
       InFlight busy(*this);
-      GilRelease unlocked;
+      GilRelease unlocked(busy.until_return());
       status = moecap_get_errors(h, &e, clear ? MOECAP_ERRORS_CLEAR : 0u);
     }
     check(status);
@@ -363,6 +409,7 @@ class Capturer {
 
   // Before a commit or invalidate counts itself in flight.
   void pass_graph_gate() {
+    birth_.check("capturer");  // a count inherited from another process never drops
     wait_until([this] { return graph_waiting_ == 0; });
   }
 
@@ -379,13 +426,14 @@ class Capturer {
     if (recordable) pass_graph_gate();
     moecap_capturer* h = live();
     InFlight busy(*this, recordable);
-    GilRelease unlocked;
+    GilRelease unlocked(busy.until_return());
     return c_call(h);
   }
 
   void graph_begin(nb::handle stream) {
     void* s = resolve_stream(stream, device_type_, device_id_);
     nb::list fresh;
+    live();  // before waiting on counts another process may have left
     const GraphGate gate(*this);
     wait_until([this] { return recordable_in_flight_ == 0; });
     check(moecap_graph_begin(live(), s));
@@ -399,6 +447,7 @@ class Capturer {
     moecap_graph* graph = nullptr;
     nb::list keep;
     {
+      live();  // before waiting on counts another process may have left
       const GraphGate gate(*this);
       wait_until([this] { return recordable_in_flight_ == 0; });
       check(moecap_graph_end(live(), &graph));
@@ -414,6 +463,11 @@ class Capturer {
   // during the wait leaves the capturer open and usable.
   void close() {
     if (handle_ == nullptr) return;
+    if (birth_.inherited()) {  // the parent's (Birth): leaked, and closed here
+      handle_ = nullptr;
+      recording_on_ = false;
+      return;
+    }
     closing_ = true;
     try {
       wait_until([this] { return in_flight_ == 0; });
@@ -455,6 +509,10 @@ class Capturer {
     return 0;
   }
   void clear() {
+    if (birth_.inherited()) {
+      handle_ = nullptr;  // the parent's (Birth): leaked
+      recording_on_ = false;
+    }
     abandon_recording();
     if (handle_ != nullptr && moecap_destroy(handle_) == MOECAP_OK) handle_ = nullptr;
     recording_ = nb::list();
@@ -468,6 +526,7 @@ class Capturer {
  private:
   moecap_capturer* live() {
     if (handle_ == nullptr || closing_) closed();
+    birth_.check("capturer");
     return handle_;
   }
   nb::list* recording() { return recording_on_ ? &recording_ : nullptr; }
@@ -480,8 +539,11 @@ class Capturer {
   nb::list* held() { return recording_on_ ? &recording_ : side_stream_ ? &forked_ : nullptr; }
 
   moecap_capturer* handle_ = nullptr;
-  int in_flight_ = 0;     // calls between InFlight's constructor and destructor (the GIL guards it)
-  int recordable_in_flight_ = 0;  // ... of them, commits and invalidations
+  Birth birth_;
+  // Calls from InFlight's constructor until their C call returned: counted with the GIL held, uncounted
+  // without it (GilRelease), hence atomic.
+  std::atomic<int> in_flight_{0};
+  int recordable_in_flight_ = 0;  // ... commits and invalidations, until InFlight's destructor (the GIL guards it)
   int graph_waiting_ = 0;         // graph_begin / graph_end waiting for those: new ones wait
   // Commits that returned OK through this object or a graph of its recording (moecap.hf reads it).
   std::shared_ptr<uint64_t> commits_ = std::make_shared<uint64_t>(0);
@@ -636,6 +698,7 @@ using namespace moecap_python;
 
 NB_MODULE(_moecap, m) {
   m.doc() = "libmoecap.so's C ABI, called directly (the moecap package wraps it).";
+  pthread_atfork(nullptr, nullptr, [] { forks.fetch_add(1, std::memory_order_relaxed); });
   // A Capturer still referenced at exit from what Python never frees there (a torch autograd graph that saved
   // one: hf.attach's hooks under gradient checkpointing) made nanobind report moecap's types as leaked, "likely
   // caused by a reference counting issue in the binding code", which it is not. MOECAP_LEAK_WARNINGS=1 turns

@@ -456,6 +456,90 @@ def test_a_daemon_thread_inside_a_call_when_the_interpreter_exits_does_not_abort
     assert done.returncode == 0 and done.stdout == "flushed\n", done.stderr[-500:]
 
 
+def test_close_from_a_del_at_exit_does_not_wait_for_a_daemon_thread_parked_in_a_call():
+    """At exit Python parks for good a daemon thread that takes the GIL back after its C call; close() (an
+    engine's teardown in a __del__) waited for that call to end, forever."""
+    import subprocess
+    import sys
+
+    script = """if True:
+        import os, threading, time, numpy as np, moecap
+        ns = {}
+        exec("def loop(cap, slots, out):\\n    while True:\\n        cap.read(slots, out=out)\\n", ns)
+        class Engine:
+            def __init__(self, cap): self.cap = cap
+            def __del__(self, write=os.write):
+                self.cap.close(); write(1, b"closed\\n")
+        def main():
+            cap = moecap.Capturer(num_layers=8, top_k=8, num_experts=64, host_slots=1 << 18, max_running_requests=8)
+            slots = np.random.default_rng(0).integers(0, 1 << 18, 1 << 20)
+            out = np.empty((len(slots), 8, 8), np.uint8)
+            threading.Thread(target=ns["loop"], args=(cap, slots, out), daemon=True).start()
+            time.sleep(0.2)
+            return Engine(cap)
+        engine = main()
+    """
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout == "closed\n", (done.returncode, done.stderr[-500:])
+
+
+def test_a_capturer_made_before_a_fork_is_refused_in_the_child_and_left_to_the_parent():
+    """The child of a fork has a copy of the capturer but not the thread that may hold its lock (here one
+    inside a long read): its first call, or close(), waited forever. It refuses every call there, and closing
+    or dropping it leaks the handle; the parent goes on using it."""
+    import os
+    import threading
+    import time
+
+    cap = moecap.Capturer(num_layers=8, top_k=8, num_experts=64, host_slots=1 << 18, max_running_requests=8)
+    cap.capture(0, np.ones((2, 8), np.int32))
+    cap.commit(np.array([3, 4]))
+    slots = np.random.default_rng(0).integers(0, 1 << 18, 1 << 20)
+    out = np.empty((len(slots), 8, 8), np.uint8)
+    stop = threading.Event()
+
+    def monitor():
+        while not stop.is_set():
+            cap.read(slots, out=out)
+
+    reader = threading.Thread(target=monitor)
+    reader.start()
+    time.sleep(0.1)
+    parent = os.getpid()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's teardown
+        report = []
+        for call in (lambda: cap.read(np.array([3])), lambda: cap.capture(0, np.ones((1, 8), np.int32)),
+                     lambda: cap.commit(np.array([5])), lambda: cap.graph_begin()):
+            try:
+                call()
+                report.append("ran")
+            except ValueError as e:
+                report.append(str(e))
+        cap.close()
+        report.append(str(cap.closed))
+        os.write(write, "\n".join(report).encode())
+        os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG)[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the child hung")
+        time.sleep(0.05)
+    with os.fdopen(read) as f:
+        report = f.read().split("\n")
+    stop.set()
+    reader.join()
+    expected = (f"moecap: this capturer was made in process {parent} before a fork; it belongs to that process (the "
+                "threads that may hold its lock, and on CUDA its context, do not cross a fork): make one in this process")
+    assert report == [expected] * 4 + ["True"], report
+    assert cap.read(np.array([3, 4]))[:, 0].tolist() == [[1] * 8, [1] * 8]  # the parent's, untouched
+
+
 def test_a_capturer_dropped_while_it_records_a_graph_frees_its_memory():
     import gc
 
