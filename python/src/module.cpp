@@ -96,19 +96,32 @@ void keep_alive(nb::list* holder, const Borrowed& a, const Borrowed& b) {
 class Graph {
  public:
   // commits: the capturer's count of commits, where the graph holds one (each launch is one more).
+  // in_flight: the capturer's count of calls in progress without the GIL.
   Graph(moecap_graph* graph, nb::list keep, int32_t device_type, int32_t device_id,
-        std::shared_ptr<uint64_t> commits)
+        std::shared_ptr<uint64_t> commits, std::shared_ptr<std::atomic<int>> in_flight)
       : graph_(graph), keep_(std::move(keep)), device_type_(device_type), device_id_(device_id),
-        commits_(std::move(commits)) {}
+        commits_(std::move(commits)), in_flight_(std::move(in_flight)) {}
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
   ~Graph() {
     if (!birth_.inherited()) moecap_graph_destroy(graph_);  // the parent's (Birth): leaked
   }
 
+  // As the capturer's call_taking_lock: with the GIL held unless a call on another thread released it (that
+  // call may hold the capturer's lock, and a replay of recorded commits on the host backend takes a while);
+  // then counted in flight, so that the capturer's close() waits for it.
   void launch(nb::handle stream) {
     void* s = resolve_stream(stream, device_type_, device_id_);
-    check(moecap_graph_launch(live(), s));
+    moecap_graph* graph = live();
+    moecap_status status;
+    if (*in_flight_ == 0) {
+      status = moecap_graph_launch(graph, s);
+    } else {
+      ++*in_flight_;
+      GilRelease unlocked(in_flight_.get());
+      status = moecap_graph_launch(graph, s);
+    }
+    check(status);
     if (commits_) ++*commits_;
   }
   uintptr_t native() {
@@ -146,6 +159,7 @@ class Graph {
   nb::list keep_;
   int32_t device_type_, device_id_;
   std::shared_ptr<uint64_t> commits_;
+  std::shared_ptr<std::atomic<int>> in_flight_;
 };
 
 class Capturer {
@@ -204,19 +218,19 @@ class Capturer {
     // graph_begin and graph_end wait for until its bookkeeping after the C
     // call (held(), the commit count) is done, with the GIL back.
     explicit InFlight(Capturer& c, bool recordable = false) : c_(c), recordable_(recordable) {
-      ++c_.in_flight_;
+      ++*c_.in_flight_;
       if (recordable_) ++c_.recordable_in_flight_;
     }
     InFlight(const InFlight&) = delete;
     InFlight& operator=(const InFlight&) = delete;
     ~InFlight() {
-      if (!uncounted_at_return_) --c_.in_flight_;
+      if (!uncounted_at_return_) --*c_.in_flight_;
       if (recordable_) --c_.recordable_in_flight_;
     }
     // The count for the GilRelease after it to drop when the C call returns.
     std::atomic<int>* until_return() {
       uncounted_at_return_ = true;
-      return &c_.in_flight_;
+      return c_.in_flight_.get();
     }
 
    private:
@@ -422,7 +436,7 @@ class Capturer {
   // reacquire on the hot path. recordable: a graph may record the call.
   template <class Call>
   moecap_status call_taking_lock(Call c_call, bool recordable) {
-    if (in_flight_ == 0) return c_call(live());
+    if (*in_flight_ == 0) return c_call(live());
     if (recordable) pass_graph_gate();
     moecap_capturer* h = live();
     InFlight busy(*this, recordable);
@@ -455,7 +469,8 @@ class Capturer {
       recording_ = std::move(fresh);
       recording_on_ = false;
     }
-    return new Graph(graph, std::move(keep), device_type_, device_id_, recorded_commit_ ? commits_ : nullptr);
+    return new Graph(graph, std::move(keep), device_type_, device_id_, recorded_commit_ ? commits_ : nullptr,
+                     in_flight_);
   }
 
   // Waits for calls in progress on other threads (they released the GIL),
@@ -470,7 +485,7 @@ class Capturer {
     }
     closing_ = true;
     try {
-      wait_until([this] { return in_flight_ == 0; });
+      wait_until([this] { return *in_flight_ == 0; });
     } catch (...) {
       closing_ = false;
       throw;
@@ -541,8 +556,8 @@ class Capturer {
   moecap_capturer* handle_ = nullptr;
   Birth birth_;
   // Calls from InFlight's constructor until their C call returned: counted with the GIL held, uncounted
-  // without it (GilRelease), hence atomic.
-  std::atomic<int> in_flight_{0};
+  // without it (GilRelease), hence atomic. Shared with the capturer's graphs, whose launches count there.
+  std::shared_ptr<std::atomic<int>> in_flight_ = std::make_shared<std::atomic<int>>(0);
   int recordable_in_flight_ = 0;  // ... commits and invalidations, until InFlight's destructor (the GIL guards it)
   int graph_waiting_ = 0;         // graph_begin / graph_end waiting for those: new ones wait
   // Commits that returned OK through this object or a graph of its recording (moecap.hf reads it).

@@ -350,15 +350,24 @@ def test_close_waits_for_calls_in_progress_on_other_threads():
     assert len(outcomes) == 600 and "closed" in outcomes
 
 
-def test_a_capture_waiting_for_a_long_read_on_another_thread_lets_other_python_threads_run():
-    # The read releases the GIL and holds the capturer's lock while it fills its output; a capture on a
-    # second thread waits for that lock. It used to wait with the GIL held: no Python thread ran until the
-    # read ended (the main thread's ticks below stopped for the whole wait).
+@pytest.mark.parametrize("call", ["capture", "join", "graph launch"])
+def test_a_call_waiting_for_a_long_read_on_another_thread_lets_other_python_threads_run(call):
+    # The read releases the GIL and holds the capturer's lock while it fills its output; a capture (a join, a
+    # graph's launch) on a second thread waits for that lock. It used to wait with the GIL held: no Python
+    # thread ran until the read ended (the main thread's ticks below stopped for the whole wait).
     import sys
     import threading
     import time
 
-    cap = moecap.Capturer(num_layers=64, top_k=8, num_experts=128, host_slots=32768, max_running_requests=8)
+    cap = moecap.Capturer(num_layers=64, top_k=8, num_experts=128, host_slots=32768, max_running_requests=8,
+                          side_stream=call == "join")
+    graph = None
+    if call == "graph launch":
+        cap.graph_begin()
+        cap.capture(0, np.zeros((1, 8), np.int32))
+        graph = cap.graph_end()
+    second = {"capture": lambda: cap.capture(0, np.zeros((1, 8), np.int32)), "join": lambda: cap.join(),
+              "graph launch": lambda: graph.launch()}[call]
     slots = np.arange(32768)
     waits = []
     switch_interval = sys.getswitchinterval()
@@ -377,7 +386,7 @@ def test_a_capture_waiting_for_a_long_read_on_another_thread_lets_other_python_t
                 reading.wait()
                 time.sleep(0.002)  # the reader is inside the library by now
                 start = time.perf_counter()
-                cap.capture(0, np.zeros((1, 8), np.int32))
+                second()
                 window.extend((start, time.perf_counter()))
 
             threads = [threading.Thread(target=reader), threading.Thread(target=capturer)]
@@ -397,11 +406,13 @@ def test_a_capture_waiting_for_a_long_read_on_another_thread_lets_other_python_t
             if end - start > 0.01 and longest_pause < 0.5 * (end - start):
                 break
         else:
-            pytest.fail(f"in no attempt did the main thread run while a capture waited for a read "
+            pytest.fail(f"in no attempt did the main thread run while the {call} waited for a read "
                         f"(each attempt's wait and longest pause, in s): {waits}")
     finally:
         sys.setswitchinterval(switch_interval)
     assert out[0, 0, 0] == -1  # the read itself ran: slot 0 holds no routing
+    if graph is not None:
+        graph.close()
     cap.close()
 
 
