@@ -34,7 +34,11 @@ except ImportError as _error:
     # already (an engine that dlopened its own first): the loader takes that one, which lacks newer symbols.
     with open("/proc/self/maps") as _maps:
         _loaded = sorted({line.split()[-1] for line in _maps if "libmoecap" in line})
-    raise ImportError(f"{_error}: the process loaded another libmoecap.so.1 first ({', '.join(_loaded) or '?'}), "
+    if not _loaded:  # the failed load unloaded what it found: the one beside the extension is the older
+        raise ImportError(f"{_error}: the libmoecap.so.1 moecap's extension found beside it (or on its RPATH) is "
+                          "older than the extension (a stale build directory, or files of two installs mixed): "
+                          "reinstall moecap") from _error
+    raise ImportError(f"{_error}: the process loaded another libmoecap.so.1 first ({', '.join(_loaded)}), "
                       "older than the one moecap's extension is built for. Import moecap before loading it, or "
                       "load the one beside moecap's extension") from _error
 from ._errors import MoecapError, Status

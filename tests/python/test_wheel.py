@@ -68,3 +68,12 @@ def test_pip_install_then_import_anywhere(tmp_path):
     (fresh_site / "lend_numpy_torch.pth").write_text(site.getsitepackages()[0] + "\n")
     out = run(str(python), str(ROOT / "examples" / "python" / "quickstart.py"), cwd=elsewhere, env=clean_env)
     assert "refused as it should be: OUT_OF_RANGE" in out
+
+    # The package's own library older than its extension (files of two installs mixed): the import says so.
+    (own,) = (fresh_site / "moecap").glob("libmoecap.so.1")
+    own.write_bytes((decoy / "libmoecap.so.1").read_bytes())
+    failed = subprocess.run([str(python), "-c", "import moecap"], capture_output=True, text=True, cwd=elsewhere,
+                            env=clean_env)
+    assert failed.returncode != 0
+    assert "the libmoecap.so.1 moecap's extension found beside it (or on its RPATH) is older than the extension" \
+        in failed.stderr, failed.stderr
