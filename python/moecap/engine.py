@@ -333,14 +333,16 @@ def write_routed(capturer: Capturer, slots: Slots, routed: RoutedExperts) -> Non
     config = getattr(capturer, "config", {})
     # Without a map the capturer's layers are the model's, every one MoE (what a read of it reports).
     layers, hidden = getattr(capturer, "layer_map", None) or (None, None)
+    source = "its layer map"
     if layers is None and config.get("num_layers") is not None:
         layers, hidden = range(config["num_layers"]), config["num_layers"]
+        source = "every model layer: it has no layer map"
     if layers is not None and tuple(layers) != tuple(routed.layers):
         raise ValueError(f"the routing holds model layers {list(routed.layers)}; the capturer captures "
-                         f"{list(layers)} (its layer map)")
+                         f"{list(layers)} ({source})")
     if hidden is not None and hidden != routed.num_hidden_layers:
-        raise ValueError(f"the routing is of a model of {routed.num_hidden_layers} layers; the capturer's "
-                         f"layer map is of {hidden}")
+        raise ValueError(f"the routing is of a model of {routed.num_hidden_layers} layers; the capturer's is of "
+                         f"{hidden} ({source})")
     if config.get("num_experts") is not None and routed.num_experts != config["num_experts"]:
         raise ValueError(f"the routing's num_experts is {routed.num_experts}; the capturer's is "
                          f"{config['num_experts']} (another model's routing)")
