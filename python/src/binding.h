@@ -34,18 +34,22 @@ class Tensor : public nb::object {
 // pthread_exit, whose unwinding through a destructor (noexcept) aborted the
 // process. That thread waits instead for the process to exit, as Python 3.14
 // makes such threads wait.
-// `uncount`, where given, is decremented before the GIL is taken back: a
-// count of calls in progress that must not keep counting a thread Python
-// parks there at exit (module.cpp's Capturer::InFlight).
+// `in_flight`, where given, counts the call in progress: from before the GIL
+// is released until the call is over, before the GIL is taken back, so that
+// a thread Python parks there at exit is not counted forever (module.cpp's
+// Capturer::close() waits for the count).
 class GilRelease {
  public:
-  explicit GilRelease(std::atomic<int>* uncount = nullptr) : uncount_(uncount), state_(PyEval_SaveThread()) {}
+  explicit GilRelease(std::atomic<int>* in_flight = nullptr) : in_flight_(in_flight) {
+    if (in_flight_ != nullptr) ++*in_flight_;
+    state_ = PyEval_SaveThread();
+  }
   ~GilRelease();
   GilRelease(const GilRelease&) = delete;
   GilRelease& operator=(const GilRelease&) = delete;
 
  private:
-  std::atomic<int>* uncount_;
+  std::atomic<int>* in_flight_;
   PyThreadState* state_;
 };
 

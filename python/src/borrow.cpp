@@ -339,7 +339,7 @@ void borrow_ndarray(const Array& a, Borrowed& out, const char* name, nb::handle 
 }  // namespace
 
 GilRelease::~GilRelease() {
-  if (uncount_ != nullptr) uncount_->fetch_sub(1);
+  if (in_flight_ != nullptr) --*in_flight_;
 #ifdef __GLIBCXX__
   // Python (<= 3.13) ends a thread other than the finalizing one that takes
   // the GIL back during finalization with pthread_exit; its unwinding is

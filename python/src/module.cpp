@@ -117,7 +117,6 @@ class Graph {
     if (*in_flight_ == 0) {
       status = moecap_graph_launch(graph, s);
     } else {
-      ++*in_flight_;
       GilRelease unlocked(in_flight_.get());
       status = moecap_graph_launch(graph, s);
     }
@@ -203,40 +202,28 @@ class Capturer {
     return elapsed.count() / static_cast<double>(iterations);
   }
 
-  // A call that releases the GIL around the C call holds one of these (made
-  // with the GIL held, before the release) so that close() on another thread
-  // waits for it: moecap_destroy must not run while a call on the same
-  // capturer is in progress. The GilRelease that follows it uncounts it as
-  // soon as the C call returned, before taking the GIL back
-  // (`GilRelease unlocked(busy.until_return())`): at exit Python parks for
-  // good a daemon thread that asks for the GIL, and a close() from a __del__
-  // then waited for that thread forever. Nothing after the C call uses the
-  // handle.
-  class InFlight {
+  // A call that releases the GIL around its C call does so with
+  // `GilRelease unlocked(in_flight_.get())`, which counts it in flight so
+  // that close() on another thread waits for it: moecap_destroy must not run
+  // while a call on the same capturer is in progress. Nothing after the C
+  // call uses the handle. A call a graph may record (commit, invalidate, and
+  // capture or join when they release the GIL) also holds one of these, made
+  // first: graph_begin and graph_end wait for it until its bookkeeping after
+  // the C call (held(), the commit count) is done, with the GIL back.
+  class Recordable {
    public:
-    // recordable: a call a graph may record (commit, invalidate), which
-    // graph_begin and graph_end wait for until its bookkeeping after the C
-    // call (held(), the commit count) is done, with the GIL back.
-    explicit InFlight(Capturer& c, bool recordable = false) : c_(c), recordable_(recordable) {
-      ++*c_.in_flight_;
+    explicit Recordable(Capturer& c, bool recordable = true) : c_(c), recordable_(recordable) {
       if (recordable_) ++c_.recordable_in_flight_;
     }
-    InFlight(const InFlight&) = delete;
-    InFlight& operator=(const InFlight&) = delete;
-    ~InFlight() {
-      if (!uncounted_at_return_) --*c_.in_flight_;
+    Recordable(const Recordable&) = delete;
+    Recordable& operator=(const Recordable&) = delete;
+    ~Recordable() {
       if (recordable_) --c_.recordable_in_flight_;
-    }
-    // The count for the GilRelease after it to drop when the C call returns.
-    std::atomic<int>* until_return() {
-      uncounted_at_return_ = true;
-      return c_.in_flight_.get();
     }
 
    private:
     Capturer& c_;
     bool recordable_;
-    bool uncounted_at_return_ = false;
   };
 
   void commit(Tensor dst_slots, Index src_start, Tensor src_rows, nb::handle stream) {
@@ -251,8 +238,8 @@ class Capturer {
     moecap_capturer* h = live();
     moecap_status status;
     {
-      InFlight busy(*this, true);
-      GilRelease unlocked(busy.until_return());
+      Recordable recorded(*this);
+      GilRelease unlocked(in_flight_.get());
       status = moecap_commit(h, &args, s);
     }
     check(status, {{"args->", ""}});
@@ -275,8 +262,7 @@ class Capturer {
     moecap_capturer* h = live();
     moecap_status status;
     {
-      InFlight busy(*this);
-      GilRelease unlocked(busy.until_return());
+      GilRelease unlocked(in_flight_.get());
       const uint32_t flags = (nonblocking ? MOECAP_READ_NONBLOCKING : 0u) | (strict ? MOECAP_READ_STRICT : 0u);
       status = moecap_read(h, s.get(), ids.get_mut(), w, flags, st);
     }
@@ -294,8 +280,7 @@ class Capturer {
     moecap_capturer* h = live();
     moecap_status status;
     {
-      InFlight busy(*this);
-      GilRelease unlocked(busy.until_return());
+      GilRelease unlocked(in_flight_.get());
       status = moecap_write(h, s.get(), i.get(), wp, st);
     }
     check(status, {{"weights is NULL", "weights is None"}});
@@ -311,8 +296,8 @@ class Capturer {
     moecap_status status;
     {
       // With host slots, it may wait for a snapshot-ring entry in use.
-      InFlight busy(*this, true);
-      GilRelease unlocked(busy.until_return());
+      Recordable recorded(*this);
+      GilRelease unlocked(in_flight_.get());
       status = moecap_invalidate(h, s.get(), st);
     }
     check(status);
@@ -332,8 +317,7 @@ class Capturer {
     moecap_capturer* h = live();
     moecap_status status;
     {
-      InFlight busy(*this);
-      GilRelease unlocked(busy.until_return());
+      GilRelease unlocked(in_flight_.get());
       status = moecap_synchronize(h);
     }
     check(status);
@@ -345,8 +329,7 @@ class Capturer {
     moecap_status status;
     {
       // It waits for every commit: a monitoring thread must not stall the engine's.
-      InFlight busy(*this);
-      GilRelease unlocked(busy.until_return());
+      GilRelease unlocked(in_flight_.get());
       status = moecap_get_errors(h, &e, clear ? MOECAP_ERRORS_CLEAR : 0u);
     }
     check(status);
@@ -439,8 +422,8 @@ class Capturer {
     if (*in_flight_ == 0) return c_call(live());
     if (recordable) pass_graph_gate();
     moecap_capturer* h = live();
-    InFlight busy(*this, recordable);
-    GilRelease unlocked(busy.until_return());
+    Recordable recorded(*this, recordable);
+    GilRelease unlocked(in_flight_.get());
     return c_call(h);
   }
 
@@ -555,10 +538,10 @@ class Capturer {
 
   moecap_capturer* handle_ = nullptr;
   Birth birth_;
-  // Calls from InFlight's constructor until their C call returned: counted with the GIL held, uncounted
-  // without it (GilRelease), hence atomic. Shared with the capturer's graphs, whose launches count there.
+  // Calls from before their GIL release until their C call returned (GilRelease): counted with the GIL held,
+  // uncounted without it, hence atomic. Shared with the capturer's graphs, whose launches count there.
   std::shared_ptr<std::atomic<int>> in_flight_ = std::make_shared<std::atomic<int>>(0);
-  int recordable_in_flight_ = 0;  // ... commits and invalidations, until InFlight's destructor (the GIL guards it)
+  int recordable_in_flight_ = 0;  // ... of them, those a graph may record, until Recordable's end (the GIL guards it)
   int graph_waiting_ = 0;         // graph_begin / graph_end waiting for those: new ones wait
   // Commits that returned OK through this object or a graph of its recording (moecap.hf reads it).
   std::shared_ptr<uint64_t> commits_ = std::make_shared<uint64_t>(0);

@@ -2,9 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # MOECAP_CUDA takes AUTO (or empty), ON, OFF and their usual spellings (1,
 # TRUE, YES, Y; 0, FALSE, NO, N) in any case; anything else stops the
-# configure naming the value. (Read
-# as strings, "off" once built the kernels and "on" without nvcc the host
-# backend alone.) Each case configures the library only.
+# configure naming the value. (Read as strings, "off" once built the kernels
+# and "on" without nvcc the host backend alone.) Each case configures the
+# library only.
 # Usage: check_cuda_option.sh <moecap source> <cmake> <kernels found by the including build: ON/OFF>
 set -euo pipefail
 source=$1 cmake=$2 have_kernels=$3
