@@ -91,10 +91,12 @@ def _is_copy(handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> bo
     return handed is not None and real is not None and handed.data_ptr() != real.data_ptr()
 
 
-def _refuse_host_copy(op: str, name: str, handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> None:
-    # Keeping a copy of the host cache in step would cost the whole cache (GBs)
-    # per call, and on CUDA the host-side copy would race the commit kernel
-    # still writing that pinned memory: refuse instead.
+def _check_host_buffer(op: str, name: str, handed: Optional[torch.Tensor], real: Optional[torch.Tensor]) -> None:
+    # As a device buffer (_check_handed), and never a copy: keeping a copy of
+    # the host cache in step would cost the whole cache (GBs) per call, and on
+    # CUDA the host-side copy would race the commit kernel still writing that
+    # pinned memory: refuse instead.
+    _check_handed(op, name, handed, real)
     if handed is not None and real is not None and _is_copy(handed, real):
         raise MoecapError(Status.INVALID_ARGUMENT,
                           f"moecap::{op} was handed a copy of the capturer's {name} ({handed.numel()} elements), "
@@ -192,8 +194,7 @@ def commit(host_ids: torch.Tensor, host_weights: Optional[torch.Tensor], host_st
     cap = _capturer(capturer)
     real = _buffers(cap)
     for name, handed in (("host_ids", host_ids), ("host_weights", host_weights), ("host_states", host_states)):
-        _check_handed("commit", name, handed, getattr(real, name))
-        _refuse_host_copy("commit", name, handed, getattr(real, name))
+        _check_host_buffer("commit", name, handed, getattr(real, name))
     _through_device_buffers(cap, "commit", device_ids, device_weights, lambda: cap.commit(dst_slots, src_start, src_rows))
 
 
@@ -206,8 +207,7 @@ def _(host_ids, host_weights, host_states, device_ids, device_weights, capturer,
 def invalidate(host_states: torch.Tensor, capturer: int, slots: torch.Tensor) -> None:
     """Capturer.invalidate on torch's current stream: the slots read -1 until committed again."""
     cap = _capturer(capturer)
-    _check_handed("invalidate", "host_states", host_states, _buffers(cap).host_states)
-    _refuse_host_copy("invalidate", "host_states", host_states, _buffers(cap).host_states)
+    _check_host_buffer("invalidate", "host_states", host_states, _buffers(cap).host_states)
     cap.invalidate(slots)
 
 
